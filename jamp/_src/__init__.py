@@ -1,0 +1,1 @@
+"""Implementation modules of jamp; the public names live in ``jamp``."""

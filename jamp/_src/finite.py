@@ -1,0 +1,162 @@
+"""Finite checks fused into the step, and tree selection.
+
+The check is one reduction per leaf whose result is a single boolean scalar:
+``sum(x * 0)`` is exactly 0 for finite ``x`` and NaN as soon as one element is
+inf or NaN. Unlike ``sum(x)`` it cannot overflow on large finite values, unlike
+``max|x|`` it cannot drop a NaN, and unlike ``all(isfinite(x))`` it writes no
+boolean array: XLA fuses it with the unscale multiply into one pass that reads
+each gradient once.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jamp._src import loss_scale as ls
+
+AxisName = Any  # a hashable axis name, or a tuple of them
+
+
+def _leaf_poison(x: Any) -> jax.Array:
+    """A float32 scalar that is 0 when ``x`` is all finite and NaN otherwise."""
+    x = jnp.asarray(x)
+    r = jnp.sum(x * jnp.zeros((), x.dtype))
+    if jnp.issubdtype(r.dtype, jnp.complexfloating):
+        r = jnp.real(r) + jnp.imag(r)
+    return r.astype(jnp.float32)
+
+
+def _agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
+    if axis_name is None:
+        return finite
+    bad = jnp.logical_not(finite).astype(jnp.int32)
+    return lax.pmax(bad, axis_name) == 0
+
+
+def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
+    """One boolean scalar: whether every floating element of ``tree`` is finite.
+
+    Computed on device, in one read of each leaf (fused by XLA with whatever
+    produced the leaf, e.g. the unscale). Integer, boolean and ``float0``
+    leaves and ``None`` are ignored; an empty tree is finite.
+
+    Args:
+      tree: any pytree of arrays.
+      axis_name: the name (or tuple of names) of a ``pmap``/``shard_map`` axis.
+        When given, the answer is the AND over every replica of that axis, so
+        all of them take the same decision. Under plain ``jit`` with sharded
+        arrays no axis name is needed: the reduction is already global.
+
+    Returns:
+      A ``bool`` scalar array.
+
+    Raises:
+      TypeError: a leaf is not an array; the message names its path.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> bool(jamp.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
+      False
+    """
+    poisons = []
+
+    def visit(path: Any, leaf: Any) -> None:
+        if ls.leaf_kind(path, leaf, "all_finite") == "float":
+            poisons.append(_leaf_poison(leaf))
+
+    jax.tree_util.tree_map_with_path(visit, tree)
+    if not poisons:
+        finite = jnp.asarray(True)
+    else:
+        finite = jnp.isfinite(functools.reduce(jnp.add, poisons))
+    return _agree(finite, axis_name)
+
+
+def unscale_and_check(
+    state: ls.LossScaleState, grads: Any, *, axis_name: AxisName | None = None
+) -> tuple[Any, jax.Array]:
+    """Unscale ``grads`` and check the *unscaled* values in the same pass.
+
+    Checking after unscaling catches an overflow that unscaling itself creates
+    (a scale below 1), which torch's kernel, checking the scaled values, does
+    not. A disabled state still checks, so non-finite steps can be skipped.
+
+    Args:
+      state: a :class:`LossScaleState`.
+      grads: the gradients of a scaled loss.
+      axis_name: as in :func:`all_finite`.
+
+    Returns:
+      ``(unscaled_grads, finite)``: each leaf in its own dtype, and a boolean
+      scalar.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> state = jamp.static_loss_scale(2.0)
+      >>> g, finite = jamp.unscale_and_check(state, jnp.array([4.0, 6.0]))
+      >>> g, bool(finite)
+      (Array([2., 3.], dtype=float32), True)
+    """
+    unscaled = ls.unscale(state, grads)
+    return unscaled, all_finite(unscaled, axis_name=axis_name)
+
+
+def _check_pred(pred: Any) -> jax.Array:
+    if isinstance(pred, bool):
+        return jnp.asarray(pred)
+    dtype, shape = getattr(pred, "dtype", None), getattr(pred, "shape", None)
+    if dtype != jnp.bool_ or shape is None:
+        raise TypeError(
+            f"Expected `pred` to be a boolean scalar, got {type(pred).__name__}"
+            f"{'' if dtype is None else f' of dtype {dtype}'} instead."
+        )
+    if tuple(shape) != ():
+        raise ValueError(f"Expected `pred` to be a scalar, got shape {tuple(shape)} instead.")
+    return pred
+
+
+def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
+    """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
+
+    Both trees must have the same structure, and matching leaves the same
+    shape and dtype; identical non-array leaves (``None``, a string) pass
+    through. Prefer :func:`jamp.loss_scaling` for skipping optimizer steps: it
+    skips with ``lax.cond`` and avoids a select over every parameter.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> jamp.select_tree(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+      {'a': Array([0., 0.], dtype=float32)}
+    """
+    pred = _check_pred(pred)
+    t_true = jax.tree_util.tree_structure(on_true)
+    t_false = jax.tree_util.tree_structure(on_false)
+    if t_true != t_false:
+        raise ValueError(
+            "Expected `on_true` and `on_false` to have the same tree structure, got "
+            f"{t_true} and {t_false} instead."
+        )
+
+    def pick(path: Sequence[Any], a: Any, b: Any) -> Any:
+        where = jax.tree_util.keystr(path) or "<root>"
+        if not hasattr(a, "dtype") or not hasattr(b, "dtype"):
+            if a is b or (type(a) is type(b) and a == b):
+                return a
+            raise TypeError(
+                f"`jamp.select_tree` cannot select between non-array leaves {a!r:.40} and "
+                f"{b!r:.40} at path {where}."
+            )
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise TypeError(
+                f"`jamp.select_tree` expected matching leaves at path {where}, got "
+                f"{a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)} instead."
+            )
+        return lax.select(pred, a, b)
+
+    return jax.tree_util.tree_map_with_path(pick, on_true, on_false)

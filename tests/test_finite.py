@@ -1,0 +1,241 @@
+"""all_finite, unscale_and_check, select_tree: golden unscale cases and multi-device agreement."""
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jamp
+from jamp._src import loss_scale as ls
+
+import _golden
+
+EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
+
+
+# ---------------------------------------------------------------- all_finite
+
+
+@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+@pytest.mark.parametrize("size", [7, 4096, 100_003])
+def test_all_finite_catches_every_kind_in_large_leaves(wrap, bad, size):
+    # jnp.max drops NaN on >= 4096 elements on XLA:CPU; our check must not.
+    x = np.ones(size, np.float32)
+    x[size // 2] = bad
+    tree = {"a": jnp.ones(3), "b": jnp.asarray(x)}
+    assert not bool(wrap(jamp.all_finite)(tree))
+    assert bool(wrap(jamp.all_finite)({"a": jnp.ones(3), "b": jnp.ones(size)}))
+
+
+@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
+def test_all_finite_large_finite_values_do_not_overflow(wrap):
+    # A sum of these overflows float32; they are all finite.
+    x = jnp.full((1000,), 3e38, jnp.float32)
+    h = jnp.full((1000,), 60000.0, jnp.float16)
+    assert bool(wrap(jamp.all_finite)([x, -x, h]))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64])
+def test_all_finite_every_dtype(dtype):
+    x = jnp.ones((64,), dtype)
+    assert bool(jamp.all_finite(x))
+    assert not bool(jamp.all_finite(x.at[3].set(jnp.asarray(np.inf).astype(dtype))))
+    assert not bool(jamp.all_finite(x.at[3].set(jnp.asarray(np.nan).astype(dtype))))
+
+
+def test_all_finite_ignores_non_float_and_empty():
+    assert jamp.all_finite({}).dtype == jnp.bool_ and bool(jamp.all_finite({}))
+    assert bool(jamp.all_finite({"i": jnp.arange(3), "n": None, "b": jnp.array([True])}))
+    out = jamp.all_finite(jnp.ones(3))
+    assert out.shape == () and out.dtype == jnp.bool_
+
+
+def test_all_finite_type_error_names_path():
+    with pytest.raises(TypeError, match=r"`jamp.all_finite`.*type str at path \['x'\]\[0\]"):
+        jamp.all_finite({"x": ["oops"]})
+
+
+@st.composite
+def trees_with_injections(draw):
+    n = draw(st.integers(1, 5))
+    leaves = []
+    for _ in range(n):
+        dtype = draw(st.sampled_from([np.float16, np.float32, ml_dtypes.bfloat16]))
+        shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=6))
+        arr = draw(
+            hnp.arrays(dtype, shape, elements=st.floats(-1000, 1000, width=16, allow_subnormal=False))
+        )
+        if arr.size and draw(st.booleans()):
+            idx = draw(st.integers(0, arr.size - 1))
+            arr = arr.copy().reshape(-1)
+            arr[idx] = draw(st.sampled_from([np.inf, -np.inf, np.nan]))
+            arr = arr.reshape(shape)
+        leaves.append(arr)
+    return leaves
+
+
+@settings(max_examples=60, deadline=None)
+@given(trees_with_injections())
+def test_all_finite_equals_numpy(leaves):
+    expected = all(np.isfinite(x.astype(np.float32)).all() for x in leaves)
+    tree = {f"l{i}": jnp.asarray(x) for i, x in enumerate(leaves)}
+    assert bool(jamp.all_finite(tree)) == expected
+
+
+# ---------------------------------------------------------------- golden unscale kernel
+
+
+def _unscale_cases():
+    cases = []
+    for c in _golden.load("unit_unscale.json")["cases"]:
+        inv = float(_golden.array(c["inv_scale"]).reshape(()))
+        if not (np.isfinite(inv) and ls.MIN_SCALE <= inv <= ls.MAX_SCALE):
+            continue  # 1/scale outside the normal range: jamp's bounds never produce it
+        if any(g["dtype"] == "float64" for g in c["grads_in"]):
+            continue  # float64 needs jax_enable_x64, which these tests leave off
+        cases.append(c)
+    return cases
+
+
+def _state_with_inverse(inv: np.float32):
+    """A static state whose float32 1/scale is exactly ``inv``, if one exists."""
+    s0 = np.float32(1) / inv
+    for s in (s0, np.nextafter(s0, np.float32(0)), np.nextafter(s0, np.float32(np.inf))):
+        if np.float32(1) / s == inv:
+            return jamp.static_loss_scale(float(s))
+    return None
+
+
+def test_unit_unscale_golden():
+    cases = _unscale_cases()
+    assert len(cases) == 74
+    kernel = jax.jit(ls._unscale_leaf)
+    checked = public = caught_by_jamp_only = 0
+    for c in cases:
+        inv = _golden.array(c["inv_scale"]).reshape(())
+        state = _state_with_inverse(inv)
+        grads_in = [_golden.array(g) for g in c["grads_in"]]
+        grads_out = [_golden.array(g) for g in c["grads_out"]]
+        outs = [np.asarray(kernel(jnp.asarray(g), jnp.asarray(inv))) for g in grads_in]
+        if state is not None:
+            public += 1
+            via_api, finite = jamp.unscale_and_check(state, [jnp.asarray(g) for g in grads_in])
+            for a, b in zip(via_api, outs):
+                assert _golden.bits_equal(np.asarray(a), b)
+            # jamp checks the unscaled values: torch's flag, plus overflows made by unscaling.
+            expected_finite = all(np.isfinite(o.astype(np.float32)).all() for o in grads_out)
+            assert bool(finite) == expected_finite, c
+            torch_found = _golden.scalar(c["found_inf_out"]) != 0 and _golden.scalar(c["found_inf_in"]) == 0
+            if torch_found:
+                assert not bool(finite)
+            elif not expected_finite:
+                caught_by_jamp_only += 1
+        for gin, gout, got in zip(grads_in, grads_out, outs):
+            assert got.dtype == gout.dtype and got.shape == gout.shape
+            with np.errstate(over="ignore", invalid="ignore"):
+                mid = gin.astype(np.float32) * inv
+            flushed = (
+                _golden.is_f32_subnormal(gin.astype(np.float32))
+                | _golden.is_f32_subnormal(mid)
+                | _golden.is_f32_subnormal(gout.astype(np.float32))
+            )
+            keep = ~flushed
+            assert _golden.bits_equal(got[keep], gout[keep]), (c["inv_scale"], gin, got, gout)
+            checked += int(keep.sum())
+    assert checked > 1000 and public >= 40
+    assert caught_by_jamp_only > 0  # inv=1024 on 3e38: torch misses it, jamp does not
+
+
+def test_unscale_and_check_catches_overflow_created_by_unscaling():
+    state = jamp.static_loss_scale(2.0**-10)
+    g = jnp.array([3e38, 1.0], jnp.float32)  # finite, scaled
+    out, finite = jamp.unscale_and_check(state, g)
+    assert not bool(finite) and np.isinf(np.asarray(out)[0])
+
+
+def test_unscale_and_check_disabled_still_checks():
+    _, finite = jamp.unscale_and_check(jamp.no_loss_scale(), {"g": jnp.array([jnp.nan])})
+    assert not bool(finite)
+
+
+def test_finite_check_is_one_fused_pass():
+    # The unscale multiply and the finite reduction compile without any
+    # boolean array: no per-element is-finite over the gradients.
+    state = jamp.dynamic_loss_scale()
+    g = {"a": jnp.ones((256, 256)), "b": jnp.ones((1000,), jnp.bfloat16)}
+    hlo = jax.jit(jamp.unscale_and_check).lower(state, g).compile().as_text()
+    assert "pred[256,256]" not in hlo and "pred[1000]" not in hlo
+
+
+# ---------------------------------------------------------------- select_tree
+
+
+def test_select_tree():
+    a = {"x": jnp.ones(3), "n": None, "i": jnp.int32(1)}
+    b = {"x": jnp.zeros(3), "n": None, "i": jnp.int32(2)}
+    out = jax.jit(jamp.select_tree)(jnp.bool_(True), a, b)
+    assert np.array_equal(out["x"], np.ones(3)) and int(out["i"]) == 1 and out["n"] is None
+    out = jamp.select_tree(jnp.bool_(False), a, b)
+    assert np.array_equal(out["x"], np.zeros(3)) and int(out["i"]) == 2
+
+
+@pytest.mark.parametrize(
+    "pred,t,f,exc,match",
+    [
+        (jnp.ones(2, bool), {"a": jnp.ones(2)}, {"a": jnp.ones(2)}, ValueError, r"`pred` to be a scalar"),
+        (jnp.float32(1), {"a": jnp.ones(2)}, {"a": jnp.ones(2)}, TypeError, r"`pred` to be a boolean scalar"),
+        (jnp.bool_(True), {"a": jnp.ones(2)}, {"b": jnp.ones(2)}, ValueError, r"same tree structure"),
+        (jnp.bool_(True), {"a": jnp.ones(2)}, {"a": jnp.ones(3)}, TypeError, r"matching leaves at path \['a'\]"),
+        (jnp.bool_(True), {"a": "x"}, {"a": "y"}, TypeError, r"non-array leaves"),
+    ],
+)
+def test_select_tree_errors(pred, t, f, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.select_tree(pred, t, f)
+
+
+# ---------------------------------------------------------------- devices
+
+
+def test_eight_devices():
+    assert jax.device_count() == 8
+
+
+def test_shard_map_axis_name_agreement():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    state = jamp.dynamic_loss_scale(4.0)
+    g = np.ones((8, 16), np.float32)
+    g[5, 3] = np.inf  # only the 6th shard sees it
+
+    def local(grads):
+        _, finite = jamp.unscale_and_check(state, grads, axis_name="data")
+        local_only = jamp.all_finite(grads)
+        return finite[None], local_only[None]
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data"))))
+    agreed, local_only = f(jnp.asarray(g))
+    assert not np.asarray(agreed).any()  # every replica reports non-finite
+    assert np.asarray(local_only).sum() == 7  # without axis_name, only one would
+
+
+def test_pmap_axis_name_agreement():
+    g = np.ones((8, 4), np.float32)
+    g[2, 1] = np.nan
+    out = jax.pmap(lambda x: jamp.all_finite(x, axis_name="i"), axis_name="i")(jnp.asarray(g))
+    assert out.shape == (8,) and not np.asarray(out).any()
+    ok = jax.pmap(lambda x: jamp.all_finite(x, axis_name="i"), axis_name="i")(jnp.ones((8, 4)))
+    assert np.asarray(ok).all()
+
+
+def test_sharded_jit_needs_no_axis_name():
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    g = np.ones((8, 16), np.float32)
+    g[7, 0] = -np.inf
+    x = jax.device_put(jnp.asarray(g), NamedSharding(mesh, P("data")))
+    assert not bool(jax.jit(jamp.all_finite)(x))

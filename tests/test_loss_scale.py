@@ -1,0 +1,403 @@
+"""The loss-scale state, its constructors, scale/unscale and the update rule."""
+
+import dataclasses
+import math
+
+import hypothesis.extra.numpy as hnp
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jamp
+from jamp._src import loss_scale as ls
+
+import _golden
+
+FLOAT_DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
+EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
+
+
+def with_tracker(state, tracker):
+    return dataclasses.replace(state, growth_tracker=jnp.asarray(tracker, jnp.int32))
+
+
+# ---------------------------------------------------------------- construction
+
+
+def test_defaults_are_torchs():
+    s = jamp.dynamic_loss_scale()
+    assert s.scale.dtype == jnp.float32 and s.scale.shape == ()
+    assert s.growth_tracker.dtype == jnp.int32 and s.growth_tracker.shape == ()
+    assert float(s.scale) == 65536.0 and int(s.growth_tracker) == 0
+    assert (s.growth_factor, s.backoff_factor, s.growth_interval) == (2.0, 0.5, 2000)
+    assert (s.min_scale, s.max_scale, s.hysteresis) == (2.0**-126, 2.0**126, 1)
+    assert not s.scale.weak_type and not s.growth_tracker.weak_type
+
+
+def test_static_and_none():
+    s = jamp.static_loss_scale(128.0)
+    assert s.kind == "static" and float(s.scale) == 128.0
+    n = jamp.no_loss_scale()
+    assert n.kind == "none" and float(n.scale) == 1.0 and not n.enabled
+
+
+def test_flatten_unflatten_keeps_every_field():
+    s = jamp.dynamic_loss_scale(
+        1024.0, 3.0, 0.25, 7, min_scale=128.0, max_scale=2.0**20, hysteresis=3
+    )
+    leaves, treedef = jax.tree_util.tree_flatten(s)
+    assert len(leaves) == 3
+    back = jax.tree_util.tree_unflatten(treedef, leaves)
+    assert back == s or all(
+        getattr(back, f.name) is getattr(s, f.name) for f in dataclasses.fields(s)
+    )
+    for f in dataclasses.fields(s):
+        if f.metadata.get("static"):
+            assert getattr(back, f.name) == getattr(s, f.name)
+
+
+def test_min_scale_survives_jit():
+    # jmp drops min_loss_scale in tree_flatten: under jit a floor of 128 becomes 1.
+    s = jamp.dynamic_loss_scale(256.0, min_scale=128.0)
+    step = jax.jit(jamp.update)
+    for _ in range(5):
+        s = step(s, jnp.bool_(False))
+    assert float(s.scale) == 128.0
+    assert s.min_scale == 128.0
+
+
+BAD_CTOR = [
+    (dict(init_scale=0.0), ValueError, r"`init_scale` to be positive and finite, got init_scale=0\.0"),
+    (dict(init_scale=-1.0), ValueError, r"init_scale=-1\.0"),
+    (dict(init_scale=math.inf), ValueError, r"init_scale=inf"),
+    (dict(init_scale=math.nan), ValueError, r"init_scale=nan"),
+    (dict(init_scale=1e39), ValueError, r"`init_scale` within \[min_scale, max_scale\]"),
+    (dict(init_scale=2.0**127), ValueError, r"init_scale=1\.7"),
+    (dict(init_scale=1.0, min_scale=2.0), ValueError, r"init_scale=1\.0"),
+    (dict(init_scale="big"), TypeError, r"`init_scale` to be a real number, got 'big'"),
+    (dict(init_scale=np.float16(4.0)), TypeError, r"`init_scale`.*dtype float16"),
+    (dict(init_scale=jnp.asarray(4.0, jnp.bfloat16)), TypeError, r"`init_scale`.*dtype bfloat16"),
+    (dict(init_scale=jnp.ones(2)), ValueError, r"`init_scale` to be a scalar, got an array of shape \(2,\)"),
+    (dict(growth_factor=1.0), ValueError, r"`growth_factor` > 1 and finite, got growth_factor=1\.0"),
+    (dict(growth_factor=0.5), ValueError, r"growth_factor=0\.5"),
+    (dict(growth_factor=math.inf), ValueError, r"growth_factor=inf"),
+    (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` in the open interval \(0, 1\), got backoff_factor=1\.0"),
+    (dict(backoff_factor=0.0), ValueError, r"backoff_factor=0\.0"),
+    (dict(backoff_factor=-0.5), ValueError, r"backoff_factor=-0\.5"),
+    (dict(growth_interval=0), ValueError, r"`growth_interval`.*growth_interval=0"),
+    (dict(growth_interval=-1), ValueError, r"growth_interval=-1"),
+    (dict(growth_interval=2.5), ValueError, r"`growth_interval` to be an integer >= 1, got growth_interval=2\.5"),
+    (dict(growth_interval=True), ValueError, r"growth_interval=True"),
+    (dict(growth_interval=2**31), ValueError, r"growth_interval=2147483648"),
+    (dict(min_scale=4.0, max_scale=2.0, init_scale=3.0), ValueError, r"`min_scale` <= `max_scale`, got min_scale=4\.0 > max_scale=2\.0"),
+    (dict(min_scale=0.0), ValueError, r"`min_scale` in \[2\*\*-126, 2\*\*126\].*min_scale=0\.0"),
+    (dict(max_scale=2.0**127), ValueError, r"`max_scale` in \[2\*\*-126, 2\*\*126\]"),
+    (dict(hysteresis=0), ValueError, r"`hysteresis` to be an integer >= 1, got hysteresis=0"),
+    (dict(hysteresis=1.5), ValueError, r"hysteresis=1\.5"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,match", BAD_CTOR)
+def test_dynamic_validation(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.dynamic_loss_scale(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "value,exc,match",
+    [
+        (0.0, ValueError, r"`scale` to be positive and finite, got scale=0\.0"),
+        (math.inf, ValueError, r"scale=inf"),
+        (2.0**127, ValueError, r"`scale` within"),
+        ("1", TypeError, r"`scale` to be a real number"),
+    ],
+)
+def test_static_validation(value, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.static_loss_scale(value)
+
+
+def test_validation_rejects_tracers():
+    with pytest.raises(TypeError, match=r"`init_scale`.*traced value"):
+        jax.jit(lambda x: jamp.dynamic_loss_scale(x))(jnp.float32(2.0))
+
+
+def test_init_scale_array_accepted_and_rounded():
+    s = jamp.dynamic_loss_scale(jnp.float32(512.0))
+    assert float(s.scale) == 512.0
+    s = jamp.dynamic_loss_scale(0.1)
+    assert float(s.scale) == float(np.float32(0.1))  # torch rounds init_scale to float32
+
+
+# ---------------------------------------------------------------- scale / unscale
+
+
+@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
+def test_scale_keeps_dtype_and_scalar_half_loss_is_float32(wrap, dtype):
+    s = jamp.static_loss_scale(1024.0)
+    tree = {"vec": jnp.ones((3,), dtype), "loss": jnp.asarray(2.0, dtype), "i": jnp.arange(3)}
+    out = wrap(jamp.scale)(s, tree)
+    assert out["vec"].dtype == dtype
+    assert out["loss"].dtype == (jnp.float32 if dtype != jnp.float32 else jnp.float32)
+    assert float(out["loss"]) == 2048.0
+    assert out["i"].dtype == tree["i"].dtype and np.array_equal(out["i"], tree["i"])
+
+
+def test_scalar_half_loss_cannot_overflow():
+    # 60000 * 2**16 overflows float16; the float32 result does not.
+    s = jamp.dynamic_loss_scale()
+    out = jamp.scale(s, jnp.asarray(60000.0, jnp.float16))
+    assert out.dtype == jnp.float32 and float(out) == 60000.0 * 65536
+
+
+def test_scale_half_vector_rounds_once():
+    # torch: round_to_dtype(float32(x) * scale), from api_facts.json.
+    facts = _golden.load("api_facts.json")["facts"]
+    for key in ["scale(bfloat16 1-dim, scale=3000.3)", "scale(bfloat16 1-dim, scale=65536)"]:
+        fact = facts[key]
+        value = 3000.3 if "3000.3" in key else 65536.0
+        x = _golden.array(fact["input"])
+        got = jamp.scale(jamp.static_loss_scale(value), jnp.asarray(x))
+        assert _golden.bits_equal(np.asarray(got), _golden.array(fact["output"])), key
+
+
+def test_api_facts_scalar_and_mixed_dtypes():
+    facts = _golden.load("api_facts.json")["facts"]
+    fact = facts["scale(bfloat16 0-dim)"]
+    got = jamp.scale(jamp.dynamic_loss_scale(), jnp.asarray(_golden.array(fact["input"])))
+    assert _golden.bits_equal(np.asarray(got), _golden.array(fact["output"]))
+    # One unscale over a float32 and a bfloat16 group, as torch groups by dtype.
+    calls = facts["mixed_dtype_grads_kernel_calls"]
+    grads = [jnp.asarray(_golden.array(c["grads_in"][0])) for c in calls]
+    state = jamp.static_loss_scale(1.0 / _golden.scalar(calls[0]["inv_scale"]))
+    out, finite = jamp.unscale_and_check(state, grads)
+    assert bool(finite)
+    for o, c in zip(out, calls):
+        assert _golden.bits_equal(np.asarray(o), _golden.array(c["grads_out"][0]))
+
+
+def test_passthrough_leaves():
+    s = jamp.static_loss_scale(8.0)
+    f0 = np.zeros((2,), dtype=jax.dtypes.float0)
+    tree = {"none": None, "b": jnp.array([True]), "i": jnp.int8(3), "f0": f0, "py": 3}
+    for fn in (jamp.scale, jamp.unscale):
+        out = fn(s, tree)
+        assert out["none"] is None and out["py"] == 3
+        assert out["f0"] is f0
+        assert out["b"].dtype == jnp.bool_ and out["i"].dtype == jnp.int8
+
+
+def test_disabled_scale_is_identity():
+    n = jamp.no_loss_scale()
+    tree = {"x": jnp.ones(2, jnp.float16)}
+    assert jamp.scale(n, tree) is tree
+    assert jamp.unscale(n, tree) is tree
+
+
+@pytest.mark.parametrize("fn", [jamp.scale, jamp.unscale])
+def test_non_array_leaf_is_a_type_error_naming_the_path(fn):
+    s = jamp.static_loss_scale(2.0)
+    with pytest.raises(TypeError, match=r"leaf of type str at path \['params'\]\['name'\]"):
+        fn(s, {"params": {"w": jnp.ones(2), "name": "dense"}})
+    with pytest.raises(TypeError, match=r"leaf of type object at path \[1\]"):
+        fn(s, [jnp.ones(2), object()])
+
+
+def test_state_argument_checked():
+    with pytest.raises(TypeError, match=r"`jamp.scale` expected a LossScaleState.*got float"):
+        jamp.scale(2.0, jnp.ones(2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([np.float16, ml_dtypes.bfloat16, np.float32]),
+    exponent=st.integers(-20, 20),
+    data=st.data(),
+)
+def test_unscale_inverts_scale_for_powers_of_two(dtype, exponent, data):
+    x = data.draw(
+        hnp.arrays(
+            dtype,
+            hnp.array_shapes(max_dims=2, max_side=5),
+            elements=st.floats(-100, 100, width=16).map(lambda v: 0.0 if abs(v) < 1e-3 else v),
+        )
+    )
+    state = jamp.static_loss_scale(2.0**exponent)
+    scaled = jamp.scale(state, jnp.asarray(x))
+    back = jamp.unscale(state, scaled)
+    assert back.dtype == x.dtype
+    if bool(jamp.all_finite(scaled)):
+        np.testing.assert_array_equal(np.asarray(back), x)
+
+
+@settings(max_examples=40, deadline=None)
+@given(dtype=st.sampled_from(FLOAT_DTYPES), ndim=st.integers(0, 3), scale=st.floats(2.0**-126, 2.0**126))
+def test_dtype_preserved_property(dtype, ndim, scale):
+    x = jnp.ones((2,) * ndim, dtype)
+    state = jamp.static_loss_scale(scale)
+    out = jamp.unscale(state, x)
+    assert out.dtype == dtype and out.shape == x.shape
+    out = jamp.scale(state, x)
+    assert out.shape == x.shape
+    assert out.dtype == (jnp.float32 if ndim == 0 else dtype)
+
+
+# ---------------------------------------------------------------- update rule
+
+
+def _in_bounds_cases():
+    cases = _golden.load("unit_update_scale.json")["cases"]
+    keep = []
+    for c in cases:
+        s = float(_golden.array(c["scale_in"]))
+        if not (ls.MIN_SCALE <= s <= ls.MAX_SCALE):
+            continue
+        if not (0 < c["backoff_factor"] < 1 and c["growth_factor"] > 1 and c["growth_interval"] >= 1):
+            continue  # configurations jamp rejects at construction
+        keep.append(c)
+    return keep
+
+
+def test_unit_update_scale_golden_bit_for_bit():
+    cases = _in_bounds_cases()
+    assert len(cases) == 365
+    assert sum(not c["float32_only_arithmetic_matches"] for c in cases) == 18
+    jitted = jax.jit(jamp.update)
+    for c in cases:
+        s = float(_golden.array(c["scale_in"]))
+        found = float(_golden.array(c["found_inf"]))
+        state = jamp.dynamic_loss_scale(
+            s, c["growth_factor"], c["backoff_factor"], c["growth_interval"]
+        )
+        state = with_tracker(state, c["growth_tracker_in"])
+        expected = _golden.array(c["scale_out"]).reshape(())
+        # jamp holds the scale in [min_scale, max_scale] where torch leaves it.
+        expected = np.clip(expected, np.float32(ls.MIN_SCALE), np.float32(ls.MAX_SCALE))
+        for fn in (jamp.update, jitted):
+            out = fn(state, jnp.asarray(found == 0))  # torch: any non-zero found_inf is "found"
+            assert _golden.bits_equal(np.asarray(out.scale), expected), c
+            assert int(out.growth_tracker) == c["growth_tracker_out"], c
+
+
+@pytest.mark.parametrize("factor", [1.1, 0.3, 1.0001, 0.9999, 1 + 2.0**-24, 1 + 2.0**-23 + 2.0**-30, 0.7, 3.3])
+def test_double_rounding_emulation_matches_torch_arithmetic(factor):
+    rng = np.random.default_rng(0)
+    # Random float32 bit patterns over the whole normal range, plus edge mantissas.
+    bits = rng.integers(0x00800000, 0x7F000000, size=20000, dtype=np.uint32)
+    edges = np.array([0x3F800000, 0x3FFFFFFF, 0x3F7FFFFF, 0x00800000, 0x7E7FFFFF], np.uint32)
+    s = np.concatenate([bits, edges]).view(np.float32)
+    with np.errstate(over="ignore"):
+        expected = (s.astype(np.float64) * factor).astype(np.float32)  # torch's arithmetic
+    got = np.asarray(jax.jit(jax.vmap(lambda v: ls.mul_round_once(v, factor)))(jnp.asarray(s)))
+    normal = np.abs(expected) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(got[normal].view(np.uint32), expected[normal].view(np.uint32))
+    assert np.all(got[~normal & np.isfinite(expected)] == 0)
+    assert np.all(np.isinf(got[np.isinf(expected)]))
+
+
+def test_growth_and_backoff_sequence():
+    s = jamp.dynamic_loss_scale(8.0, growth_interval=3)
+    T, F = jnp.bool_(True), jnp.bool_(False)
+    seen = []
+    for flag in [T, T, T, T, F, T, T, T]:
+        s = jamp.update(s, flag)
+        seen.append((float(s.scale), int(s.growth_tracker)))
+    assert seen == [(8, 1), (8, 2), (16, 0), (16, 1), (8, 0), (8, 1), (8, 2), (16, 0)]
+
+
+def test_scale_held_at_bounds():
+    s = jamp.dynamic_loss_scale(1.0, min_scale=0.25, max_scale=4.0, growth_interval=1)
+    for _ in range(10):
+        s = jamp.update(s, jnp.bool_(True))
+    assert float(s.scale) == 4.0
+    for _ in range(10):
+        s = jamp.update(s, jnp.bool_(False))
+    assert float(s.scale) == 0.25
+
+
+def test_default_floor_after_many_overflows():
+    # torch reaches exactly 0.0 after 166 overflows; jamp stops at 2**-126.
+    s = jamp.dynamic_loss_scale()
+    step = jax.jit(jamp.update)
+    for _ in range(200):
+        s = step(s, jnp.bool_(False))
+    assert float(s.scale) == 2.0**-126
+    assert np.isfinite(float(jnp.float32(1.0) / s.scale))
+    s = step(s, jnp.bool_(True))
+    assert float(s.scale) == 2.0**-126 and int(s.growth_tracker) == 1
+
+
+def test_growth_capped_at_max_scale_and_tracker_reset():
+    s = jamp.dynamic_loss_scale(2.0**125, growth_interval=1)
+    s = jamp.update(s, jnp.bool_(True))
+    assert float(s.scale) == 2.0**126
+    s = jamp.update(s, jnp.bool_(True))
+    assert float(s.scale) == 2.0**126 and int(s.growth_tracker) == 0
+
+
+def test_hysteresis_backs_off_on_the_hth_overflow_in_a_row():
+    s = jamp.dynamic_loss_scale(1024.0, hysteresis=3, growth_interval=100)
+    T, F = jnp.bool_(True), jnp.bool_(False)
+    scales = []
+    for flag in [F, F, T, F, F, F, F, T, F]:
+        s = jamp.update(s, flag)
+        scales.append(float(s.scale))
+    # streak resets on a finite step; backs off on the 3rd and every later one in a row.
+    assert scales == [1024, 1024, 1024, 1024, 1024, 512, 256, 256, 256]
+    assert int(s.overflow_streak) == 1 and int(s.growth_tracker) == 0
+
+
+@pytest.mark.parametrize("kind", [jamp.static_loss_scale(4.0), jamp.no_loss_scale()])
+def test_update_static_and_none_return_state(kind):
+    assert jamp.update(kind, jnp.bool_(False)) is kind
+
+
+@pytest.mark.parametrize(
+    "flag,exc,match",
+    [
+        (jnp.ones(2, bool), ValueError, r"`finite` to be a scalar \(shape \(\)\), got shape \(2,\)"),
+        (jnp.float32(1.0), TypeError, r"`finite` to be a boolean scalar, got dtype float32"),
+        ("yes", TypeError, r"`finite` to be a boolean scalar array .* got str"),
+    ],
+)
+def test_update_checks_finite(flag, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.update(jamp.dynamic_loss_scale(), flag)
+
+
+def test_jitted_update_never_retraces_and_needs_no_transfers():
+    traces = []
+
+    @jax.jit
+    def step(state, flag):
+        traces.append(1)
+        return jamp.update(state, flag)
+
+    s = jamp.dynamic_loss_scale(4.0, growth_interval=1)
+    flags = [jnp.asarray(v) for v in [True, False, True, True, False, True]]
+    s = step(s, flags[0])  # compile outside the guard
+    with jax.transfer_guard("disallow"):
+        for f in flags[1:]:
+            s = step(s, f)
+    assert len(traces) == 1
+    assert s.scale.dtype == jnp.float32 and s.growth_tracker.dtype == jnp.int32
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    flags=st.lists(st.booleans(), min_size=1, max_size=60),
+    init=st.floats(2.0**-126, 2.0**126),
+    growth=st.sampled_from([2.0, 1.1, 4.0, 1.5]),
+    backoff=st.sampled_from([0.5, 0.3, 0.25, 0.9999]),
+    interval=st.integers(1, 4),
+)
+def test_scale_always_within_bounds(flags, init, growth, backoff, interval):
+    s = jamp.dynamic_loss_scale(init, growth, backoff, interval, min_scale=2.0**-20, max_scale=2.0**20) if 2.0**-20 <= np.float32(init) <= 2.0**20 else jamp.dynamic_loss_scale(init, growth, backoff, interval)
+    for f in flags:
+        s = jamp.update(s, jnp.asarray(f))
+        assert s.min_scale <= float(s.scale) <= s.max_scale
