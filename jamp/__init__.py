@@ -4,6 +4,7 @@ Loss scaling with immutable state and pure functions, an Optax transformation
 that mirrors ``torch.amp.GradScaler``, and op-level ``autocast``.
 """
 
+from jamp._src.grad_scaler import GradScaler
 from jamp._src.finite import all_finite, select_tree, unscale_and_check
 from jamp._src.loss_scale import (
     LossScaleState,
@@ -14,10 +15,23 @@ from jamp._src.loss_scale import (
     unscale,
     update,
 )
+from jamp._src.transform import (
+    LossScalingState,
+    ScaledValueAndGrad,
+    get_loss_scale,
+    loss_scaling,
+    value_and_grad,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradScaler",
+    "LossScalingState",
+    "ScaledValueAndGrad",
+    "get_loss_scale",
+    "loss_scaling",
+    "value_and_grad",
     "LossScaleState",
     "all_finite",
     "dynamic_loss_scale",

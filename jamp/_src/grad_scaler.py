@@ -1,0 +1,317 @@
+"""``jamp.GradScaler``: torch.amp.GradScaler's API, made of pure functions.
+
+The scaler is an immutable, hashable configuration; the state lives in a
+:class:`jamp.LossScaleState` that every method takes and returns, so a
+PyTorch training loop ports line by line::
+
+    torch                                   jamp
+    scaler = GradScaler()                   scaler = jamp.GradScaler(); state = scaler.init()
+    scaler.scale(loss).backward()           grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
+    scaler.step(optimizer)                  params, opt_state, found_inf = scaler.step(state, tx, grads, opt_state, params)
+    scaler.update()                         state = scaler.update(state, found_inf)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from jamp._src import finite as fin
+from jamp._src import loss_scale as ls
+from jamp._src import transform
+
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+
+
+def _found_inf_flag(found_inf: Any) -> jax.Array:
+    """One boolean scalar from a flag or a list of flags (one per optimizer)."""
+    if isinstance(found_inf, (list, tuple)):
+        if not found_inf:
+            raise ValueError("Expected at least one `found_inf` flag, got an empty sequence.")
+        flags = [_found_inf_flag(f) for f in found_inf]
+        out = flags[0]
+        for f in flags[1:]:
+            out = out | f
+        return out
+    try:
+        return ls._check_finite_flag(found_inf)
+    except (TypeError, ValueError) as e:
+        raise type(e)(str(e).replace("`finite`", "`found_inf`")) from None
+
+
+@dataclasses.dataclass(frozen=True)
+class GradScaler:
+    """PyTorch's ``torch.amp.GradScaler``, as pure functions over an immutable state.
+
+    Same constructor arguments, defaults, method names and ``state_dict``
+    keys as PyTorch. The differences come from JAX: the state is passed in
+    and returned (``state = scaler.update(state, found_inf)``), nothing syncs
+    with the host (``get_scale`` returns a device array), ``scale`` accepts
+    any pytree (dicts included), and the scale never leaves
+    ``[2**-126, 2**126]``, so it cannot collapse to 0 as torch's does.
+
+    Args:
+      init_scale: initial scale.
+      growth_factor: > 1.
+      backoff_factor: in (0, 1).
+      growth_interval: finite steps in a row before the scale grows; >= 1.
+      enabled: ``False`` makes every method the identity / a plain step, as
+        in PyTorch (and skips validation, as PyTorch does).
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> scaler = jamp.GradScaler(init_scale=1024.0)
+      >>> state = scaler.init()
+      >>> tx = optax.sgd(0.5)
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> grads = jax.grad(lambda p: scaler.scale(state, jnp.sum(p["w"] ** 2)))(params)
+      >>> params, opt_state, found_inf = scaler.step(state, tx, grads, opt_state, params)
+      >>> state = scaler.update(state, found_inf)
+      >>> params["w"], bool(found_inf)
+      (Array([0., 0.], dtype=float32), False)
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def __post_init__(self) -> None:
+        # GradScaler is configuration, not a pytree, so validating here is safe.
+        if not isinstance(self.enabled, bool):
+            raise TypeError(f"Expected `enabled` to be a bool, got {self.enabled!r} instead.")
+        if self.enabled:
+            self.init()
+
+    # ------------------------------------------------------------ state
+
+    def init(self) -> ls.LossScaleState:
+        """The initial state (``no_loss_scale()`` when disabled)."""
+        if not self.enabled:
+            return ls.no_loss_scale()
+        return ls.dynamic_loss_scale(
+            self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval
+        )
+
+    def is_enabled(self) -> bool:
+        return self.enabled
+
+    def get_scale(self, state: ls.LossScaleState) -> jax.Array:
+        """The scale, a float32 device array (1.0 when disabled). No host sync."""
+        return state.scale
+
+    def get_growth_tracker(self, state: ls.LossScaleState) -> jax.Array:
+        return state.growth_tracker
+
+    def get_growth_factor(self, state: ls.LossScaleState) -> float:
+        return state.growth_factor
+
+    def get_backoff_factor(self, state: ls.LossScaleState) -> float:
+        return state.backoff_factor
+
+    def get_growth_interval(self, state: ls.LossScaleState) -> int:
+        return state.growth_interval
+
+    def _reconfigure(self, state: ls.LossScaleState, **changes: Any) -> ls.LossScaleState:
+        if not state.is_dynamic:
+            return state
+        config = dict(
+            growth_factor=state.growth_factor,
+            backoff_factor=state.backoff_factor,
+            growth_interval=state.growth_interval,
+        )
+        config.update(changes)
+        checked = ls.dynamic_loss_scale(
+            state.min_scale,
+            min_scale=state.min_scale,
+            max_scale=state.max_scale,
+            hysteresis=state.hysteresis,
+            **config,
+        )
+        return dataclasses.replace(
+            state,
+            growth_factor=checked.growth_factor,
+            backoff_factor=checked.backoff_factor,
+            growth_interval=checked.growth_interval,
+        )
+
+    def set_growth_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
+        """A state with a new growth factor (static: changing it recompiles)."""
+        return self._reconfigure(state, growth_factor=new_factor)
+
+    def set_backoff_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
+        return self._reconfigure(state, backoff_factor=new_factor)
+
+    def set_growth_interval(self, state: ls.LossScaleState, new_interval: int) -> ls.LossScaleState:
+        return self._reconfigure(state, growth_interval=new_interval)
+
+    # ------------------------------------------------------------ the loop
+
+    def scale(self, state: ls.LossScaleState, outputs: Any) -> Any:
+        """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
+        return ls.scale(state, outputs)
+
+    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, jax.Array]:
+        """``(unscaled_grads, found_inf)``, torch's ``unscale_``: clip after this.
+
+        Pass ``found_inf`` on to :meth:`step` so it does not unscale twice.
+        """
+        grads, finite = fin.unscale_and_check(state, grads)
+        return grads, jnp.logical_not(finite)
+
+    def step(
+        self,
+        state: ls.LossScaleState,
+        tx: optax.GradientTransformation,
+        grads: Any,
+        opt_state: Any,
+        params: Any,
+        *,
+        found_inf: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, Any, jax.Array]:
+        """Unscale, and apply ``tx`` unless a gradient is inf/NaN: ``scaler.step(opt)``.
+
+        The update is applied inside a ``lax.cond``: on a skipped step the
+        parameters and ``opt_state`` come back unchanged (Adam's count does
+        not advance). With ``found_inf`` (from :meth:`unscale`), ``grads`` are
+        taken as already unscaled. When disabled, the step is always applied,
+        as in PyTorch.
+
+        Returns:
+          ``(params, opt_state, found_inf)``; pass ``found_inf`` to :meth:`update`.
+        """
+        if not self.enabled:
+            updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+            return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)
+        if found_inf is None:
+            grads, finite = fin.unscale_and_check(state, grads)
+        else:
+            finite = jnp.logical_not(_found_inf_flag(found_inf))
+
+        def apply() -> tuple[Any, Any]:
+            updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
+            return optax.apply_updates(params, updates), new_opt_state
+
+        new_params, new_opt_state = lax.cond(finite, apply, lambda: (params, opt_state))
+        return new_params, new_opt_state, jnp.logical_not(finite)
+
+    def update(
+        self, state: ls.LossScaleState, found_inf: Any = None, new_scale: Any = None
+    ) -> ls.LossScaleState:
+        """The state for the next iteration: ``scaler.update()``.
+
+        Args:
+          state: the current state.
+          found_inf: the flag from :meth:`step` / :meth:`unscale`, or a list
+            of them (several optimizers): the scale backs off once if any is
+            set.
+          new_scale: set the scale to this value instead (a float or a
+            scalar array); like PyTorch, the growth tracker is left unchanged.
+        """
+        if not self.enabled:
+            return state
+        if new_scale is not None:
+            if isinstance(new_scale, jax.core.Tracer):
+                value = jnp.clip(
+                    jnp.asarray(new_scale, jnp.float32).reshape(()),
+                    jnp.float32(state.min_scale),
+                    jnp.float32(state.max_scale),
+                )
+            else:
+                checked = ls._check_scale("new_scale", new_scale, state.min_scale, state.max_scale)
+                value = jnp.asarray(checked, jnp.float32)
+            return dataclasses.replace(state, scale=value)
+        if found_inf is None:
+            raise ValueError(
+                "Expected `found_inf` (from scaler.step or scaler.unscale) or `new_scale`, got "
+                "neither: no inf checks were recorded prior to update."
+            )
+        return ls.update(state, jnp.logical_not(_found_inf_flag(found_inf)))
+
+    def as_optax(self, inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+        """The same scaler as an Optax transformation: :func:`jamp.loss_scaling`.
+
+        When disabled, the transformation scales by 1 but still skips
+        non-finite steps (PyTorch would apply them).
+        """
+        return transform.loss_scaling(inner, self.init())
+
+    # ------------------------------------------------------------ checkpoints
+
+    def state_dict(self, state: ls.LossScaleState) -> dict[str, Any]:
+        """PyTorch's state dict: ``scale``, ``growth_factor``, ``backoff_factor``,
+        ``growth_interval``, ``_growth_tracker`` (``{}`` when disabled).
+
+        Reads two scalars from the device (a sync): call it when checkpointing.
+        """
+        if not self.enabled:
+            return {}
+        return {
+            "scale": float(np.asarray(state.scale)),
+            "growth_factor": float(state.growth_factor),
+            "backoff_factor": float(state.backoff_factor),
+            "growth_interval": int(state.growth_interval),
+            "_growth_tracker": int(np.asarray(state.growth_tracker)),
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> ls.LossScaleState:
+        """A state from a dict saved by :meth:`state_dict` or by PyTorch.
+
+        The dict's growth/backoff configuration is carried in the returned
+        state. When disabled, returns :meth:`init`'s state, as PyTorch ignores
+        the dict.
+        """
+        if not self.enabled:
+            return self.init()
+        if not isinstance(state_dict, Mapping):
+            raise TypeError(
+                f"Expected `state_dict` to be a mapping, got {type(state_dict).__name__} instead."
+            )
+        if not state_dict:
+            raise ValueError(
+                "The source state dict is empty, possibly because it was saved from a disabled "
+                "instance of GradScaler."
+            )
+        missing = [k for k in _TORCH_KEYS if k not in state_dict]
+        if missing:
+            raise ValueError(
+                f"Expected `state_dict` to have the keys {list(_TORCH_KEYS)}, missing {missing}."
+            )
+        tracker = state_dict["_growth_tracker"]
+        if not (isinstance(tracker, numbers.Integral) and not isinstance(tracker, bool)) or not (
+            0 <= tracker < 2**31
+        ):
+            raise ValueError(
+                "Expected state_dict['_growth_tracker'] to be an int in [0, 2**31), got "
+                f"{tracker!r} instead."
+            )
+        scale_value = state_dict["scale"]
+        if _is_number(scale_value) and not (math.isfinite(float(scale_value)) and float(scale_value) > 0):
+            raise ValueError(
+                f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r} "
+                "instead; a PyTorch scaler whose scale collapsed to 0 cannot be resumed."
+            )
+        ls._check_scale("state_dict['scale']", scale_value)
+        state = ls.dynamic_loss_scale(
+            scale_value,
+            state_dict["growth_factor"],
+            state_dict["backoff_factor"],
+            state_dict["growth_interval"],
+        )
+        return dataclasses.replace(state, growth_tracker=jnp.asarray(int(tracker), jnp.int32))
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+

@@ -1,0 +1,313 @@
+"""The Optax transformation ``loss_scaling``, ``get_loss_scale`` and ``value_and_grad``."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from jamp._src import finite as fin
+from jamp._src import loss_scale as ls
+
+_INT32_MAX = 2**31 - 1
+
+
+class LossScalingState(NamedTuple):
+    """State of :func:`loss_scaling`; field names are unique for ``optax.tree.get``.
+
+    Attributes:
+      loss_scale: the :class:`jamp.LossScaleState` used to scale the next loss.
+      inner_state: the wrapped transformation's state; frozen on skipped steps.
+      last_finite: bool scalar, whether the last step's gradients were finite
+        (``False`` means the step was skipped).
+      skipped_steps: int32 scalar, total skipped steps; saturates at 2**31 - 1.
+    """
+
+    loss_scale: ls.LossScaleState
+    inner_state: Any
+    last_finite: jax.Array
+    skipped_steps: jax.Array
+
+
+def saturating_increment(count: jax.Array, where: jax.Array) -> jax.Array:
+    """``count + where`` for int32, held at 2**31 - 1 instead of wrapping."""
+    return jnp.where(where & (count < _INT32_MAX), count + 1, count)
+
+
+def _zeros_like_output(fn: Callable[[], Any]) -> Any:
+    shapes = jax.eval_shape(fn)
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def loss_scaling(
+    inner: optax.GradientTransformation,
+    loss_scale: ls.LossScaleState | None = None,
+    *,
+    axis_name: Any = None,
+) -> optax.GradientTransformationExtraArgs:
+    """Wrap an Optax transformation so it takes gradients of a *scaled* loss.
+
+    ``update`` unscales the gradients with the current loss scale, checks that
+    the unscaled values are finite (agreeing across ``axis_name`` when given),
+    runs ``inner`` on them, and on a non-finite step returns zero updates and
+    leaves ``inner``'s state exactly as it was (Adam's count, schedules and
+    moments do not advance). Then it updates the loss scale. Everything runs
+    on device, under ``jit``, with no host sync.
+
+    Gradient clipping placed inside ``inner`` sees unscaled gradients, like
+    ``scaler.unscale_(opt)`` before ``clip_grad_norm_`` in PyTorch.
+
+    Args:
+      inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
+      loss_scale: the initial :class:`jamp.LossScaleState`; defaults to
+        ``jamp.dynamic_loss_scale()`` (PyTorch's defaults).
+      axis_name: a ``pmap``/``shard_map`` axis name (or tuple) over which all
+        replicas agree on skipping. Not needed under ``jit`` with sharded
+        arrays.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; extra keyword arguments
+      are forwarded to ``inner``.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, jamp
+      >>> tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(8.0))
+      >>> params = {"w": jnp.ones(2)}
+      >>> state = tx.init(params)
+      >>> loss = lambda p: jnp.sum(p["w"] ** 2)
+      >>> grads = jax.grad(lambda p: jamp.scale(jamp.get_loss_scale(state), loss(p)))(params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> updates["w"]
+      Array([-0.2, -0.2], dtype=float32)
+    """
+    if not isinstance(inner, optax.GradientTransformation):
+        raise TypeError(
+            f"Expected `inner` to be an optax.GradientTransformation, got "
+            f"{type(inner).__name__} instead."
+        )
+    if loss_scale is None:
+        loss_scale = ls.dynamic_loss_scale()
+    elif not isinstance(loss_scale, ls.LossScaleState):
+        raise TypeError(
+            "Expected `loss_scale` to be a jamp.LossScaleState (jamp.dynamic_loss_scale(), "
+            f"static_loss_scale(s) or no_loss_scale()), got {type(loss_scale).__name__} instead."
+        )
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params: Any) -> LossScalingState:
+        return LossScalingState(
+            loss_scale=loss_scale,
+            inner_state=inner.init(params),
+            last_finite=jnp.asarray(True),
+            skipped_steps=jnp.zeros((), jnp.int32),
+        )
+
+    def update_fn(
+        updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, LossScalingState]:
+        if not isinstance(state, LossScalingState):
+            raise TypeError(
+                "Expected `state` to be the LossScalingState from this transformation's init, "
+                f"got {type(state).__name__} instead."
+            )
+        grads, finite = fin.unscale_and_check(state.loss_scale, updates, axis_name=axis_name)
+
+        def apply() -> tuple[Any, Any]:
+            return inner.update(grads, state.inner_state, params, **extra_args)
+
+        def skip() -> tuple[Any, Any]:
+            return _zeros_like_output(apply)[0], state.inner_state
+
+        new_updates, new_inner = lax.cond(finite, apply, skip)
+        return new_updates, LossScalingState(
+            loss_scale=ls.update(state.loss_scale, finite),
+            inner_state=new_inner,
+            last_finite=finite,
+            skipped_steps=saturating_increment(state.skipped_steps, jnp.logical_not(finite)),
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# --------------------------------------------------------------------------
+# Finding the loss-scale state.
+
+
+def _unwrap(x: Any) -> Any:
+    """The array inside an NNX ``Variable`` (or anything with ``get_value``)."""
+    if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
+        return x
+    return x.get_value()
+
+
+def _find(tree: Any, kind: type) -> list[tuple[Any, Any]]:
+    found = []
+    if hasattr(tree, "opt_state") and not isinstance(tree, tuple):
+        tree = tree.opt_state  # flax TrainState, nnx.Optimizer
+    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
+    for path, leaf in leaves:
+        if isinstance(leaf, kind):
+            found.append((path, leaf))
+    return found
+
+
+def get_loss_scale(opt_state: Any) -> ls.LossScaleState:
+    """The :class:`jamp.LossScaleState` inside any optimizer state.
+
+    Looks through any nesting of Optax states (``chain``, ``named_chain``,
+    ``MultiSteps``, ``inject_hyperparams``, ...), a Flax ``TrainState`` (or its
+    ``opt_state``) and an ``nnx.Optimizer`` (or its ``opt_state``, whose NNX
+    variables are unwrapped).
+
+    Args:
+      opt_state: an optimizer state, or an object with an ``opt_state``.
+
+    Returns:
+      The loss-scale state, with plain arrays as leaves.
+
+    Raises:
+      ValueError: there is no loss-scale state, or more than one.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> tx = optax.chain(optax.clip(1.0), jamp.loss_scaling(optax.adam(1e-3)))
+      >>> float(jamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
+      65536.0
+    """
+    found = _find(opt_state, ls.LossScaleState)
+    if not found:
+        raise ValueError(
+            "Expected `opt_state` to contain a jamp loss-scale state, found none in "
+            f"{type(opt_state).__name__}; wrap the optimizer with jamp.loss_scaling(...)."
+        )
+    if len(found) > 1:
+        paths = ", ".join(jax.tree_util.keystr(p) for p, _ in found)
+        raise ValueError(
+            f"Expected exactly one loss-scale state in `opt_state`, found {len(found)} at "
+            f"{paths}; pass the sub-state that holds the one you want."
+        )
+    state = found[0][1]
+    return jax.tree_util.tree_map(
+        _unwrap, state, is_leaf=lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
+    )
+
+
+# --------------------------------------------------------------------------
+# value_and_grad
+
+
+class ScaledValueAndGrad(NamedTuple):
+    """What :func:`value_and_grad`'s function returns.
+
+    Attributes:
+      value: the unscaled loss, in the dtype ``fun`` returned.
+      aux: ``fun``'s auxiliary output with ``has_aux=True``, else ``None``.
+      grads: unscaled gradients, each leaf in its parameter's dtype.
+      finite: bool scalar, whether every gradient is finite (agreed across
+        ``axis_name``); skip the step when it is ``False``.
+      loss_scale: the loss-scale state updated with ``finite``.
+      retries: int32 scalar, recomputations at a lower scale (0 unless
+        ``max_retries`` > 0).
+    """
+
+    value: Any
+    aux: Any
+    grads: Any
+    finite: jax.Array
+    loss_scale: ls.LossScaleState
+    retries: jax.Array
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    axis_name: Any = None,
+) -> Callable[..., ScaledValueAndGrad]:
+    """``jax.value_and_grad`` of a scaled loss, unscaled and checked in one call.
+
+    The returned function takes the loss-scale state first, then ``fun``'s
+    arguments. It scales ``fun``'s value, differentiates, unscales the
+    gradients, checks them, and updates the scale: flax's
+    ``DynamicScale.value_and_grad``, with growth on the ``growth_interval``-th
+    finite step (torch's rule, not one step later) and gradients kept in their
+    own dtypes.
+
+    Args:
+      fun: returns a scalar loss (and auxiliary data with ``has_aux=True``).
+      argnums: which positional argument(s) of ``fun`` to differentiate.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      axis_name: a ``pmap``/``shard_map`` axis over which replicas agree on
+        ``finite``. Gradients are not averaged: use ``lax.pmean`` for that.
+
+    Returns:
+      A function ``(loss_scale, *args, **kwargs) -> ScaledValueAndGrad``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> vg = jamp.value_and_grad(lambda w: jnp.sum(w ** 2))
+      >>> out = vg(jamp.dynamic_loss_scale(), jnp.array([1.0, 2.0]))
+      >>> float(out.value), out.grads, bool(out.finite)
+      (5.0, Array([2., 4.], dtype=float32), True)
+    """
+    if not callable(fun):
+        raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
+
+    def scaled(state: ls.LossScaleState, *args: Any, **kwargs: Any) -> Any:
+        out = fun(*args, **kwargs)
+        loss, aux = out if has_aux else (out, None)
+        return ls.scale(state, loss), (loss, aux)
+
+    _check_argnums(argnums)
+
+    @functools.wraps(fun)
+    def wrapped(loss_scale: ls.LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
+        if not isinstance(loss_scale, ls.LossScaleState):
+            raise TypeError(
+                "The function from jamp.value_and_grad takes the loss-scale state as its "
+                f"first argument, got {type(loss_scale).__name__} instead."
+            )
+        grad_fn = jax.grad(scaled, argnums=_shift(argnums, len(args)), has_aux=True)
+        grads, (loss, aux) = grad_fn(loss_scale, *args, **kwargs)
+        grads, finite = fin.unscale_and_check(loss_scale, grads, axis_name=axis_name)
+        return ScaledValueAndGrad(
+            value=loss,
+            aux=aux,
+            grads=grads,
+            finite=finite,
+            loss_scale=ls.update(loss_scale, finite),
+            retries=jnp.zeros((), jnp.int32),
+        )
+
+    return wrapped
+
+
+def _check_argnums(argnums: Any) -> None:
+    ok = isinstance(argnums, int) and not isinstance(argnums, bool)
+    if isinstance(argnums, Sequence) and not isinstance(argnums, str):
+        ok = len(argnums) > 0 and all(isinstance(a, int) and not isinstance(a, bool) for a in argnums)
+    if not ok:
+        raise TypeError(
+            f"Expected `argnums` to be an int or a sequence of ints, got {argnums!r} instead."
+        )
+
+
+def _shift(argnums: int | Sequence[int], nargs: int) -> int | tuple[int, ...]:
+    """``fun``'s argnums as argnums of ``scaled``, whose first argument is the state."""
+
+    def one(a: int) -> int:
+        if not -nargs <= a < nargs:
+            raise ValueError(
+                f"Expected `argnums` to index one of the {nargs} positional arguments, got "
+                f"{a} instead."
+            )
+        return a % nargs + 1
+
+    if isinstance(argnums, int):
+        return one(argnums)
+    return tuple(one(a) for a in argnums)
