@@ -1,0 +1,475 @@
+"""jamp.loss_scaling, get_loss_scale, value_and_grad, and composition with Optax and Flax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+
+EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
+
+
+def params0():
+    return {"w": jnp.array([[0.5, -1.0], [2.0, 0.25]], jnp.float32), "b": jnp.array([0.1, -0.2])}
+
+
+def loss_fn(p, x):
+    return jnp.mean((x @ p["w"] + p["b"][None, :]) ** 2)
+
+
+X = jnp.array([[1.0, 2.0], [3.0, -1.0]])
+
+
+def scaled_grads(opt_state, p, x=X):
+    ls = jamp.get_loss_scale(opt_state)
+    return jax.grad(lambda q: jamp.scale(ls, loss_fn(q, x)))(p)
+
+
+def poison(tree, value=jnp.inf):
+    return jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(value), tree)
+
+
+def assert_trees_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def assert_trees_close(a, b, rtol=2e-7):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=0)
+
+
+# ---------------------------------------------------------------- the wrapper
+
+
+def test_state_fields_are_unique_and_findable():
+    tx = jamp.loss_scaling(optax.adam(1e-2))
+    state = tx.init(params0())
+    assert isinstance(state, jamp.LossScalingState)
+    assert state._fields == ("loss_scale", "inner_state", "last_finite", "skipped_steps")
+    assert optax.tree.get(state, "loss_scale") is state.loss_scale
+    assert int(optax.tree.get(state, "skipped_steps")) == 0
+    assert bool(optax.tree.get(state, "last_finite"))
+    assert float(state.loss_scale.scale) == 2.0**16  # torch's default
+    assert state.skipped_steps.dtype == jnp.int32 and state.last_finite.dtype == jnp.bool_
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
+@pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
+def test_nonfinite_step_is_skipped_and_inner_state_frozen(wrap, bad):
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(1024.0))
+    p = params0()
+    state = tx.init(p)
+    update = wrap(tx.update)
+    u, state = update(scaled_grads(state, p), state, p)
+    p = optax.apply_updates(p, u)
+    inner_before = state.inner_state
+    u, new_state = update(poison(scaled_grads(state, p), bad), state, p)
+    assert all(not np.any(np.asarray(x)) for x in jax.tree_util.tree_leaves(u))
+    assert_trees_equal(new_state.inner_state, inner_before)  # count, mu, nu bit for bit
+    assert int(new_state.inner_state[0].count) == 1
+    assert not bool(new_state.last_finite) and int(new_state.skipped_steps) == 1
+    assert float(new_state.loss_scale.scale) == 512.0
+    # A clean step afterwards applies and advances.
+    u, state2 = update(scaled_grads(new_state, p), new_state, p)
+    assert bool(state2.last_finite) and int(state2.inner_state[0].count) == 2
+    assert any(np.any(np.asarray(x)) for x in jax.tree_util.tree_leaves(u))
+
+
+@pytest.mark.standard_promotion
+def test_updates_equal_plain_optimizer_on_unscaled_grads():
+    inner = optax.adamw(1e-2)
+    tx = jamp.loss_scaling(inner, jamp.dynamic_loss_scale(2.0**10))
+    p = params0()
+    s, s_plain = tx.init(p), inner.init(p)
+    for _ in range(3):
+        u, s = tx.update(scaled_grads(s, p), s, p)
+        u_plain, s_plain = inner.update(jax.grad(loss_fn)(p, X), s_plain, p)
+        # A power-of-two scale makes unscaling exact; XLA may still fuse the two
+        # backward passes differently (FMA contraction), hence one-ulp tolerance.
+        assert_trees_close(u, u_plain)
+        p = optax.apply_updates(p, u)
+
+
+@pytest.mark.standard_promotion
+def test_jitted_train_step_traces_once_and_needs_no_transfers():
+    traces = []
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(4.0, growth_interval=2))
+
+    @jax.jit
+    def step(p, s, x):
+        traces.append(1)
+        u, s = tx.update(scaled_grads(s, p, x), s, p)
+        return optax.apply_updates(p, u), s
+
+    p = params0()
+    s = tx.init(p)
+    xs = [X, X * 2, X.at[0, 0].set(jnp.inf), X, X, X, X]
+    xs = [jax.device_put(x) for x in xs]
+    p, s = step(p, s, xs[0])
+    scales = [float(s.loss_scale.scale)]
+    with jax.transfer_guard("disallow"):
+        for x in xs[1:]:
+            p, s = step(p, s, x)
+            scales.append(s.loss_scale.scale)
+    scales = [float(v) for v in scales]
+    assert len(traces) == 1
+    assert scales == [4.0, 8.0, 4.0, 4.0, 8.0, 8.0, 16.0]
+    assert int(s.skipped_steps) == 1
+
+
+def test_extra_args_are_forwarded():
+    seen = []
+
+    def init(params):
+        return optax.EmptyState()
+
+    def update(updates, state, params=None, *, value=None, **extra):
+        seen.append(value)
+        return updates, state
+
+    inner = optax.GradientTransformationExtraArgs(init, update)
+    tx = jamp.loss_scaling(optax.chain(inner, optax.sgd(0.1)))
+    p = params0()
+    s = tx.init(p)
+    tx.update(scaled_grads(s, p), s, p, value=jnp.float32(3.0))
+    assert seen and float(seen[0]) == 3.0
+
+
+@pytest.mark.standard_promotion
+def test_reduce_on_plateau_gets_the_value():
+    tx = jamp.loss_scaling(optax.chain(optax.sgd(0.1), optax.contrib.reduce_on_plateau(patience=1)))
+    p = params0()
+    s = tx.init(p)
+    u, s = tx.update(scaled_grads(s, p), s, p, value=loss_fn(p, X))
+    assert bool(s.last_finite)
+
+
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        (("adam",), TypeError, r"`inner` to be an optax.GradientTransformation, got str"),
+        ((optax.sgd(0.1), 2.0), TypeError, r"`loss_scale` to be a jamp.LossScaleState"),
+    ],
+)
+def test_loss_scaling_argument_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.loss_scaling(*args)
+
+
+def test_static_and_no_loss_scale_still_skip_nonfinite():
+    for ls in (jamp.static_loss_scale(8.0), jamp.no_loss_scale()):
+        tx = jamp.loss_scaling(optax.sgd(0.1), ls)
+        p = params0()
+        s = tx.init(p)
+        u, s2 = tx.update(poison(scaled_grads(s, p), jnp.nan), s, p)
+        assert not bool(s2.last_finite)
+        assert float(s2.loss_scale.scale) == float(ls.scale)
+        assert all(not np.any(np.asarray(x)) for x in jax.tree_util.tree_leaves(u))
+
+
+def test_skipped_steps_saturate():
+    tx = jamp.loss_scaling(optax.sgd(0.1))
+    p = params0()
+    s = tx.init(p)
+    s = s._replace(skipped_steps=jnp.asarray(2**31 - 2, jnp.int32))
+    g = poison(scaled_grads(s, p))
+    for _ in range(3):
+        _, s = jax.jit(tx.update)(g, s, p)
+    assert int(s.skipped_steps) == 2**31 - 1
+
+
+def test_bfloat16_params_and_grads_keep_dtype():
+    p = jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16), params0())
+    tx = jamp.loss_scaling(optax.sgd(0.1))
+    s = tx.init(p)
+    g = scaled_grads(s, p, X.astype(jnp.bfloat16))
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(g))
+    u, s = jax.jit(tx.update)(g, s, p)
+    assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(u))
+    assert bool(s.last_finite)
+
+
+# ---------------------------------------------------------------- get_loss_scale
+
+
+def _nesting_cases():
+    inner = jamp.loss_scaling(optax.adam(1e-3), jamp.dynamic_loss_scale(256.0))
+    return {
+        "plain": inner,
+        "chain": optax.chain(optax.clip(1.0), inner),
+        "multisteps": optax.MultiSteps(inner, every_k_schedule=2),
+        "inject_hyperparams": optax.inject_hyperparams(
+            lambda learning_rate: jamp.loss_scaling(optax.adam(learning_rate), jamp.dynamic_loss_scale(256.0))
+        )(learning_rate=1e-3),
+        "named_chain": optax.named_chain(("clip", optax.clip(1.0)), ("scaled", inner)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_nesting_cases()))
+def test_get_loss_scale_in_any_nesting(name):
+    tx = _nesting_cases()[name]
+    state = tx.init(params0())
+    ls = jamp.get_loss_scale(state)
+    assert isinstance(ls, jamp.LossScaleState) and float(ls.scale) == 256.0
+    assert float(jax.jit(jamp.get_loss_scale)(state).scale) == 256.0
+
+
+@pytest.mark.standard_promotion
+def test_get_loss_scale_in_flax_train_state():
+    from flax.training import train_state
+
+    tx = jamp.loss_scaling(optax.adam(1e-3), jamp.dynamic_loss_scale(64.0))
+    ts = train_state.TrainState.create(apply_fn=None, params=params0(), tx=tx)
+    assert float(jamp.get_loss_scale(ts).scale) == 64.0
+    assert float(jamp.get_loss_scale(ts.opt_state).scale) == 64.0
+
+    @jax.jit
+    def step(ts):
+        ls = jamp.get_loss_scale(ts.opt_state)
+        grads = jax.grad(lambda p: jamp.scale(ls, loss_fn(p, X)))(ts.params)
+        return ts.apply_gradients(grads=grads)
+
+    ts = step(ts)
+    assert int(ts.opt_state.inner_state[0].count) == 1
+    bad = jax.jit(lambda ts: ts.apply_gradients(grads=poison(ts.params)))(ts)
+    assert_trees_equal(bad.params, ts.params)
+    assert float(jamp.get_loss_scale(bad).scale) == 32.0
+
+
+@pytest.mark.standard_promotion
+def test_get_loss_scale_in_nnx_optimizer():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    model = Model(nnx.Rngs(0))
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(128.0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    ls = jamp.get_loss_scale(opt)
+    assert isinstance(ls.scale, jax.Array) and float(ls.scale) == 128.0
+    assert float(jamp.get_loss_scale(opt.opt_state).scale) == 128.0
+
+    @nnx.jit
+    def step(model, opt, x, poison_it):
+        ls = jamp.get_loss_scale(opt)
+        grads = nnx.grad(lambda m: jamp.scale(ls, jnp.mean(m(x) ** 2)))(model)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(poison_it, jnp.inf, g), grads)
+        opt.update(model, grads)
+
+    before = jax.tree_util.tree_map(jnp.copy, nnx.state(model, nnx.Param))
+    step(model, opt, X, jnp.bool_(True))
+    assert_trees_equal(nnx.state(model, nnx.Param), before)
+    assert float(jamp.get_loss_scale(opt).scale) == 64.0
+    step(model, opt, X, jnp.bool_(False))
+    after = nnx.state(model, nnx.Param)
+    assert not np.array_equal(np.asarray(after["lin"]["kernel"][...]), np.asarray(before["lin"]["kernel"][...]))
+
+
+def test_get_loss_scale_errors():
+    with pytest.raises(ValueError, match=r"found none in ScaleByAdamState.*jamp.loss_scaling"):
+        jamp.get_loss_scale(optax.adam(1e-3).init(params0())[0])
+    two = optax.chain(jamp.loss_scaling(optax.sgd(0.1)), jamp.loss_scaling(optax.sgd(0.1)))
+    with pytest.raises(ValueError, match=r"exactly one loss-scale state.*found 2 at \[0\]\.loss_scale, \[1\]\.loss_scale"):
+        jamp.get_loss_scale(two.init(params0()))
+
+
+# ---------------------------------------------------------------- value_and_grad
+
+
+@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
+def test_value_and_grad_matches_direct_computation(wrap):
+    ls = jamp.dynamic_loss_scale(2.0**12)
+    vg = wrap(jamp.value_and_grad(loss_fn))
+    out = vg(ls, params0(), X)
+    value, grads = jax.value_and_grad(loss_fn)(params0(), X)
+    assert float(out.value) == float(value) and out.aux is None
+    assert_trees_equal(out.grads, grads)
+    assert bool(out.finite) and int(out.retries) == 0
+    assert int(out.loss_scale.growth_tracker) == 1
+
+
+def test_value_and_grad_aux_argnums_kwargs():
+    def f(x, p, *, k):
+        loss = loss_fn(p, x) * k
+        return loss, {"k": k}
+
+    vg = jamp.value_and_grad(f, argnums=(1,), has_aux=True)
+    out = vg(jamp.dynamic_loss_scale(8.0), X, params0(), k=jnp.float32(2.0))
+    assert float(out.aux["k"]) == 2.0
+    ref = jax.grad(lambda p: f(X, p, k=jnp.float32(2.0))[0])(params0())
+    assert_trees_equal(out.grads[0], ref)
+    out_neg = jamp.value_and_grad(f, argnums=-1, has_aux=True)(jamp.dynamic_loss_scale(8.0), X, params0(), k=jnp.float32(2.0))
+    assert_trees_equal(out_neg.grads, ref)
+
+
+def test_value_and_grad_grows_on_the_interval_th_step_not_one_later():
+    # flax's DynamicScale grows on the (growth_interval + 1)-th finite step.
+    ls = jamp.dynamic_loss_scale(8.0, growth_interval=3)
+    vg = jax.jit(jamp.value_and_grad(loss_fn))
+    scales = []
+    for _ in range(4):
+        out = vg(ls, params0(), X)
+        ls = out.loss_scale
+        scales.append(float(ls.scale))
+    assert scales == [8.0, 8.0, 16.0, 16.0]
+
+
+def test_value_and_grad_overflow():
+    vg = jamp.value_and_grad(lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32))
+    out = vg(jamp.dynamic_loss_scale(2.0**16), jnp.array([200.0, 1.0]))
+    assert not bool(out.finite) and float(out.loss_scale.scale) == 2.0**15
+
+
+@pytest.mark.parametrize(
+    "kwargs,call,exc,match",
+    [
+        (dict(argnums="x"), False, TypeError, r"`argnums` to be an int or a sequence of ints"),
+        (dict(argnums=5), True, ValueError, r"`argnums` to index one of the 2 positional"),
+    ],
+)
+def test_value_and_grad_errors(kwargs, call, exc, match):
+    with pytest.raises(exc, match=match):
+        vg = jamp.value_and_grad(loss_fn, **kwargs)
+        if call:
+            vg(jamp.dynamic_loss_scale(), params0(), X)
+
+
+def test_value_and_grad_needs_state_first():
+    with pytest.raises(TypeError, match=r"takes the loss-scale state as its first argument, got dict"):
+        jamp.value_and_grad(loss_fn)(params0(), X)
+
+
+# ---------------------------------------------------------------- composition
+
+
+@pytest.mark.standard_promotion
+def test_clipping_inside_sees_unscaled_grads():
+    clip_then_adam = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(1e-2))
+    tx = jamp.loss_scaling(clip_then_adam, jamp.dynamic_loss_scale(2.0**14))
+    p = params0()
+    s, s_ref = tx.init(p), clip_then_adam.init(p)
+    u, s = tx.update(scaled_grads(s, p), s, p)
+    u_ref, _ = clip_then_adam.update(jax.grad(loss_fn)(p, X), s_ref, p)
+    assert_trees_close(u, u_ref)
+
+
+def test_clip_by_global_norm_norm_is_of_unscaled_grads():
+    tx = jamp.loss_scaling(
+        optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)), jamp.dynamic_loss_scale(2.0**14)
+    )
+    p = params0()
+    s = tx.init(p)
+    assert float(optax.tree.norm(jax.grad(loss_fn)(p, X))) > 1.0
+    u, s = jax.jit(tx.update)(scaled_grads(s, p), s, p)
+    # Clipped to norm 0.1 in unscaled units; clipping the scaled grads (forgetting
+    # torch's unscale_) would have given a norm of 0.1 / 2**14.
+    np.testing.assert_allclose(float(optax.tree.norm(u)), 0.1, rtol=1e-6)
+
+
+@pytest.mark.standard_promotion
+def test_multisteps_accumulation_scale_constant_across_micro_steps():
+    k = 3
+    tx = optax.MultiSteps(jamp.loss_scaling(optax.sgd(0.5), jamp.dynamic_loss_scale(2.0**8, growth_interval=1)), k)
+    p = params0()
+    s = tx.init(p)
+    micro = [X, X * 0.5, X * 2.0]
+    step = jax.jit(tx.update)
+    scales = []
+    for x in micro:
+        u, s = step(scaled_grads(s, p, x), s, p)
+        scales.append(float(jamp.get_loss_scale(s).scale))
+        p = optax.apply_updates(p, u)
+    assert scales == [256.0, 256.0, 512.0]  # constant across micro-steps, grows at the boundary
+    ref = params0()
+    mean_grad = jax.tree_util.tree_map(lambda *g: sum(g) / k, *[jax.grad(loss_fn)(ref, x) for x in micro])
+    expected = jax.tree_util.tree_map(lambda w, g: w - 0.5 * g, ref, mean_grad)
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+    # An inf in one micro-step skips the whole accumulated step at the boundary.
+    before = p
+    for i, x in enumerate(micro):
+        g = scaled_grads(s, p, x)
+        if i == 1:
+            g = poison(g)
+        u, s = step(g, s, p)
+        p = optax.apply_updates(p, u)
+    assert_trees_equal(p, before)
+    assert float(jamp.get_loss_scale(s).scale) == 256.0
+
+
+def test_schedule_does_not_drift_on_skipped_steps():
+    sched = optax.linear_schedule(1.0, 0.0, 10)
+    tx = jamp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=sched))
+    p = params0()
+    s = tx.init(p)
+    for i in range(6):
+        g = scaled_grads(s, p)
+        if i % 2:
+            g = poison(g)
+        u, s = tx.update(g, s, p)
+    inner = s.inner_state
+    assert int(inner.count) == 3  # only the clean steps advanced the schedule
+    np.testing.assert_allclose(float(inner.hyperparams["learning_rate"]), float(sched(2)))
+
+
+def test_several_losses_one_state():
+    ls = jamp.dynamic_loss_scale(2.0**10)
+
+    def two_losses(p):
+        a = loss_fn(p, X)
+        b = 0.5 * jnp.mean(p["w"] ** 2)
+        return a, b
+
+    # Summed after scaling, as a list, and as a dict: all the same grads.
+    g_sum = jax.grad(lambda p: sum(jamp.scale(ls, list(two_losses(p)))))(params0())
+    g_dict = jax.grad(lambda p: sum(jamp.scale(ls, dict(zip("ab", two_losses(p)))).values()))(params0())
+    ref = jax.grad(lambda p: sum(two_losses(p)))(params0())
+    unscaled, finite = jamp.unscale_and_check(ls, g_sum)
+    assert bool(finite)
+    assert_trees_equal(unscaled, ref)
+    assert_trees_equal(g_dict, g_sum)
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@pytest.mark.standard_promotion
+def test_orbax_round_trip_continues_identically(tmp_path):
+    import orbax.checkpoint as ocp
+
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(2.0**10, growth_interval=2, min_scale=1.0))
+
+    @jax.jit
+    def step(p, s, x):
+        u, s = tx.update(scaled_grads(s, p, x), s, p)
+        return optax.apply_updates(p, u), s
+
+    xs = [X, X.at[0, 1].set(jnp.inf), X * 0.5, X, X * 3.0, X]
+    p, s = params0(), tx.init(params0())
+    for x in xs[:3]:
+        p, s = step(p, s, x)
+    path = tmp_path / "ckpt"
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(path, {"params": p, "opt_state": s})
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(path, {"params": p, "opt_state": s})
+    p2, s2 = restored["params"], restored["opt_state"]
+    assert isinstance(s2, jamp.LossScalingState)
+    assert jamp.get_loss_scale(s2).min_scale == 1.0 and jamp.get_loss_scale(s2).growth_interval == 2
+    for x in xs[3:]:
+        p, s = step(p, s, x)
+        p2, s2 = step(p2, s2, x)
+    assert_trees_equal((p, s), (p2, s2))
