@@ -1,0 +1,378 @@
+"""jamp.GradScaler, and the recorded torch trajectories replayed with real optimizers."""
+
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+from jamp._src import loss_scale as ls
+
+import _golden
+
+TORCH_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
+
+
+# ---------------------------------------------------------------- construction
+
+
+def test_defaults_hashable_immutable():
+    scaler = jamp.GradScaler()
+    assert (scaler.init_scale, scaler.growth_factor, scaler.backoff_factor) == (2.0**16, 2.0, 0.5)
+    assert scaler.growth_interval == 2000 and scaler.is_enabled()
+    assert hash(scaler) == hash(jamp.GradScaler()) and scaler == jamp.GradScaler()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        scaler.init_scale = 1.0  # type: ignore[misc]
+    # hashable, so it can be a static argument of jit
+    out = jax.jit(lambda sc, x: sc.scale(sc.init(), x), static_argnums=0)(scaler, jnp.float32(2.0))
+    assert float(out) == 2.0**17
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(growth_factor=1.0), ValueError, r"growth_factor=1\.0"),
+        (dict(backoff_factor=1.0), ValueError, r"backoff_factor=1\.0"),
+        (dict(growth_interval=0), ValueError, r"growth_interval=0"),
+        (dict(init_scale=-2.0), ValueError, r"init_scale=-2\.0"),
+        (dict(enabled="yes"), TypeError, r"`enabled` to be a bool"),
+    ],
+)
+def test_constructor_validation(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.GradScaler(**kwargs)
+
+
+def test_disabled_skips_validation_like_torch():
+    scaler = jamp.GradScaler(growth_factor=0.5, enabled=False)
+    assert not scaler.is_enabled()
+
+
+# ---------------------------------------------------------------- the loop
+
+
+def test_scale_any_pytree():
+    scaler = jamp.GradScaler(init_scale=4.0)
+    state = scaler.init()
+    outs = {"a": jnp.float32(1.0), "b": [jnp.float32(2.0), (jnp.float32(3.0),)]}
+    scaled = scaler.scale(state, outs)  # torch returns a `map` over the keys for a dict
+    assert float(scaled["a"]) == 4.0 and float(scaled["b"][1][0]) == 12.0
+    assert isinstance(scaled["b"], list) and isinstance(scaled["b"][1], tuple)
+
+
+def sgd_problem():
+    params = {"w": jnp.array([1.0, -2.0]), "b": jnp.array([0.5])}
+    tx = optax.sgd(0.5)
+    return params, tx, tx.init(params)
+
+
+def loss(p):
+    return jnp.sum(p["w"] ** 2) + jnp.sum(p["b"] ** 2)
+
+
+@pytest.mark.parametrize("wrap", [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")])
+def test_step_and_update(wrap):
+    scaler = jamp.GradScaler(init_scale=1024.0, growth_interval=2)
+    state = scaler.init()
+    params, tx, opt_state = sgd_problem()
+
+    def iteration(state, params, opt_state, poison):
+        grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(poison, jnp.nan, g), grads)
+        params, opt_state, found_inf = scaler.step(state, tx, grads, opt_state, params)
+        return scaler.update(state, found_inf), params, opt_state, found_inf
+
+    iteration = wrap(iteration)
+    state, p1, opt_state, found = iteration(state, params, opt_state, jnp.bool_(False))
+    assert not bool(found)
+    np.testing.assert_allclose(np.asarray(p1["w"]), [0.0, 0.0])
+    state, p2, opt_state, found = iteration(state, p1, opt_state, jnp.bool_(True))
+    assert bool(found) and float(scaler.get_scale(state)) == 512.0
+    assert np.array_equal(np.asarray(p2["w"]), np.asarray(p1["w"]))
+
+
+def test_unscale_clip_then_step_like_torch():
+    # torch: scaler.unscale_(opt); clip_grad_norm_(...); scaler.step(opt); scaler.update()
+    scaler = jamp.GradScaler(init_scale=2.0**10)
+    state = scaler.init()
+    params, tx, opt_state = sgd_problem()
+    grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
+    grads, found_inf = scaler.unscale(state, grads)
+    clipped = optax.clip_by_global_norm(0.1).update(grads, optax.EmptyState())[0]
+    new_params, _, found = scaler.step(state, tx, clipped, opt_state, params, found_inf=found_inf)
+    assert not bool(found)
+    moved = optax.tree.norm(jax.tree_util.tree_map(jnp.subtract, params, new_params))
+    np.testing.assert_allclose(float(moved), 0.5 * 0.1, rtol=1e-6)  # not unscaled twice
+
+
+def test_two_optimizers_share_one_scale():
+    """torch's multiple-optimizer example: each skips on its own grads, one backoff."""
+    scaler = jamp.GradScaler(init_scale=1024.0)
+    state = scaler.init()
+    p0, p1 = {"w": jnp.ones(2)}, {"w": jnp.ones(3)}
+    tx0, tx1 = optax.sgd(0.1), optax.sgd(0.1, momentum=0.9)
+    s0, s1 = tx0.init(p0), tx1.init(p1)
+
+    @jax.jit
+    def iteration(state, p0, p1, s0, s1, poison1):
+        def total(p0, p1):
+            l0, l1 = jnp.sum(p0["w"] ** 2), jnp.sum(p1["w"] ** 3)
+            return sum(scaler.scale(state, [l0, l1]))
+
+        g0, g1 = jax.grad(total, argnums=(0, 1))(p0, p1)
+        g1 = jax.tree_util.tree_map(lambda g: jnp.where(poison1, jnp.inf, g), g1)
+        p0, s0, inf0 = scaler.step(state, tx0, g0, s0, p0)
+        p1, s1, inf1 = scaler.step(state, tx1, g1, s1, p1)
+        return scaler.update(state, [inf0, inf1]), p0, p1, s0, s1, inf0, inf1
+
+    state, q0, q1, s0, s1, inf0, inf1 = iteration(state, p0, p1, s0, s1, jnp.bool_(True))
+    assert not bool(inf0) and bool(inf1)
+    assert not np.array_equal(np.asarray(q0["w"]), np.ones(2))  # optimizer 0 stepped
+    assert np.array_equal(np.asarray(q1["w"]), np.ones(3))  # optimizer 1 skipped
+    assert float(scaler.get_scale(state)) == 512.0  # backed off once, not twice
+    state, *_ = iteration(state, q0, q1, s0, s1, jnp.bool_(False))
+    assert float(scaler.get_scale(state)) == 512.0 and int(scaler.get_growth_tracker(state)) == 1
+
+
+def test_update_new_scale_keeps_tracker():
+    scaler = jamp.GradScaler(init_scale=8.0)
+    state = scaler.update(scaler.init(), jnp.bool_(False))
+    state = scaler.update(state, jnp.bool_(False))
+    state = dataclasses.replace(state, growth_tracker=jnp.int32(5))
+    for value in (100.0, jnp.float32(3.0), np.float64(0.1)):
+        new = scaler.update(state, new_scale=value)
+        assert float(new.scale) == float(np.float32(value)) and int(new.growth_tracker) == 5
+    traced = jax.jit(lambda s, v: scaler.update(s, new_scale=v))(state, jnp.float32(7.0))
+    assert float(traced.scale) == 7.0
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        (dict(), ValueError, r"no inf checks were recorded prior to update"),
+        (dict(new_scale=0.0), ValueError, r"`new_scale` to be positive and finite"),
+        (dict(new_scale=math.inf), ValueError, r"new_scale=inf"),
+        (dict(found_inf=jnp.ones(2, bool)), ValueError, r"`found_inf` to be a scalar"),
+        (dict(found_inf=jnp.float32(1.0)), TypeError, r"`found_inf` to be a boolean scalar"),
+        (dict(found_inf=[]), ValueError, r"at least one `found_inf`"),
+    ],
+)
+def test_update_errors(kwargs, exc, match):
+    scaler = jamp.GradScaler()
+    with pytest.raises(exc, match=match):
+        scaler.update(scaler.init(), **kwargs)
+
+
+def test_getters_and_setters():
+    scaler = jamp.GradScaler()
+    state = scaler.init()
+    state = scaler.set_growth_factor(state, 4.0)
+    state = scaler.set_backoff_factor(state, 0.25)
+    state = scaler.set_growth_interval(state, 3)
+    assert scaler.get_growth_factor(state) == 4.0
+    assert scaler.get_backoff_factor(state) == 0.25
+    assert scaler.get_growth_interval(state) == 3
+    for _ in range(3):  # found_inf False: three finite steps, growth by 4
+        state = scaler.update(state, jnp.bool_(False))
+    assert float(state.scale) == 2.0**18
+    state = scaler.update(state, jnp.bool_(True))  # found_inf: backoff by 0.25
+    assert float(state.scale) == 2.0**16
+    with pytest.raises(ValueError, match=r"growth_factor=0\.5"):
+        scaler.set_growth_factor(state, 0.5)
+    with pytest.raises(ValueError, match=r"backoff_factor=2\.0"):
+        scaler.set_backoff_factor(state, 2.0)
+    with pytest.raises(ValueError, match=r"growth_interval=0"):
+        scaler.set_growth_interval(state, 0)
+
+
+def test_disabled_is_identity_and_always_steps():
+    scaler = jamp.GradScaler(enabled=False)
+    state = scaler.init()
+    outputs = {"loss": jnp.float16(2.0)}
+    assert scaler.scale(state, outputs) is outputs
+    assert float(scaler.get_scale(state)) == 1.0 and int(scaler.get_growth_tracker(state)) == 0
+    assert scaler.state_dict(state) == {}
+    assert scaler.update(state, jnp.bool_(True)) is state
+    params, tx, opt_state = sgd_problem()
+    grads = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.array([1.0])}
+    new_params, _, found = scaler.step(state, tx, grads, opt_state, params)
+    assert not bool(found) and np.isinf(np.asarray(new_params["w"])[0])  # applied, as torch does
+    assert float(scaler.load_state_dict({"scale": 5.0}).scale) == 1.0  # a no-op, as in torch
+
+
+def test_as_optax():
+    scaler = jamp.GradScaler(init_scale=256.0, growth_interval=5)
+    tx = scaler.as_optax(optax.sgd(0.1))
+    state = tx.init({"w": jnp.ones(2)})
+    ls_state = jamp.get_loss_scale(state)
+    assert float(ls_state.scale) == 256.0 and ls_state.growth_interval == 5
+
+
+# ---------------------------------------------------------------- state_dict
+
+
+def test_state_dict_json_round_trip_continues_identically():
+    scaler = jamp.GradScaler(init_scale=2.0**10, growth_factor=1.1, backoff_factor=0.3, growth_interval=2)
+    state = scaler.init()
+    flags = [True, False, True, True, True, False, True, True]
+    for f in flags[:4]:
+        state = scaler.update(state, jnp.asarray(not f))
+    d = json.loads(json.dumps(scaler.state_dict(state)))
+    assert set(d) == TORCH_KEYS
+    resumed = jamp.GradScaler().load_state_dict(d)  # the dict carries the configuration
+    assert resumed.growth_factor == 1.1 and resumed.backoff_factor == 0.3
+    for f in flags[4:]:
+        state = scaler.update(state, jnp.asarray(not f))
+        resumed = scaler.update(resumed, jnp.asarray(not f))
+        assert _golden.bits_equal(np.asarray(state.scale), np.asarray(resumed.scale))
+        assert int(state.growth_tracker) == int(resumed.growth_tracker)
+
+
+@pytest.mark.parametrize("name", _golden.scenario_names())
+def test_loads_every_torch_state_dict_and_writes_it_back(name):
+    sc = _golden.scenario(name)
+    scaler = jamp.GradScaler()
+    for step in sc["steps"]:
+        d = step["state_dict_after"]
+        if not d:
+            assert not sc["scaler_ctor"]["enabled"]
+            continue
+        d = {k: (_golden.scalar(v) if k != "_growth_tracker" and k != "growth_interval" else v) for k, v in d.items()}
+        if not (ls.MIN_SCALE <= d["scale"] <= ls.MAX_SCALE):
+            with pytest.raises(ValueError, match=r"state_dict\['scale'\]"):
+                scaler.load_state_dict(d)
+            continue
+        state = scaler.load_state_dict(d)
+        assert scaler.state_dict(state) == d
+
+
+@pytest.mark.parametrize(
+    "d,exc,match",
+    [
+        ({}, ValueError, r"The source state dict is empty"),
+        ({"scale": 1.0}, ValueError, r"missing \['growth_factor', 'backoff_factor', 'growth_interval', '_growth_tracker'\]"),
+        ([("scale", 1.0)], TypeError, r"`state_dict` to be a mapping"),
+        (dict(scale=0.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=10, _growth_tracker=0), ValueError, r"collapsed to 0"),
+        (dict(scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=10, _growth_tracker=-1), ValueError, r"_growth_tracker"),
+        (dict(scale=1.0, growth_factor=0.5, backoff_factor=0.5, growth_interval=10, _growth_tracker=0), ValueError, r"growth_factor=0\.5"),
+    ],
+)
+def test_load_state_dict_errors(d, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.GradScaler().load_state_dict(d)
+
+
+# ---------------------------------------------------------------- golden trajectories
+
+
+def optimizer_for(sc):
+    (opt,) = sc["optimizers"]
+    kwargs = opt["kwargs"]
+    if opt["class"].endswith("SGD"):
+        return optax.sgd(kwargs["lr"], momentum=kwargs.get("momentum") or None), (0.0, 0.0)
+    assert opt["class"].endswith("Adam")
+    # torch's for-loop Adam divides and adds eps in another order: within 1e-4 of lr per step.
+    return optax.adam(kwargs["lr"]), (1e-5, 1e-6)
+
+
+def new_scale_of(step):
+    call = step["update_call"]["new_scale"]
+    if call is None:
+        return None
+    if "float" in call:
+        return _golden.scalar(call["float"])
+    return _golden.array(call["tensor"]).reshape(())
+
+
+def assert_params(got, expected, tol):
+    rtol, atol = tol
+    for k, v in expected.items():
+        g = np.asarray(got[k])
+        if rtol == 0.0:
+            assert _golden.bits_equal(g, v), (k, g, v)  # SGD on dyadic data: bit for bit
+        else:
+            np.testing.assert_allclose(g, v, rtol=rtol, atol=atol)
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("path", ["loss_scaling", "grad_scaler"])
+@pytest.mark.parametrize("name", _golden.scenario_names())
+def test_replay_trajectory_with_optimizer(name, path):
+    sc = _golden.scenario(name)
+    ctor = sc["scaler_ctor"]
+    inner, rtol = optimizer_for(sc)
+    scaler = jamp.GradScaler(
+        ctor["init_scale"], ctor["growth_factor"], ctor["backoff_factor"], ctor["growth_interval"], ctor["enabled"]
+    )
+    if path == "loss_scaling" and not ctor["enabled"]:
+        # torch applies inf/NaN steps when disabled; loss_scaling deliberately never does.
+        tx = scaler.as_optax(inner)
+        params = {k: jnp.asarray(_golden.array(v)) for k, v in sc["initial_params"].items()}
+        state = tx.init(params)
+        for step in sc["steps"]:
+            grads = {k: jnp.asarray(_golden.array(v)) for k, v in step["scaled_grads"].items()}
+            updates, state = tx.update(grads, state, params)
+            params = optax.apply_updates(params, updates)
+            assert all(np.isfinite(np.asarray(p)).all() for p in params.values())
+        return
+
+    params = {k: jnp.asarray(_golden.array(v)) for k, v in sc["initial_params"].items()}
+    if path == "loss_scaling":
+        tx = scaler.as_optax(inner)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def run(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, jnp.logical_not(opt_state.last_finite)
+    else:
+        state = scaler.init()
+        opt_state = inner.init(params)
+
+        @jax.jit
+        def run(state, params, opt_state, grads):
+            return scaler.step(state, inner, grads, opt_state, params)
+
+    compared = 0
+    for step in sc["steps"]:
+        grads = {k: jnp.asarray(_golden.array(v)) for k, v in step["scaled_grads"].items()}
+        torch_used = _golden.scalar(step["scale_used"]) if ctor["enabled"] else 1.0
+        in_bounds = ls.MIN_SCALE <= torch_used <= ls.MAX_SCALE
+        if path == "loss_scaling":
+            ls_before = opt_state.loss_scale
+            params, opt_state, found_inf = run(params, opt_state, grads)
+            ls_state = opt_state.loss_scale
+        else:
+            params, opt_state, found_inf = run(state, params, opt_state, grads)
+        torch_opt = step["optimizers"]["opt"]
+        if in_bounds:
+            assert bool(found_inf) == (torch_opt["found_inf"] != 0 and ctor["enabled"]), step["index"]
+            assert_params(params, {k: _golden.array(v) for k, v in torch_opt["params_after"].items()}, rtol)
+            compared += 1
+        # the scale update: dynamic, or update(new_scale=...) as torch was told
+        new_scale = new_scale_of(step)
+        if path == "loss_scaling":
+            if new_scale is not None:
+                # torch's update(new_scale=) replaces the dynamic update: tracker untouched
+                opt_state = opt_state._replace(loss_scale=scaler.update(ls_before, new_scale=new_scale))
+            ls_state = opt_state.loss_scale
+        else:
+            state = scaler.update(state, found_inf, new_scale=new_scale)
+            ls_state = state
+        if not ctor["enabled"]:
+            continue
+        torch_after = _golden.scalar(step["scale_after"])
+        if ls.MIN_SCALE <= torch_after <= ls.MAX_SCALE:
+            assert float(ls_state.scale) == np.float32(torch_after), step["index"]
+            assert int(ls_state.growth_tracker) == step["growth_tracker_after"]
+        else:
+            assert float(ls_state.scale) == ls.MIN_SCALE
+    assert compared >= 4
+    # Nothing is ever lost to NaN, even where torch's parameters became NaN.
+    if ctor["enabled"]:
+        assert all(np.isfinite(np.asarray(p)).all() for p in params.values())
