@@ -15,11 +15,13 @@ from jamp._src.loss_scale import (
     unscale,
     update,
 )
+from jamp._src.report import NonfiniteCount, log_nonfinite, nonfinite_report
 from jamp._src.transform import (
     LossScalingState,
     ScaledValueAndGrad,
     get_loss_scale,
     loss_scaling,
+    metrics,
     value_and_grad,
 )
 
@@ -27,6 +29,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GradScaler",
+    "NonfiniteCount",
+    "log_nonfinite",
+    "metrics",
+    "nonfinite_report",
     "LossScalingState",
     "ScaledValueAndGrad",
     "get_loss_scale",

@@ -36,7 +36,13 @@ def test_readme_commands():
     assert 'pip install -e ".[test]" && pytest' in lines
 
 
-MODULES = ["jamp._src.loss_scale", "jamp._src.finite", "jamp._src.transform", "jamp._src.grad_scaler"]
+MODULES = [
+    "jamp._src.loss_scale",
+    "jamp._src.finite",
+    "jamp._src.report",
+    "jamp._src.transform",
+    "jamp._src.grad_scaler",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

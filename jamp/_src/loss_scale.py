@@ -609,3 +609,22 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
         growth_tracker=jnp.where(finite, tracker_good, jnp.int32(0)),
         overflow_streak=jnp.where(finite, jnp.int32(0), streak_bad),
     )
+
+
+def backoff(state: LossScaleState) -> LossScaleState:
+    """The state after an unconditional backoff (used to retry at a lower scale).
+
+    Unlike ``update(state, False)`` this ignores ``hysteresis``: retrying at the
+    same scale would overflow again. A static or disabled state is returned
+    unchanged.
+    """
+    _check_state(state, "backoff")
+    if not state.is_dynamic:
+        return state
+    lo = jnp.float32(state.min_scale)
+    return dataclasses.replace(
+        state,
+        scale=jnp.maximum(mul_round_once(state.scale, state.backoff_factor), lo),
+        growth_tracker=jnp.zeros((), jnp.int32),
+        overflow_streak=jnp.zeros((), jnp.int32),
+    )

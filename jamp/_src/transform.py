@@ -12,6 +12,7 @@ from jax import lax
 
 from jamp._src import finite as fin
 from jamp._src import loss_scale as ls
+from jamp._src import report
 
 _INT32_MAX = 2**31 - 1
 
@@ -48,6 +49,7 @@ def loss_scaling(
     loss_scale: ls.LossScaleState | None = None,
     *,
     axis_name: Any = None,
+    report_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an Optax transformation so it takes gradients of a *scaled* loss.
 
@@ -68,6 +70,8 @@ def loss_scaling(
       axis_name: a ``pmap``/``shard_map`` axis name (or tuple) over which all
         replicas agree on skipping. Not needed under ``jit`` with sharded
         arrays.
+      report_nonfinite: on skipped steps only, log which gradient leaves held
+        inf/NaN (see :func:`jamp.log_nonfinite`); clean steps are unaffected.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments
@@ -96,6 +100,10 @@ def loss_scaling(
             "Expected `loss_scale` to be a jamp.LossScaleState (jamp.dynamic_loss_scale(), "
             f"static_loss_scale(s) or no_loss_scale()), got {type(loss_scale).__name__} instead."
         )
+    if not isinstance(report_nonfinite, bool):
+        raise TypeError(
+            f"Expected `report_nonfinite` to be a bool, got {report_nonfinite!r} instead."
+        )
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:
@@ -120,6 +128,8 @@ def loss_scaling(
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         def skip() -> tuple[Any, Any]:
+            if report_nonfinite:
+                report.log_nonfinite(grads, prefix="skipped step: ")
             return _zeros_like_output(apply)[0], state.inner_state
 
         new_updates, new_inner = lax.cond(finite, apply, skip)
@@ -142,6 +152,12 @@ def _unwrap(x: Any) -> Any:
     if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
         return x
     return x.get_value()
+
+
+def _unwrapped(tree: Any) -> Any:
+    return jax.tree_util.tree_map(
+        _unwrap, tree, is_leaf=lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
+    )
 
 
 def _find(tree: Any, kind: type) -> list[tuple[Any, Any]]:
@@ -190,10 +206,7 @@ def get_loss_scale(opt_state: Any) -> ls.LossScaleState:
             f"Expected exactly one loss-scale state in `opt_state`, found {len(found)} at "
             f"{paths}; pass the sub-state that holds the one you want."
         )
-    state = found[0][1]
-    return jax.tree_util.tree_map(
-        _unwrap, state, is_leaf=lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
-    )
+    return _unwrapped(found[0][1])
 
 
 # --------------------------------------------------------------------------
@@ -228,6 +241,7 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     axis_name: Any = None,
+    max_retries: int = 0,
 ) -> Callable[..., ScaledValueAndGrad]:
     """``jax.value_and_grad`` of a scaled loss, unscaled and checked in one call.
 
@@ -244,6 +258,15 @@ def value_and_grad(
       has_aux: whether ``fun`` returns ``(loss, aux)``.
       axis_name: a ``pmap``/``shard_map`` axis over which replicas agree on
         ``finite``. Gradients are not averaged: use ``lax.pmean`` for that.
+      max_retries: instead of giving up on an overflow, back the scale off and
+        recompute the loss and gradients, inside the same jitted call (a
+        ``lax.while_loop``), up to this many times. The gradients returned are
+        those of the first finite attempt; ``retries`` says how many
+        recomputations it took. Each retry costs one more forward and
+        backward pass, so it pays when overflows are rare and a batch is
+        expensive to lose; with a static or disabled scale there is nothing
+        to retry. Every failed attempt backs the scale off, ignoring
+        ``hysteresis``.
 
     Returns:
       A function ``(loss_scale, *args, **kwargs) -> ScaledValueAndGrad``.
@@ -257,6 +280,10 @@ def value_and_grad(
     """
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+        raise ValueError(
+            f"Expected `max_retries` to be an int >= 0, got max_retries={max_retries!r} instead."
+        )
 
     def scaled(state: ls.LossScaleState, *args: Any, **kwargs: Any) -> Any:
         out = fun(*args, **kwargs)
@@ -273,15 +300,35 @@ def value_and_grad(
                 f"first argument, got {type(loss_scale).__name__} instead."
             )
         grad_fn = jax.grad(scaled, argnums=_shift(argnums, len(args)), has_aux=True)
-        grads, (loss, aux) = grad_fn(loss_scale, *args, **kwargs)
-        grads, finite = fin.unscale_and_check(loss_scale, grads, axis_name=axis_name)
+
+        def attempt(state: ls.LossScaleState) -> tuple[Any, Any, Any, jax.Array]:
+            grads, (loss, aux) = grad_fn(state, *args, **kwargs)
+            grads, finite = fin.unscale_and_check(state, grads, axis_name=axis_name)
+            return loss, aux, grads, finite
+
+        retries = jnp.zeros((), jnp.int32)
+        loss, aux, grads, finite = attempt(loss_scale)
+        if max_retries and loss_scale.is_dynamic:
+
+            def cond(carry: tuple) -> jax.Array:
+                retries, _, (_, _, _, finite) = carry
+                return jnp.logical_not(finite) & (retries < max_retries)
+
+            def body(carry: tuple) -> tuple:
+                retries, state, _ = carry
+                state = ls.backoff(state)
+                return retries + 1, state, attempt(state)
+
+            retries, loss_scale, (loss, aux, grads, finite) = lax.while_loop(
+                cond, body, (retries, loss_scale, (loss, aux, grads, finite))
+            )
         return ScaledValueAndGrad(
             value=loss,
             aux=aux,
             grads=grads,
             finite=finite,
             loss_scale=ls.update(loss_scale, finite),
-            retries=jnp.zeros((), jnp.int32),
+            retries=retries,
         )
 
     return wrapped
@@ -311,3 +358,45 @@ def _shift(argnums: int | Sequence[int], nargs: int) -> int | tuple[int, ...]:
     if isinstance(argnums, int):
         return one(argnums)
     return tuple(one(a) for a in argnums)
+
+
+def metrics(state: Any) -> dict[str, jax.Array]:
+    """Loss-scaling metrics as a dict of device scalars, ready for any logger.
+
+    Accepts an optimizer state holding a :func:`loss_scaling` state (in any
+    nesting, a Flax ``TrainState`` or an ``nnx.Optimizer``), a bare
+    :class:`jamp.LossScaleState`, or the result of :func:`value_and_grad`.
+    Nothing is read back to the host: convert with ``float()``/``int()`` (or
+    ``jax.device_get``) when you log.
+
+    Returns:
+      ``loss_scale`` and ``growth_tracker``, plus ``last_finite`` and
+      ``skipped_steps`` for an optimizer state, or ``last_finite`` and
+      ``retries`` for a :func:`value_and_grad` result.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> state = jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+      >>> sorted(jamp.metrics(state))
+      ['growth_tracker', 'last_finite', 'loss_scale', 'skipped_steps']
+    """
+    if isinstance(state, ScaledValueAndGrad):
+        return {
+            "loss_scale": state.loss_scale.scale,
+            "growth_tracker": state.loss_scale.growth_tracker,
+            "last_finite": state.finite,
+            "retries": state.retries,
+        }
+    if isinstance(state, ls.LossScaleState):
+        return {"loss_scale": state.scale, "growth_tracker": state.growth_tracker}
+    found = _find(state, LossScalingState)
+    if len(found) == 1:
+        s = _unwrapped(found[0][1])
+        return {
+            "loss_scale": s.loss_scale.scale,
+            "growth_tracker": s.loss_scale.growth_tracker,
+            "last_finite": s.last_finite,
+            "skipped_steps": s.skipped_steps,
+        }
+    ls_state = get_loss_scale(state)  # a clear error for none, or several
+    return {"loss_scale": ls_state.scale, "growth_tracker": ls_state.growth_tracker}

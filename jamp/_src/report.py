@@ -1,0 +1,123 @@
+"""Which leaf overflowed: on-device counts, asynchronous logging, and metrics for loggers."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jamp._src import loss_scale as ls
+
+logger = logging.getLogger("jamp")
+
+
+class NonfiniteCount(NamedTuple):
+    """Per-leaf counts of non-finite entries (int32 scalars on device)."""
+
+    inf: jax.Array
+    nan: jax.Array
+
+
+def _count(path: Any, leaf: Any) -> NonfiniteCount:
+    kind = ls.leaf_kind(path, leaf, "nonfinite_report")
+    if kind != "float":
+        zero = jnp.zeros((), jnp.int32)
+        return NonfiniteCount(zero, zero)
+    x = jnp.asarray(leaf)
+    return NonfiniteCount(
+        inf=jnp.sum(jnp.isinf(x), dtype=jnp.int32),
+        nan=jnp.sum(jnp.isnan(x), dtype=jnp.int32),
+    )
+
+
+def nonfinite_report(tree: Any) -> Any:
+    """Per leaf of ``tree``, how many entries are inf and how many are NaN.
+
+    Computed on device (no host sync); use it in a jitted step and log it, or
+    let :func:`log_nonfinite` do that only on the steps that overflow.
+
+    Args:
+      tree: any pytree of arrays.
+
+    Returns:
+      A pytree of the same structure with a :class:`NonfiniteCount` (int32
+      scalars ``inf`` and ``nan``) in place of each array leaf; non-floating
+      leaves count 0, ``None`` stays ``None``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> r = jamp.nonfinite_report({"w": jnp.array([1.0, jnp.inf, jnp.nan, -jnp.inf])})
+      >>> int(r["w"].inf), int(r["w"].nan)
+      (2, 1)
+    """
+    return jax.tree_util.tree_map_with_path(_count, tree)
+
+
+def _path_name(path: Any) -> str:
+    return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
+
+
+def _emit(prefix: str, names: tuple[str, ...], infs: np.ndarray, nans: np.ndarray) -> None:
+    parts = [
+        f"{name}: {int(i)} inf, {int(n)} nan"
+        for name, i, n in zip(names, np.asarray(infs), np.asarray(nans))
+        if int(i) or int(n)
+    ]
+    if parts:
+        logger.warning("%snon-finite values in %s", prefix, "; ".join(parts))
+
+
+def log_nonfinite(
+    tree: Any, *, every: int = 1, count: Any = None, prefix: str = ""
+) -> jax.Array:
+    """Log the paths of leaves holding inf/NaN, only on steps that have them.
+
+    Inside a jitted step, the counts are computed on device and, only when a
+    leaf is non-finite, sent to Python's ``logging`` (logger ``"jamp"``,
+    level WARNING) through an asynchronous ``jax.debug.callback``, e.g.
+    ``params/Dense_3/kernel: 12 inf, 0 nan``. Clean steps pay for one
+    reduction per leaf and a branch, and never call back to the host.
+
+    Args:
+      tree: the gradients (or any pytree of arrays).
+      every: log only every ``every``-th overflow, counted by ``count``.
+      count: an int scalar (e.g. ``opt_state.skipped_steps``) numbering the
+        overflows; required when ``every > 1``.
+      prefix: text put in front of the message (a step number, a model name).
+
+    Returns:
+      A bool scalar: whether the tree was all finite.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> finite = jax.jit(jamp.log_nonfinite)({"w": jnp.ones(2)})
+      >>> bool(finite)
+      True
+    """
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"Expected `every` to be an int >= 1, got every={every!r} instead.")
+    if every > 1 and count is None:
+        raise ValueError("Expected `count` (an int scalar numbering overflows) when `every` > 1.")
+    report = nonfinite_report(tree)
+    is_count = lambda x: isinstance(x, NonfiniteCount)  # noqa: E731
+    flat, _ = jax.tree_util.tree_flatten_with_path(report, is_leaf=is_count)
+    flat = [(p, c) for p, c in flat if isinstance(c, NonfiniteCount)]
+    if not flat:
+        return jnp.asarray(True)
+    names = tuple(_path_name(p) for p, _ in flat)
+    infs = jnp.stack([c.inf for _, c in flat])
+    nans = jnp.stack([c.nan for _, c in flat])
+    bad = jnp.any((infs + nans) > 0)
+    fire = bad
+    if every > 1:
+        fire = fire & (jnp.asarray(count) % every == 0)
+
+    def send() -> None:
+        jax.debug.callback(lambda i, n: _emit(prefix, names, i, n), infs, nans)
+
+    lax.cond(fire, send, lambda: None)
+    return jnp.logical_not(bad)
