@@ -22,7 +22,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 
 from jamp._src import finite as fin
 from jamp._src import loss_scale as ls
@@ -203,7 +202,9 @@ class GradScaler:
             updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), new_opt_state
 
-        new_params, new_opt_state = lax.cond(finite, apply, lambda: (params, opt_state))
+        new_params, new_opt_state = transform.cond_or_keep(
+            finite, apply, lambda: (params, opt_state)
+        )
         return new_params, new_opt_state, jnp.logical_not(finite)
 
     def update(

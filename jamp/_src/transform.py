@@ -39,6 +39,33 @@ def saturating_increment(count: jax.Array, where: jax.Array) -> jax.Array:
     return jnp.where(where & (count < _INT32_MAX), count + 1, count)
 
 
+def _varying_axes(x: Any) -> frozenset:
+    manual = getattr(x, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def match_varying(tree: Any, like: Any) -> Any:
+    """Mark ``tree``'s leaves as varying over the ``shard_map`` axes ``like``'s vary over.
+
+    Under ``shard_map`` (with its default ``check_vma=True``) both branches of a
+    ``lax.cond`` must agree on which manual axes each output varies over; the
+    "skip" branch returns zeros or the old state, which may not vary where
+    the updated values do.
+    """
+
+    def one(x: Any, shape: Any) -> Any:
+        missing = _varying_axes(shape) - _varying_axes(jax.typeof(x))
+        return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree_util.tree_map(one, tree, like)
+
+
+def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[], Any]) -> Any:
+    """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s."""
+    shapes = jax.eval_shape(apply)
+    return lax.cond(pred, apply, lambda: match_varying(keep(), shapes))
+
+
 def _zeros_like_output(fn: Callable[[], Any]) -> Any:
     shapes = jax.eval_shape(fn)
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -132,7 +159,7 @@ def loss_scaling(
                 report.log_nonfinite(grads, prefix="skipped step: ")
             return _zeros_like_output(apply)[0], state.inner_state
 
-        new_updates, new_inner = lax.cond(finite, apply, skip)
+        new_updates, new_inner = cond_or_keep(finite, apply, skip)
         return new_updates, LossScalingState(
             loss_scale=ls.update(state.loss_scale, finite),
             inner_state=new_inner,

@@ -1,0 +1,543 @@
+"""Loss scaling across devices and processes: every replica takes the same skip decision.
+
+* ``jit`` with ``NamedSharding`` on a mesh of the 8 virtual CPU devices,
+  data-parallel and FSDP-style, with an overflow in one shard's rows only;
+* ``jax.shard_map`` and ``jax.pmap`` with per-replica gradients (no ``pmean``)
+  and ``loss_scaling(..., axis_name="data")``, and the same steps without
+  ``axis_name`` to show the replicas would otherwise disagree;
+* two processes on JAX's distributed runtime with gloo CPU collectives
+  (``tests/_multiprocess_worker.py``), compared bit for bit.
+"""
+
+import functools
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jamp
+
+N_DEV = 8
+ROWS_PER_DEV = 2
+BATCH = N_DEV * ROWS_PER_DEV
+FEATURES = 3
+HIDDEN = 4
+BAD_DEV = 5  # the one device (shard / replica) whose rows overflow
+BAD_ROW = BAD_DEV * ROWS_PER_DEV + 1  # a row of BAD_DEV's shard of the batch
+HUGE = 1.0e5  # finite in float32, inf once the model casts it to float16
+INIT_SCALE = 2.0**8
+WORKER = Path(__file__).with_name("_multiprocess_worker.py")
+
+
+# ------------------------------------------------------------------ helpers
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def tree_same_bits(a, b):
+    la, ta = jax.tree.flatten(a)
+    lb, tb = jax.tree.flatten(b)
+    return ta == tb and all(same_bits(x, y) for x, y in zip(la, lb))
+
+
+def host(tree):
+    return jax.tree.map(np.asarray, tree)
+
+
+def mesh8():
+    devices = jax.devices()
+    assert len(devices) == N_DEV, f"conftest should give {N_DEV} CPU devices, got {devices}"
+    return Mesh(np.array(devices), ("data",))
+
+
+def put(tree, sharding):
+    return jax.tree.map(lambda a: jax.device_put(a, sharding), tree)
+
+
+def batch(seed, bad):
+    """``(x, y)`` with BATCH rows; with ``bad``, row BAD_ROW overflows in float16."""
+    rng = np.random.default_rng(seed)
+    x = rng.uniform(-1.0, 1.0, (BATCH, FEATURES)).astype(np.float32)
+    y = rng.uniform(-1.0, 1.0, (BATCH,)).astype(np.float32)
+    if bad:
+        x[BAD_ROW, 0] = HUGE
+    return x, y
+
+
+def dense_params():
+    rng = np.random.default_rng(0)
+    return {
+        "w1": rng.uniform(-1.0, 1.0, (FEATURES, HIDDEN)).astype(np.float32),
+        "b1": rng.uniform(-0.1, 0.1, (HIDDEN,)).astype(np.float32),
+        "w2": rng.uniform(-1.0, 1.0, (HIDDEN,)).astype(np.float32),
+    }
+
+
+def dense_loss(params, x, y):
+    """A tiny MLP in float16 with float32 master weights and a float32 loss."""
+    p16 = jax.tree.map(lambda a: a.astype(jnp.float16), params)
+    h = jnp.tanh(jnp.asarray(x).astype(jnp.float16) @ p16["w1"] + p16["b1"][None, :])
+    pred = h @ p16["w2"]
+    return jnp.mean(jnp.square(pred.astype(jnp.float32) - y))
+
+
+def make_step(tx, loss_fn):
+    @jax.jit
+    def step(params, opt_state, x, y):
+        ls = jamp.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: jamp.scale(ls, loss_fn(p, x, y)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+def assert_shards_unchanged(new, old):
+    """Every addressable shard of every leaf of ``new`` equals ``old`` bit for bit."""
+    for (path, n), o in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old)):
+        o = np.asarray(o)
+        shards = n.addressable_shards
+        assert len({s.device for s in shards}) == N_DEV, jax.tree_util.keystr(path)
+        for s in shards:
+            assert same_bits(s.data, o[s.index]), (
+                f"{jax.tree_util.keystr(path)} changed on {s.device} (shard {s.index})"
+            )
+
+
+def assert_shards_changed(new, old):
+    """Every addressable shard of every leaf of ``new`` differs from ``old`` everywhere."""
+    for (path, n), o in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old)):
+        o = np.asarray(o)
+        for s in n.addressable_shards:
+            d = np.asarray(s.data)
+            assert np.all(np.isfinite(d)), f"{jax.tree_util.keystr(path)} on {s.device}"
+            assert np.all(d != o[s.index]), (
+                f"{jax.tree_util.keystr(path)} not updated on {s.device} (shard {s.index})"
+            )
+
+
+def assert_overflow_in_one_shard(x):
+    """The injected overflow really lives in the rows of exactly one device's shard."""
+    bad = []
+    for s in x.addressable_shards:
+        if np.any(np.abs(np.asarray(s.data)) > np.finfo(np.float16).max):
+            bad.append(s.index[0])
+    assert bad == [slice(BAD_DEV * ROWS_PER_DEV, (BAD_DEV + 1) * ROWS_PER_DEV)], bad
+
+
+def adam_count(opt_state):
+    return int(opt_state.inner_state[0].count)
+
+
+def check_sharded_training(params, sharding_of, step, tx):
+    """clean step, overflow in one shard (skipped everywhere), clean step."""
+    mesh = mesh8()
+    batch_sh = NamedSharding(mesh, P("data"))
+    params = {k: jax.device_put(v, sharding_of(k)) for k, v in params.items()}
+    opt_state = jax.jit(tx.init)(params)
+
+    x, y = put(batch(1, bad=False), batch_sh)
+    params, opt_state = step(params, opt_state, x, y)
+    assert bool(opt_state.last_finite) and int(opt_state.skipped_steps) == 0
+    assert adam_count(opt_state) == 1
+    for k, v in params.items():
+        assert v.sharding.is_equivalent_to(sharding_of(k), v.ndim), (k, v.sharding)
+
+    # The overflow: one row of one shard. The same step without it is finite.
+    x_bad, y_bad = put(batch(2, bad=True), batch_sh)
+    assert_overflow_in_one_shard(x_bad)
+    x_ok, y_ok = put(batch(2, bad=False), batch_sh)
+    _, probe = step(params, opt_state, x_ok, y_ok)
+    assert bool(probe.last_finite), "the step must overflow only because of the injected row"
+
+    before_params, before_inner = host(params), host(opt_state.inner_state)
+    params, opt_state = step(params, opt_state, x_bad, y_bad)
+    assert not bool(opt_state.last_finite)
+    assert int(opt_state.skipped_steps) == 1
+    assert float(jamp.get_loss_scale(opt_state).scale) == INIT_SCALE / 2
+    assert adam_count(opt_state) == 1
+    assert tree_same_bits(host(opt_state.inner_state), before_inner)
+    assert_shards_unchanged(params, before_params)
+    assert_shards_unchanged(opt_state.inner_state[0].mu, before_inner[0].mu)
+    for k, v in params.items():
+        assert v.sharding.is_equivalent_to(sharding_of(k), v.ndim), (k, v.sharding)
+
+    # A clean step afterwards applies on every device.
+    x, y = put(batch(3, bad=False), batch_sh)
+    before_params = host(params)
+    params, opt_state = step(params, opt_state, x, y)
+    assert bool(opt_state.last_finite) and int(opt_state.skipped_steps) == 1
+    assert adam_count(opt_state) == 2
+    assert float(jamp.get_loss_scale(opt_state).scale) == INIT_SCALE / 2
+    assert_shards_changed(params, before_params)
+
+
+# ------------------------------------------------------ 1. jit + NamedSharding
+
+
+@pytest.mark.standard_promotion  # optax.adam's `decay ** count` is rejected by strict promotion
+def test_jit_data_parallel_one_shard_overflows_every_device_skips():
+    mesh = mesh8()
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(INIT_SCALE))
+    replicated = NamedSharding(mesh, P())
+    check_sharded_training(dense_params(), lambda k: replicated, make_step(tx, dense_loss), tx)
+
+
+def embedding_loss(params, x, y):
+    """Row b of the batch reads row b of the table, so each device's rows of
+    the gradient come from its own rows of the batch: the overflow makes only
+    BAD_DEV's shard of the table's gradient non-finite."""
+    t16 = params["table"].astype(jnp.float16)
+    ids = jnp.arange(BATCH, dtype=jnp.int32)
+    pred = jnp.sum(t16[ids] * jnp.asarray(x).astype(jnp.float16), axis=-1) + params["b"].astype(
+        jnp.float16
+    )
+    return jnp.mean(jnp.square(pred.astype(jnp.float32) - y))
+
+
+@pytest.mark.standard_promotion  # optax.adam, as above
+def test_jit_fsdp_params_sharded_one_shard_overflows_every_device_skips():
+    mesh = mesh8()
+    rng = np.random.default_rng(4)
+    params = {
+        "table": rng.uniform(-1.0, 1.0, (BATCH, FEATURES)).astype(np.float32),
+        "b": np.array([0.25], np.float32),
+    }
+    shardings = {"table": NamedSharding(mesh, P("data", None)), "b": NamedSharding(mesh, P())}
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(INIT_SCALE))
+
+    # The premise: only BAD_DEV's rows of the table's (scaled) gradient overflow.
+    x_bad, y_bad = batch(2, bad=True)
+    g = jax.grad(embedding_loss)({k: jnp.asarray(v) for k, v in params.items()}, x_bad, y_bad)
+    bad_rows = np.flatnonzero(~np.all(np.isfinite(np.asarray(g["table"])), axis=1))
+    assert bad_rows.tolist() == [BAD_ROW]
+
+    check_sharded_training(params, shardings.__getitem__, make_step(tx, embedding_loss), tx)
+
+
+# ------------------------------------------- 2. shard_map and pmap, axis_name
+
+
+def replica_step(tx, params, opt_state, x, y):
+    """One replica's step on its own rows: gradients NOT averaged across replicas."""
+    ls = jamp.get_loss_scale(opt_state)
+    grads = jax.grad(lambda p: jamp.scale(ls, dense_loss(p, x, y)))(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    return new_params, {
+        "last_finite": opt_state.last_finite,
+        "skipped_steps": opt_state.skipped_steps,
+        "scale": jamp.get_loss_scale(opt_state).scale,
+        "trace": opt_state.inner_state[0].trace,
+    }
+
+
+def make_tx(axis_name):
+    # SGD with momentum (strict dtype promotion holds throughout): the momentum
+    # trace is the inner state a skipped replica must leave untouched.
+    return jamp.loss_scaling(
+        optax.sgd(1e-2, momentum=0.9), jamp.dynamic_loss_scale(INIT_SCALE), axis_name=axis_name
+    )
+
+
+def shard_map_step(axis_name, own_copy=True, check_vma=True):
+    """Each replica steps on its own rows and returns its results stacked on "data".
+
+    With ``own_copy`` every replica holds its own copy of the parameters
+    (in_specs ``P("data")``, as under ``pmap``), so its gradients are its own.
+    Otherwise (in_specs ``P()``) the parameters are invariant across "data"
+    and JAX transposes the implicit ``pvary`` into a ``psum``: the gradients
+    are already summed.
+    """
+    mesh = mesh8()
+    tx = make_tx(axis_name)
+
+    def per_replica(params, x, y):
+        if own_copy:
+            params = jax.tree.map(lambda a: jnp.squeeze(a, 0), params)
+        opt_state = tx.init(params)
+        new_params, info = replica_step(tx, params, opt_state, x, y)
+        return jax.tree.map(lambda a: jnp.expand_dims(a, 0), (new_params, info))
+
+    mapped = jax.jit(
+        jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(P("data") if own_copy else P(), P("data"), P("data")),
+            out_specs=P("data"),
+            check_vma=check_vma,
+        )
+    )
+
+    def run(params, x, y):
+        if own_copy:
+            params = jax.tree.map(lambda a: np.broadcast_to(a, (N_DEV, *a.shape)), params)
+        return mapped(params, x, y)
+
+    return run
+
+
+def pmap_step(axis_name):
+    tx = make_tx(axis_name)
+
+    def per_replica(params, x, y):
+        return replica_step(tx, params, tx.init(params), x, y)
+
+    mapped = jax.pmap(per_replica, axis_name="data", in_axes=(None, 0, 0))
+
+    def run(params, x, y):
+        return mapped(
+            params,
+            x.reshape(N_DEV, ROWS_PER_DEV, FEATURES),
+            y.reshape(N_DEV, ROWS_PER_DEV),
+        )
+
+    return run
+
+
+MAPPERS = [
+    pytest.param(functools.partial(shard_map_step, check_vma=False), id="shard_map_no_vma"),
+    pytest.param(pmap_step, id="pmap"),
+]
+
+
+def check_replicas(new_params, info, params, skipped):
+    """Replica r skipped iff ``skipped[r]``; its params are then bit-identical."""
+    skipped = np.asarray(skipped)
+    np.testing.assert_array_equal(np.asarray(info["last_finite"]), ~skipped)
+    np.testing.assert_array_equal(np.asarray(info["skipped_steps"]), skipped.astype(np.int32))
+    np.testing.assert_array_equal(
+        np.asarray(info["scale"]), np.where(skipped, INIT_SCALE / 2, INIT_SCALE).astype(np.float32)
+    )
+    for k, p in params.items():
+        stacked = np.asarray(new_params[k])
+        trace = np.asarray(info["trace"][k])
+        assert stacked.shape == trace.shape == (N_DEV, *p.shape), k
+        for r in range(N_DEV):
+            if skipped[r]:
+                assert same_bits(stacked[r], p), f"{k} changed on skipping replica {r}"
+                assert same_bits(trace[r], np.zeros_like(p)), f"{k}'s momentum moved on {r}"
+            else:
+                assert np.all(np.isfinite(trace[r])) and np.all(trace[r] != 0), (k, r)
+                assert np.all(np.isfinite(stacked[r])) and np.all(stacked[r] != p), (
+                    f"{k} not updated on replica {r}"
+                )
+
+
+def check_mapped_skip(mapper):
+    params = dense_params()
+    x, y = batch(2, bad=True)
+
+    # The premise: the replicas' gradients differ, and only BAD_DEV's overflow.
+    grads = [
+        jax.grad(dense_loss)(
+            params,
+            x[r * ROWS_PER_DEV : (r + 1) * ROWS_PER_DEV],
+            y[r * ROWS_PER_DEV : (r + 1) * ROWS_PER_DEV],
+        )
+        for r in range(N_DEV)
+    ]
+    finite = [bool(jamp.all_finite(g)) for g in grads]
+    assert finite == [r != BAD_DEV for r in range(N_DEV)]
+    assert not same_bits(grads[0]["w1"], grads[1]["w1"])
+
+    # With axis_name every replica skips...
+    new_params, info = mapper("data")(params, x, y)
+    check_replicas(new_params, info, params, skipped=[True] * N_DEV)
+
+    # ...without it, only the replica that overflowed does: they disagree.
+    new_params, info = mapper(None)(params, x, y)
+    check_replicas(new_params, info, params, skipped=[r == BAD_DEV for r in range(N_DEV)])
+
+    # A clean step applies on every replica, with axis_name.
+    x, y = batch(3, bad=False)
+    new_params, info = mapper("data")(params, x, y)
+    check_replicas(new_params, info, params, skipped=[False] * N_DEV)
+
+
+@pytest.mark.parametrize("mapper", MAPPERS)
+def test_mapped_axis_name_every_replica_skips_when_one_overflows(mapper):
+    check_mapped_skip(mapper)
+
+
+def test_shard_map_replicated_params_grads_already_summed():
+    """Contrast: with parameters invariant across "data" (in_specs P()), the
+    gradients are psum'd by JAX's transpose, so even without axis_name every
+    replica sees the overflow. This is why the test above gives each replica
+    its own copy: only then do the replicas' gradients really differ."""
+    params = dense_params()
+    x, y = batch(2, bad=True)
+    new_params, info = shard_map_step(None, own_copy=False)(params, x, y)
+    check_replicas(new_params, info, params, skipped=[True] * N_DEV)
+    x, y = batch(3, bad=False)
+    new_params, info = shard_map_step(None, own_copy=False)(params, x, y)
+    check_replicas(new_params, info, params, skipped=[False] * N_DEV)
+
+
+# ------------------------------------------ 3. two processes, gloo collectives
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(num_processes=2, timeout=120):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"  # replaces conftest's 8
+    env["JAX_PLATFORMS"] = "cpu"
+    env.pop("JAX_NUM_CPU_DEVICES", None)
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(num_processes), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for i in range(num_processes)
+    ]
+    outputs = []
+    deadline = time.monotonic() + timeout
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            outputs.append((p.returncode, out, err))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    results = []
+    for i, (rc, out, err) in enumerate(outputs):
+        assert rc == 0, f"worker {i} exited with {rc}:\n{err[-4000:]}"
+        lines = [ln for ln in out.splitlines() if ln.startswith("JAMP_RESULT ")]
+        assert len(lines) == 1, f"worker {i} printed no result:\n{out[-2000:]}\n{err[-2000:]}"
+        results.append(json.loads(lines[0][len("JAMP_RESULT ") :]))
+    return results
+
+
+def reference_run(worker):
+    """The same training in this process, on its 8 devices, from both processes' data."""
+    tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(2.0**10, growth_interval=2))
+    params = {
+        "w": jnp.array([0.5, -0.25, 0.125], jnp.float32),
+        "b": jnp.array(0.0625, jnp.float32),
+    }
+    batch_sh = NamedSharding(mesh8(), P("data"))
+    params = put(params, NamedSharding(mesh8(), P()))
+    opt_state = tx.init(params)
+    step = make_step(tx, worker.loss_fn)
+    out = []
+    for s in range(worker.STEPS):
+        parts = [worker.local_batch(s, pid, 4) for pid in range(2)]
+        x = jax.device_put(np.concatenate([p[0] for p in parts]), batch_sh)
+        y = jax.device_put(np.concatenate([p[1] for p in parts]), batch_sh)
+        params, opt_state = step(params, opt_state, x, y)
+        scale = float(jamp.get_loss_scale(opt_state).scale).hex()
+        out.append((bool(opt_state.last_finite), scale, host(params)))
+    return out
+
+
+def test_two_processes_gloo_skip_together_and_stay_identical():
+    r0, r1 = run_workers()
+    for i, r in enumerate((r0, r1)):
+        assert r["process_index"] == i
+        assert (r["process_count"], r["device_count"], r["local_device_count"]) == (2, 8, 4)
+        assert r["collectives"] == "gloo"
+
+    import _multiprocess_worker as worker
+
+    # The overflow was in process 0's local data only, at BAD_STEP only.
+    for pid, r in enumerate((r0, r1)):
+        want = [pid == 0 and s == worker.BAD_STEP for s in range(worker.STEPS)]
+        assert [s.pop("local_overflow") for s in r["steps"]] == want
+
+    # Every device of both processes skipped that step, and only that one.
+    for r in (r0, r1):
+        for s, rec in enumerate(r["steps"]):
+            assert rec["last_finite"] == [s != worker.BAD_STEP] * 4, (r["process_index"], rec)
+            assert rec["skipped_steps"] == [int(s >= worker.BAD_STEP)] * 4, rec
+
+    # Bit-identical histories: flags, counters, scale and parameters after every step.
+    assert r0["steps"] == r1["steps"]
+    steps = r0["steps"]
+    bad = steps[worker.BAD_STEP]
+    prev = steps[worker.BAD_STEP - 1]
+    assert bad["scaled_loss"] == "inf"
+    assert (bad["w"], bad["b"]) == (prev["w"], prev["b"]), "the skipped step changed params"
+    assert float.fromhex(bad["scale"]) == float.fromhex(prev["scale"]) / 2
+    for s in range(1, worker.STEPS):
+        if s != worker.BAD_STEP:
+            assert steps[s]["w"] != steps[s - 1]["w"], f"clean step {s} did not apply"
+
+    # And they agree with a one-process run over the same global batches: the
+    # same decisions and scales exactly; the parameters up to float16 rounding
+    # (the partial sums of the float16 forward/backward pass are grouped
+    # differently across gloo's 2x4 devices than on one process's 8).
+    ref = reference_run(worker)
+    assert [(f, sc) for f, sc, _ in ref] == [(s["last_finite"][0], s["scale"]) for s in steps]
+    for (_, _, p), s in zip(ref, steps):
+        got = {k: np.array([float.fromhex(h) for h in s[k]], np.float32) for k in ("w", "b")}
+        np.testing.assert_allclose(got["w"], p["w"], rtol=0, atol=5e-4)
+        np.testing.assert_allclose(got["b"], p["b"].reshape(-1), rtol=0, atol=5e-4)
+
+
+# ---------------------------------- shard_map with check_vma (default) on
+
+
+def test_shard_map_checked_vma_per_replica_grads():
+    """As test_mapped_axis_name_..., under shard_map's default check_vma=True,
+    where each replica's parameters and gradients are typed as varying over
+    "data": the skip branch of loss_scaling's lax.cond must produce values of
+    the same (varying) type as the apply branch."""
+    check_mapped_skip(shard_map_step)
+
+
+@pytest.mark.parametrize("path", ["loss_scaling", "grad_scaler"])
+def test_shard_map_shared_state_per_replica_grads(path):
+    """Optimizer state and params passed in shared (P()), gradients differing per
+    replica: the kept state of the skip branch must be typed like the updated one."""
+    mesh = mesh8()
+    scaler = jamp.GradScaler(init_scale=4.0)
+    tx = jamp.loss_scaling(optax.sgd(0.1, momentum=0.9), scaler.init(), axis_name="data")
+    inner = optax.sgd(0.1, momentum=0.9)
+    w = jnp.ones((2,))
+    x = np.ones((8, 2), np.float32)
+    x[3, 1] = np.inf  # only replica 3
+
+    def local(w, x):
+        if path == "loss_scaling":
+            st = tx.init(w)
+            g = jax.grad(lambda w: jamp.scale(jamp.get_loss_scale(st), jnp.sum(w * x[0])))(w)
+            u, st = tx.update(g, st, w)
+            return (w + u)[None], st.last_finite[None]
+        state, opt_state = scaler.init(), inner.init(w)
+        g = jax.grad(lambda w: scaler.scale(state, jnp.sum(w * x[0])))(w)
+        g, found_inf = scaler.unscale(state, g)
+        found_inf = jax.lax.pmax(found_inf.astype(jnp.int32), "data") > 0
+        new_w, _, found = scaler.step(state, inner, g, opt_state, w, found_inf=found_inf)
+        return new_w[None], jnp.logical_not(found)[None]
+
+    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data"))))
+    new_w, finite = f(w, jnp.asarray(x))
+    assert not np.asarray(finite).any()
+    np.testing.assert_array_equal(np.asarray(new_w), np.ones((8, 2)))
+    new_w, finite = f(w, jnp.ones((8, 2)))
+    assert np.asarray(finite).all() and not np.array_equal(np.asarray(new_w), np.ones((8, 2)))
