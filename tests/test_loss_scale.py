@@ -231,7 +231,9 @@ def test_unscale_inverts_scale_for_powers_of_two(dtype, exponent, data):
     scaled = jamp.scale(state, jnp.asarray(x))
     back = jamp.unscale(state, scaled)
     assert back.dtype == x.dtype
-    if bool(jamp.all_finite(scaled)):
+    # Exact while the scaled values stay normal numbers of their dtype.
+    s = np.abs(np.asarray(scaled).astype(np.float32))
+    if np.isfinite(s).all() and ((s == 0) | (s >= float(jnp.finfo(dtype).tiny))).all():
         np.testing.assert_array_equal(np.asarray(back), x)
 
 

@@ -11,7 +11,8 @@ each gradient once.
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -106,20 +107,6 @@ def unscale_and_check(
     return unscaled, all_finite(unscaled, axis_name=axis_name)
 
 
-def _check_pred(pred: Any) -> jax.Array:
-    if isinstance(pred, bool):
-        return jnp.asarray(pred)
-    dtype, shape = getattr(pred, "dtype", None), getattr(pred, "shape", None)
-    if dtype != jnp.bool_ or shape is None:
-        raise TypeError(
-            f"Expected `pred` to be a boolean scalar, got {type(pred).__name__}"
-            f"{'' if dtype is None else f' of dtype {dtype}'} instead."
-        )
-    if tuple(shape) != ():
-        raise ValueError(f"Expected `pred` to be a scalar, got shape {tuple(shape)} instead.")
-    return pred
-
-
 def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
     """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
 
@@ -133,7 +120,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
       >>> jamp.select_tree(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
       {'a': Array([0., 0.], dtype=float32)}
     """
-    pred = _check_pred(pred)
+    pred = ls.check_bool_scalar(pred, "pred", "e.g. from jamp.all_finite")
     t_true = jax.tree_util.tree_structure(on_true)
     t_false = jax.tree_util.tree_structure(on_false)
     if t_true != t_false:

@@ -5,10 +5,11 @@ The scaler is an immutable, hashable configuration; the state lives in a
 PyTorch training loop ports line by line::
 
     torch                                   jamp
-    scaler = GradScaler()                   scaler = jamp.GradScaler(); state = scaler.init()
-    scaler.scale(loss).backward()           grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
-    scaler.step(optimizer)                  params, opt_state, found_inf = scaler.step(state, tx, grads, opt_state, params)
-    scaler.update()                         state = scaler.update(state, found_inf)
+    scaler = GradScaler()          scaler = jamp.GradScaler(); state = scaler.init()
+    scaler.scale(loss).backward()  grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
+    scaler.step(optimizer)         params, opt_state, found_inf = scaler.step(
+                                       state, tx, grads, opt_state, params)
+    scaler.update()                state = scaler.update(state, found_inf)
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -40,10 +42,7 @@ def _found_inf_flag(found_inf: Any) -> jax.Array:
         for f in flags[1:]:
             out = out | f
         return out
-    try:
-        return ls._check_finite_flag(found_inf)
-    except (TypeError, ValueError) as e:
-        raise type(e)(str(e).replace("`finite`", "`found_inf`")) from None
+    return ls.check_bool_scalar(found_inf, "found_inf", "from scaler.step or scaler.unscale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +239,9 @@ class GradScaler:
             )
         return ls.update(state, jnp.logical_not(_found_inf_flag(found_inf)))
 
-    def as_optax(self, inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    def as_optax(
+        self, inner: optax.GradientTransformation
+    ) -> optax.GradientTransformationExtraArgs:
         """The same scaler as an Optax transformation: :func:`jamp.loss_scaling`.
 
         When disabled, the transformation scales by 1 but still skips
@@ -298,7 +299,9 @@ class GradScaler:
                 f"{tracker!r} instead."
             )
         scale_value = state_dict["scale"]
-        if _is_number(scale_value) and not (math.isfinite(float(scale_value)) and float(scale_value) > 0):
+        if _is_number(scale_value) and not (
+            math.isfinite(float(scale_value)) and float(scale_value) > 0
+        ):
             raise ValueError(
                 f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r} "
                 "instead; a PyTorch scaler whose scale collapsed to 0 cannot be resumed."
@@ -315,4 +318,3 @@ class GradScaler:
 
 def _is_number(x: Any) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
-

@@ -249,8 +249,7 @@ def dynamic_loss_scale(
     hi = _check_bound("max_scale", _scalar_float("max_scale", max_scale))
     if lo > hi:
         raise ValueError(
-            f"Expected `min_scale` <= `max_scale`, got min_scale={lo!r} > max_scale={hi!r} "
-            "instead."
+            f"Expected `min_scale` <= `max_scale`, got min_scale={lo!r} > max_scale={hi!r} instead."
         )
     init = _check_scale("init_scale", init_scale, lo, hi)
     return _make_state(
@@ -538,27 +537,28 @@ def mul_round_once(s: jax.Array, factor: float) -> jax.Array:
     return jnp.where(biased <= 0, jnp.float32(0.0), out)
 
 
-def _check_finite_flag(finite: Any) -> jax.Array:
-    if isinstance(finite, bool):
-        return jnp.asarray(finite)
-    dtype = getattr(finite, "dtype", None)
-    shape = getattr(finite, "shape", None)
+def check_bool_scalar(value: Any, name: str, source: str) -> jax.Array:
+    """``value`` as a boolean scalar array, or a TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool):
+        return jnp.asarray(value)
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
     if dtype is None or shape is None:
         raise TypeError(
-            f"Expected `finite` to be a boolean scalar array (from jamp.all_finite), got "
-            f"{type(finite).__name__} instead."
+            f"Expected `{name}` to be a boolean scalar array ({source}), got "
+            f"{type(value).__name__} instead."
         )
     if dtype != jnp.bool_:
         raise TypeError(
-            f"Expected `finite` to be a boolean scalar, got dtype {dtype} instead; "
-            "pass the flag from jamp.all_finite / jamp.unscale_and_check."
+            f"Expected `{name}` to be a boolean scalar, got dtype {dtype} instead; pass the "
+            f"flag {source}."
         )
     if tuple(shape) != ():
         raise ValueError(
-            f"Expected `finite` to be a scalar (shape ()), got shape {tuple(shape)} instead; "
+            f"Expected `{name}` to be a scalar (shape ()), got shape {tuple(shape)} instead; "
             "reduce it over the whole tree with jamp.all_finite."
         )
-    return finite
+    return value
 
 
 def update(state: LossScaleState, finite: Any) -> LossScaleState:
@@ -584,7 +584,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
       4.0
     """
     _check_state(state, "update")
-    finite = _check_finite_flag(finite)
+    finite = check_bool_scalar(finite, "finite", "from jamp.all_finite / jamp.unscale_and_check")
     if not state.is_dynamic:
         return state
     s, tracker, streak = state.scale, state.growth_tracker, state.overflow_streak

@@ -64,16 +64,14 @@ def _path_name(path: Any) -> str:
 def _emit(prefix: str, names: tuple[str, ...], infs: np.ndarray, nans: np.ndarray) -> None:
     parts = [
         f"{name}: {int(i)} inf, {int(n)} nan"
-        for name, i, n in zip(names, np.asarray(infs), np.asarray(nans))
+        for name, i, n in zip(names, np.asarray(infs), np.asarray(nans), strict=True)
         if int(i) or int(n)
     ]
     if parts:
         logger.warning("%snon-finite values in %s", prefix, "; ".join(parts))
 
 
-def log_nonfinite(
-    tree: Any, *, every: int = 1, count: Any = None, prefix: str = ""
-) -> jax.Array:
+def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str = "") -> jax.Array:
     """Log the paths of leaves holding inf/NaN, only on steps that have them.
 
     Inside a jitted step, the counts are computed on device and, only when a
@@ -103,8 +101,9 @@ def log_nonfinite(
     if every > 1 and count is None:
         raise ValueError("Expected `count` (an int scalar numbering overflows) when `every` > 1.")
     report = nonfinite_report(tree)
-    is_count = lambda x: isinstance(x, NonfiniteCount)  # noqa: E731
-    flat, _ = jax.tree_util.tree_flatten_with_path(report, is_leaf=is_count)
+    flat, _ = jax.tree_util.tree_flatten_with_path(
+        report, is_leaf=lambda x: isinstance(x, NonfiniteCount)
+    )
     flat = [(p, c) for p, c in flat if isinstance(c, NonfiniteCount)]
     if not flat:
         return jnp.asarray(True)

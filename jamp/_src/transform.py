@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -364,7 +365,9 @@ def value_and_grad(
 def _check_argnums(argnums: Any) -> None:
     ok = isinstance(argnums, int) and not isinstance(argnums, bool)
     if isinstance(argnums, Sequence) and not isinstance(argnums, str):
-        ok = len(argnums) > 0 and all(isinstance(a, int) and not isinstance(a, bool) for a in argnums)
+        ok = len(argnums) > 0 and all(
+            isinstance(a, int) and not isinstance(a, bool) for a in argnums
+        )
     if not ok:
         raise TypeError(
             f"Expected `argnums` to be an int or a sequence of ints, got {argnums!r} instead."
