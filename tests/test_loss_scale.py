@@ -209,7 +209,7 @@ def test_non_array_leaf_is_a_type_error_naming_the_path(fn):
 
 
 def test_state_argument_checked():
-    with pytest.raises(TypeError, match=r"`jamp.scale` expected a LossScaleState.*got float"):
+    with pytest.raises(TypeError, match=r"`jamp.scale` expected `state` to be a LossScaleState.*got float"):
         jamp.scale(2.0, jnp.ones(2))
 
 

@@ -361,7 +361,7 @@ def map_floating(fn: Any, tree: Any, name: str) -> Any:
 def _check_state(state: Any, fn: str) -> None:
     if not isinstance(state, LossScaleState):
         raise TypeError(
-            f"`jamp.{fn}` expected a LossScaleState as its first argument (from "
+            f"`jamp.{fn}` expected `state` to be a LossScaleState (from "
             f"jamp.dynamic_loss_scale, static_loss_scale or no_loss_scale), got "
             f"{type(state).__name__} instead."
         )
@@ -596,7 +596,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     s_bad = jnp.where(streak_bad >= state.hysteresis, backed_off, s)
 
     # Finite branch.
-    k = tracker + 1
+    k = jnp.where(tracker < jnp.int32(_INT32_MAX), tracker + 1, tracker)  # never wraps
     grow = k == jnp.int32(state.growth_interval)
     grown = mul_round_once(s, state.growth_factor)
     grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, hi), s)
