@@ -4,8 +4,14 @@ Loss scaling with immutable state and pure functions, an Optax transformation
 that mirrors ``torch.amp.GradScaler``, and op-level ``autocast``.
 """
 
-from jamp._src.grad_scaler import GradScaler
+from jamp._src.autocast import (
+    AutocastReport,
+    autocast,
+    autocast_disabled,
+    autocast_report,
+)
 from jamp._src.finite import all_finite, select_tree, unscale_and_check
+from jamp._src.grad_scaler import GradScaler
 from jamp._src.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -15,6 +21,7 @@ from jamp._src.loss_scale import (
     unscale,
     update,
 )
+from jamp._src.policy import Policy, get_policy, half_dtype, parse_dtype
 from jamp._src.report import NonfiniteCount, log_nonfinite, nonfinite_report
 from jamp._src.transform import (
     LossScalingState,
@@ -28,6 +35,14 @@ from jamp._src.transform import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AutocastReport",
+    "Policy",
+    "autocast",
+    "autocast_disabled",
+    "autocast_report",
+    "get_policy",
+    "half_dtype",
+    "parse_dtype",
     "GradScaler",
     "NonfiniteCount",
     "log_nonfinite",

@@ -1,0 +1,289 @@
+"""Mixed-precision policies: which dtype parameters, computation and outputs use.
+
+A :class:`Policy` is three dtypes and three cast helpers. It is a frozen,
+hashable dataclass (so it can be a static argument of ``jax.jit`` or a field
+of a Flax module) and is built either directly or from a short string with
+:func:`get_policy`, using jmp's grammar::
+
+    "params=float32,compute=bfloat16,output=float32"
+    "p=f32,c=bf16,o=f32"          # short keys and dtype names
+    "c=f16"                       # missing parts: params float32,
+                                  # compute follows params, output follows compute
+    "bf16"                        # a bare dtype sets all three
+    "half" / "full"               # float16 (bfloat16 on TPU) / float32 everywhere
+    "mixed_float16"               # p=f32,c=f16,o=f32
+    "mixed_bfloat16"              # p=f32,c=bf16,o=f32
+
+Unlike jmp, every input is validated when the policy is built, with a message
+that names the argument and lists what is accepted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+__all__ = ["Policy", "get_policy", "half_dtype", "parse_dtype"]
+
+# Short and long names accepted wherever a dtype is expected. "half" is
+# resolved at call time (it depends on the default backend).
+_DTYPE_NAMES: dict[str, Any] = {
+    "bf16": jnp.bfloat16,
+    "bfloat16": jnp.bfloat16,
+    "f16": jnp.float16,
+    "float16": jnp.float16,
+    "f32": jnp.float32,
+    "float32": jnp.float32,
+    "full": jnp.float32,
+    "f64": jnp.float64,
+    "float64": jnp.float64,
+    "half": None,  # float16, or bfloat16 on TPU
+}
+
+_KEYS = {
+    "p": "param_dtype",
+    "param": "param_dtype",
+    "params": "param_dtype",
+    "c": "compute_dtype",
+    "compute": "compute_dtype",
+    "o": "output_dtype",
+    "output": "output_dtype",
+}
+
+_NAMED_POLICIES = {
+    "mixed_float16": "p=f32,c=f16,o=f32",
+    "mixed_bfloat16": "p=f32,c=bf16,o=f32",
+}
+
+
+def half_dtype() -> np.dtype:
+    """The 16-bit floating dtype of the default backend.
+
+    Returns:
+      ``bfloat16`` on TPU, ``float16`` everywhere else (as jmp's ``half``).
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> jamp.half_dtype() in (jnp.float16, jnp.bfloat16)
+      True
+    """
+    return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
+
+
+def _describe(value: Any) -> str:
+    return repr(value) if isinstance(value, str) else f"{value!r} (type {type(value).__name__})"
+
+
+def parse_dtype(value: Any, argname: str = "dtype") -> np.dtype:
+    """A floating ``np.dtype`` from a dtype-like or one of the short names.
+
+    Args:
+      value: a dtype (``jnp.bfloat16``, ``np.dtype("float32")``, ...) or a
+        name: ``bf16``/``bfloat16``, ``f16``/``float16``, ``f32``/``float32``/
+        ``full``, ``f64``/``float64`` or ``half``.
+      argname: the argument name used in error messages.
+
+    Returns:
+      The ``np.dtype``.
+
+    Raises:
+      TypeError: ``value`` is not a dtype, or is not a floating dtype.
+
+    Examples:
+      >>> import jamp
+      >>> jamp.parse_dtype("bf16")
+      dtype(bfloat16)
+    """
+    if isinstance(value, str):
+        key = value.strip().lower()
+        if key in _DTYPE_NAMES:
+            found = _DTYPE_NAMES[key]
+            return half_dtype() if found is None else np.dtype(found)
+    if isinstance(value, bool) or value is None:
+        dtype = None
+    else:
+        try:
+            dtype = np.dtype(value)
+        except TypeError:
+            dtype = None
+    if dtype is None:
+        raise TypeError(
+            f"Expected a floating dtype for `{argname}` (such as jnp.bfloat16, jnp.float16, "
+            f"jnp.float32, or one of {sorted(_DTYPE_NAMES)}), got {_describe(value)} instead."
+        )
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(
+            f"Expected a floating dtype for `{argname}` (such as jnp.bfloat16, jnp.float16 or "
+            f"jnp.float32), got {dtype.name} instead. Integer, boolean and complex dtypes "
+            "cannot be used for mixed precision."
+        )
+    return dtype
+
+
+def _cast_tree(tree: Any, dtype: np.dtype) -> Any:
+    """Casts the floating array leaves of ``tree`` to ``dtype``; others untouched."""
+
+    def cast(leaf: Any) -> Any:
+        if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
+            leaf.dtype, jnp.floating
+        ):
+            return leaf if leaf.dtype == dtype else leaf.astype(dtype)
+        return leaf
+
+    return jax.tree_util.tree_map(cast, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+    """The dtypes of parameters, of computation and of outputs.
+
+    A frozen, hashable dataclass: use it as a static argument or a module
+    field. The constructor validates and normalises its arguments to
+    ``np.dtype``; :func:`get_policy` builds one from a string.
+
+    The cast helpers act on every floating array leaf of a pytree (``float16``,
+    ``bfloat16``, ``float32``, ``float64``, ...). Integer, boolean and complex
+    leaves, ``None`` and non-array leaves such as Python numbers are returned
+    unchanged.
+
+    Attributes:
+      param_dtype: the dtype parameters are stored in.
+      compute_dtype: the dtype computation runs in (the low-precision dtype of
+        :func:`jamp.autocast`).
+      output_dtype: the dtype of a function's floating outputs.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> policy = jamp.Policy(jnp.float32, jnp.bfloat16, jnp.float32)
+      >>> print(policy)
+      p=float32,c=bfloat16,o=float32
+      >>> policy.cast_to_compute({"w": jnp.ones(2), "step": jnp.int32(3)})["w"].dtype
+      dtype(bfloat16)
+    """
+
+    param_dtype: Any
+    compute_dtype: Any
+    output_dtype: Any
+
+    def __post_init__(self) -> None:
+        # Policy is static metadata, never a pytree node, so validating here is
+        # safe (JAX never rebuilds it with placeholders).
+        for field in ("param_dtype", "compute_dtype", "output_dtype"):
+            object.__setattr__(self, field, parse_dtype(getattr(self, field), field))
+
+    def cast_to_param(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``param_dtype``."""
+        return _cast_tree(tree, self.param_dtype)
+
+    def cast_to_compute(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``compute_dtype``."""
+        return _cast_tree(tree, self.compute_dtype)
+
+    def cast_to_output(self, tree: Any) -> Any:
+        """Casts the floating leaves of ``tree`` to ``output_dtype``."""
+        return _cast_tree(tree, self.output_dtype)
+
+    def with_output_dtype(self, output_dtype: Any) -> Policy:
+        """A copy of this policy with another ``output_dtype``."""
+        return dataclasses.replace(self, output_dtype=output_dtype)
+
+    def __str__(self) -> str:
+        return f"p={self.param_dtype.name},c={self.compute_dtype.name},o={self.output_dtype.name}"
+
+
+def get_policy(spec: str | Policy) -> Policy:
+    """Builds a :class:`Policy` from a string such as ``"p=f32,c=bf16,o=f32"``.
+
+    The grammar is jmp's. The string is a comma-separated list of
+    ``key=dtype`` parts with keys ``params``/``param``/``p``,
+    ``compute``/``c`` and ``output``/``o``; dtypes are spelled ``bfloat16``/
+    ``bf16``, ``float16``/``f16``, ``float32``/``f32``/``full``,
+    ``float64``/``f64`` or ``half`` (float16, or bfloat16 on TPU). Missing
+    parts default to: params ``float32``, compute follows params, output
+    follows compute. A bare dtype (``"bf16"``, ``"half"``, ``"full"``) sets all
+    three. ``"mixed_float16"`` and ``"mixed_bfloat16"`` keep parameters and
+    outputs in float32 and compute in the 16-bit dtype. Spaces and case are
+    ignored.
+
+    Args:
+      spec: the policy string, or a :class:`Policy` (returned unchanged).
+
+    Returns:
+      The :class:`Policy`.
+
+    Raises:
+      TypeError: ``spec`` is neither a string nor a ``Policy``.
+      ValueError: an unknown key or dtype name, a repeated key, or an empty
+        string; the message lists the valid names.
+
+    Examples:
+      >>> import jamp
+      >>> print(jamp.get_policy("params=float32,compute=bfloat16,output=float32"))
+      p=float32,c=bfloat16,o=float32
+      >>> print(jamp.get_policy("c=f16"))
+      p=float32,c=float16,o=float16
+      >>> print(jamp.get_policy("mixed_bfloat16"))
+      p=float32,c=bfloat16,o=float32
+    """
+    if isinstance(spec, Policy):
+        return spec
+    if not isinstance(spec, str):
+        raise TypeError(
+            "Expected a policy string such as 'p=f32,c=bf16,o=f32' or a jamp.Policy for "
+            f"`spec`, got {_describe(spec)} instead."
+        )
+    text = spec.replace(" ", "").lower()
+    text = _NAMED_POLICIES.get(text, text)
+    valid_dtypes = sorted(_DTYPE_NAMES)
+    valid_policies = sorted(_NAMED_POLICIES)
+
+    def dtype_of(name: str, what: str) -> np.dtype:
+        if name not in _DTYPE_NAMES:
+            raise ValueError(
+                f"Expected a dtype name for {what} in policy {spec!r}, one of {valid_dtypes}, "
+                f"got {name!r} instead."
+            )
+        return parse_dtype(name, what)
+
+    if not text:
+        raise ValueError(
+            "Expected a non-empty policy string such as 'p=f32,c=bf16,o=f32', one of "
+            f"{valid_policies}, or a dtype name in {valid_dtypes}, got {spec!r} instead."
+        )
+    if "=" not in text and "," not in text:
+        if text not in _DTYPE_NAMES:
+            raise ValueError(
+                f"Expected a policy string such as 'p=f32,c=bf16,o=f32', a named policy in "
+                f"{valid_policies} or a dtype name in {valid_dtypes}, got {spec!r} instead."
+            )
+        dtype = dtype_of(text, "the policy")
+        return Policy(dtype, dtype, dtype)
+
+    found: dict[str, np.dtype] = {}
+    for part in text.split(","):
+        key, sep, value = part.partition("=")
+        if not sep:
+            raise ValueError(
+                f"Expected 'key=dtype' parts (keys {sorted(_KEYS)}) in policy {spec!r}, got "
+                f"{part!r} instead. A bare dtype is only allowed on its own, e.g. 'bf16'."
+            )
+        if key not in _KEYS:
+            raise ValueError(
+                f"Expected a policy key, one of {sorted(_KEYS)}, in policy {spec!r}, got "
+                f"{key!r} instead."
+            )
+        field = _KEYS[key]
+        if field in found:
+            raise ValueError(
+                f"Expected each of params, compute and output at most once in policy "
+                f"{spec!r}, got {field.removesuffix('_dtype')} twice instead."
+            )
+        found[field] = dtype_of(value, field)
+    param = found.get("param_dtype", np.dtype(jnp.float32))
+    compute = found.get("compute_dtype", param)
+    output = found.get("output_dtype", compute)
+    return Policy(param, compute, output)

@@ -1,0 +1,613 @@
+"""Tests for jamp.autocast, jamp.autocast_disabled and jamp.autocast_report."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+from jax.extend import core as jex_core
+
+import jamp
+
+F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
+HALF = (F16, BF16)
+SENSITIVE = {
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "sqrt", "logistic", "erf",
+    "erf_inv", "lgamma", "digamma", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
+    "cumlogsumexp", "div",
+}  # fmt: skip
+# Relative error of one rounding, used to size tolerances.
+EPS = {F16: 2.0**-11, BF16: 2.0**-8}
+
+
+# --------------------------------------------------------------------------
+# helpers
+
+
+def walk(jaxpr):
+    """Every equation of ``jaxpr`` and of its sub-jaxprs, recursively."""
+    if isinstance(jaxpr, jex_core.ClosedJaxpr):
+        jaxpr = jaxpr.jaxpr
+    for eqn in jaxpr.eqns:
+        yield eqn
+        for value in eqn.params.values():
+            for sub in value if isinstance(value, (tuple, list)) else (value,):
+                if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
+                    yield from walk(sub)
+
+
+def eqns_named(jaxpr, *names):
+    return [e for e in walk(jaxpr) if e.primitive.name in names]
+
+
+def in_dtypes(eqn):
+    return [
+        jnp.dtype(v.aval.dtype) for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
+    ]
+
+
+def assert_autocast_jaxpr(jaxpr, dtype, min_dots=1):
+    """Matmuls/convs in ``dtype``; no precision-sensitive primitive with half inputs."""
+    dots = eqns_named(jaxpr, "dot_general", "conv_general_dilated")
+    assert len(dots) >= min_dots
+    for eqn in dots:
+        assert in_dtypes(eqn) == [dtype, dtype], eqn
+        assert jnp.dtype(eqn.outvars[0].aval.dtype) == dtype, eqn
+    for eqn in walk(jaxpr):
+        if eqn.primitive.name in SENSITIVE or (
+            eqn.primitive.name == "integer_pow" and eqn.params["y"] > 2
+        ):
+            assert not set(in_dtypes(eqn)) & set(HALF), eqn
+
+
+def randn(seed, *shape, scale=1.0):
+    """Float32 normal samples from NumPy: no XLA compilation, unlike jax.random."""
+    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
+
+
+def init_params(model, x):
+    """Flax parameters with the shapes of ``model.init``, filled cheaply and deterministically."""
+    shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+
+    def fill(path, s):
+        name = jax.tree_util.keystr(path)
+        if "scale" in name:
+            return jnp.ones(s.shape, s.dtype)
+        if "bias" in name:
+            return jnp.zeros(s.shape, s.dtype)
+        return randn(len(name), *s.shape, scale=float(np.prod(s.shape[:-1])) ** -0.5)
+
+    return jax.tree_util.tree_map_with_path(fill, shapes)
+
+
+def tree_dtypes(tree):
+    return jax.tree_util.tree_map(lambda x: jnp.dtype(x.dtype), tree)
+
+
+def rel_err(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def assert_close_tree(got, want, tol):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
+        assert jnp.dtype(g.dtype) == jnp.dtype(w.dtype)
+        assert rel_err(g, w) < tol, (rel_err(g, w), tol)
+
+
+# --------------------------------------------------------------------------
+# a function with every kind of sub-computation
+
+
+@jax.custom_vjp
+def attention_core(q, k):
+    return jax.nn.softmax(q @ k.T, axis=-1)
+
+
+def _attention_fwd(q, k):
+    p = attention_core(q, k)
+    return p, (q, k, p)
+
+
+def _attention_bwd(res, g):
+    q, k, p = res
+    ds = p * (g - jnp.sum(g * p, axis=-1, keepdims=True))
+    return ds @ k, ds.T @ q
+
+
+attention_core.defvjp(_attention_fwd, _attention_bwd)
+
+
+@jax.custom_jvp
+def matmul_tanh(x, w):
+    return jnp.tanh(x @ w)
+
+
+@matmul_tanh.defjvp
+def _matmul_tanh_jvp(primals, tangents):
+    x, w = primals
+    dx, dw = tangents
+    y = matmul_tanh(x, w)
+    return y, (1 - y * y) * (dx @ w + x @ dw)
+
+
+def everything(x, w, n, while_loop=True):
+    y = jax.nn.relu(x @ w)
+    y = jax.jit(lambda a: jax.nn.gelu(a @ w))(y)
+
+    def step(c, xs):
+        c = jnp.tanh(c @ w + xs)
+        return c, jnp.sum(c)
+
+    c, ys = lax.scan(step, jnp.zeros((w.shape[0],), x.dtype), y)
+    y = lax.cond(jnp.sum(c) > 0, lambda a: a @ w, lambda a: a - 1.0, y)
+    y = jax.checkpoint(lambda a: jnp.sin(a @ w))(y)
+    y = matmul_tanh(y, w)
+    if while_loop:  # reverse mode cannot differentiate a while loop
+        _, y = lax.while_loop(lambda s: s[0] < n, lambda s: (s[0] + 1, s[1] @ w), (0, y))
+    else:
+        y = lax.fori_loop(0, 2, lambda i, s: s @ w, y)  # a scan
+    y = attention_core(y, x)
+    lse = jax.nn.logsumexp(y, axis=-1)
+    return {"lse": lse, "ys": ys, "n": n + 1, "norm": jnp.linalg.norm(y) + jnp.var(y)}
+
+
+def _inputs():
+    x = randn(0, 4, 4)
+    w = randn(1, 4, 4, scale=0.5)
+    return x, w, jnp.int32(3)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_every_dot_in_half_precision_in_every_sub_computation(dtype):
+    x, w, n = _inputs()
+    jaxpr = jax.make_jaxpr(jamp.autocast(everything, dtype))(x, w, n)
+    assert_autocast_jaxpr(jaxpr, dtype, min_dots=8)
+    names = {e.primitive.name for e in walk(jaxpr)}
+    assert {"scan", "cond", "while", "custom_vjp_call", "custom_jvp_call"} <= names
+    assert any(e.primitive.name.startswith("remat") or e.primitive.name == "checkpoint"
+               for e in walk(jaxpr))  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_outputs_keep_the_original_dtypes_and_values(dtype):
+    x, w, n = _inputs()
+    want = jax.jit(everything)(x, w, n)
+    for f in (jax.jit(jamp.autocast(everything, dtype)),):
+        got = f(x, w, n)
+        assert tree_dtypes(got) == tree_dtypes(want)
+        assert int(got["n"]) == 4
+        assert_close_tree(got, want, 60 * EPS[dtype])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_gradients_through_custom_jvp_vjp_scan_cond_remat(dtype):
+    x, w, n = _inputs()
+
+    def loss_no_loop(x, w):
+        out = everything(x, w, n, while_loop=False)
+        return jnp.sum(out["lse"]) + jnp.sum(out["ys"]) + out["norm"]
+
+    want = jax.jit(jax.grad(loss_no_loop, argnums=(0, 1)))(x, w)
+    grad = jax.jit(jax.grad(jamp.autocast(loss_no_loop, dtype), argnums=(0, 1)))
+    got = grad(x, w)
+    assert tree_dtypes(got) == (F32, F32)
+    assert_close_tree(got, want, 80 * EPS[dtype])
+    # The backward pass of autocast(grad(f)) is autocast too.
+    jaxpr = jax.make_jaxpr(jamp.autocast(jax.grad(loss_no_loop, argnums=(0, 1)), dtype))(x, w)
+    assert_autocast_jaxpr(jaxpr, dtype, min_dots=16)
+    got = jax.jit(jamp.autocast(jax.grad(loss_no_loop, argnums=(0, 1)), dtype))(x, w)
+    assert_close_tree(got, want, 80 * EPS[dtype])
+
+
+def test_custom_vjp_forward_and_backward_passes_are_autocast():
+    x, w, _ = _inputs()
+    f = jamp.autocast(lambda q, k: jnp.sum(attention_core(q, k) ** 3), F16)
+    jaxpr = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w)
+    # Primal (in the custom_vjp body), forward and the user's backward (ds @ k, ds.T @ q).
+    assert_autocast_jaxpr(jaxpr, F16, min_dots=3)
+    got = jax.jit(jax.grad(f, argnums=(0, 1)))(x, w)
+    want = jax.jit(jax.grad(lambda q, k: jnp.sum(attention_core(q, k) ** 3), argnums=(0, 1)))(x, w)
+    assert_close_tree(got, want, 40 * EPS[F16])
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [jax.nn.relu, jax.nn.gelu, jax.nn.softmax, jax.nn.log_softmax, jax.nn.logsumexp,
+     jax.nn.silu, jax.nn.sigmoid, jax.nn.softplus],
+    ids=lambda f: f.__name__,
+)  # fmt: skip
+def test_jax_nn_functions_under_grad(fn):
+    x, w, _ = _inputs()
+
+    def loss(x, w):
+        return jnp.sum(fn(x @ w) * jnp.cos(x))
+
+    want_v, want_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(x, w)
+    got_v, got_g = jax.jit(jax.value_and_grad(jamp.autocast(loss, F16), argnums=(0, 1)))(x, w)
+    assert got_v.dtype == F32 and tree_dtypes(got_g) == (F32, F32)
+    assert abs(float(got_v) - float(want_v)) < 30 * EPS[F16] * (1 + abs(float(want_v)))
+    assert_close_tree(got_g, want_g, 30 * EPS[F16])
+
+
+# --------------------------------------------------------------------------
+# numerics against float32 on small models
+
+
+def compare_with_float32(fn, params, *args, dtype, tol, min_dots):
+    """Jaxpr checks, then outputs and parameter gradients of autocast(fn) vs fn.
+
+    One compiled value-and-grad per side keeps the test fast.
+    """
+    f = jamp.autocast(fn, dtype)
+    assert_autocast_jaxpr(jax.make_jaxpr(f)(params, *args), dtype, min_dots=min_dots)
+
+    def run(g):
+        def loss(p):
+            out = g(p, *args)
+            leaves = jax.tree_util.tree_leaves(out)
+            return sum(jnp.sum(jnp.sin(leaf)) for leaf in leaves), out
+
+        return jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+
+    (_, got), got_g = run(f)
+    (_, want), want_g = run(fn)
+    assert tree_dtypes(got) == tree_dtypes(want)
+    assert tree_dtypes(got_g) == tree_dtypes(params)  # float32 grads for float32 params
+    assert_close_tree(got, want, tol)
+    assert_close_tree(got_g, want_g, 2 * tol)
+    return f
+
+
+def attention_block(params, x):
+    q, k, v = (x @ params[name] for name in ("wq", "wk", "wv"))
+    logits = q @ k.T / jnp.sqrt(jnp.float32(q.shape[-1]))
+    h = jax.nn.softmax(logits, axis=-1) @ v
+    h = x + h @ params["wo"]
+    mean = jnp.mean(h, axis=-1, keepdims=True)
+    var = jnp.var(h, axis=-1, keepdims=True)
+    return (h - mean) * lax.rsqrt(var + 1e-5)
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_attention_block_matches_float32(dtype):
+    names = ("wq", "wk", "wv", "wo")
+    params = {name: randn(i, 16, 16, scale=0.25) for i, name in enumerate(names)}
+    x = randn(4, 8, 16)
+    compare_with_float32(attention_block, params, x, dtype=dtype, tol=20 * EPS[dtype], min_dots=6)
+
+
+class CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Conv(8, (3, 3))(x)
+        x = nn.LayerNorm()(x)
+        x = nn.relu(x)
+        x = nn.Conv(8, (3, 3), strides=(2, 2))(x)
+        x = nn.gelu(x)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(4)(x)
+
+
+def test_cnn_with_layer_norm_matches_float32():
+    model = CNN()
+    x = randn(2, 2, 8, 8, 3)
+    params = init_params(model, x)
+    f = compare_with_float32(model.apply, params, x, dtype=F16, tol=30 * EPS[F16], min_dots=3)
+    assert len(eqns_named(jax.make_jaxpr(f)(params, x), "conv_general_dilated")) == 2
+
+
+def rnn(params, xs):
+    def cell(h, x):
+        h = jnp.tanh(h @ params["wh"] + x @ params["wx"] + params["b"][None, :])
+        return h, h @ params["wy"]
+
+    h, ys = lax.scan(cell, jnp.zeros((xs.shape[1], 8)), xs)
+    return h, ys
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_scan_rnn_matches_float32_and_keeps_carry_dtype(dtype):
+    params = {
+        "wh": randn(0, 8, 8, scale=1 / 3),
+        "wx": randn(1, 5, 8, scale=1 / 3),
+        "wy": randn(2, 8, 2, scale=1 / 3),
+        "b": jnp.zeros(8),
+    }
+    xs = randn(3, 6, 3, 5)
+    f = compare_with_float32(rnn, params, xs, dtype=dtype, tol=30 * EPS[dtype], min_dots=3)
+    (scan,) = eqns_named(jax.make_jaxpr(f)(params, xs), "scan")
+    carry = scan.params["num_consts"]
+    assert jnp.dtype(scan.invars[carry].aval.dtype) == F32  # the carry keeps its dtype
+    assert jnp.dtype(scan.outvars[0].aval.dtype) == F32
+
+
+def test_large_logits_through_log_softmax_stay_finite_in_float16():
+    x = jnp.full((4, 8), 10.0)
+    w = jnp.tile(jnp.linspace(-375.0, 375.0, 64), (8, 1))  # logits in +-30000, near f16 max
+    labels = jnp.arange(4)
+
+    def loss(x, w):
+        logits = x @ w
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return jnp.mean(ce), jax.nn.log_softmax(logits), jax.nn.logsumexp(logits, axis=-1)
+
+    jaxpr = jax.make_jaxpr(jamp.autocast(loss, jnp.float16))(x, w)
+    assert_autocast_jaxpr(jaxpr, F16)
+    got = jax.jit(jamp.autocast(loss, jnp.float16))(x, w)
+    want = jax.jit(loss)(x, w)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(got))
+    assert_close_tree(got, want, 1e-2)
+    grads = jax.jit(jax.grad(lambda x, w: jamp.autocast(loss, jnp.float16)(x, w)[0], argnums=1))(
+        x, w
+    )
+    assert bool(jnp.all(jnp.isfinite(grads))) and grads.dtype == F32
+
+
+def test_cross_entropy_mean_and_variance_run_in_float32():
+    def f(x, w, labels):
+        logits = x @ w
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return jnp.mean(ce), jnp.var(logits), jnp.mean(jnp.square(logits - 1.0))
+
+    x, w = jnp.ones((4, 3)), jnp.ones((3, 5))
+    jaxpr = jax.make_jaxpr(jamp.autocast(f, F16))(x, w, jnp.arange(4))
+    assert_autocast_jaxpr(jaxpr, F16)
+    sums = eqns_named(jaxpr, "reduce_sum", "div", "exp", "log")
+    assert sums and all(in_dtypes(e) and set(in_dtypes(e)) == {F32} for e in sums)
+
+
+# --------------------------------------------------------------------------
+# training with loss scaling
+
+
+def test_flax_cnn_trains_in_float16_like_float32():
+    model = CNN()
+    x = randn(5, 8, 8, 8, 3)
+    y = randn(6, 8, 4)
+    params0 = init_params(model, x)
+
+    def loss(apply, p):
+        return jnp.mean((apply(p, x) - y) ** 2)
+
+    def train(apply, tx, scaled):
+        @jax.jit
+        def step(p, state):
+            if scaled:
+                ls = jamp.get_loss_scale(state)
+                value, grads = jax.value_and_grad(lambda p: jamp.scale(ls, loss(apply, p)))(p)
+            else:
+                value, grads = jax.value_and_grad(lambda p: loss(apply, p))(p)
+            updates, state = tx.update(grads, state, p)
+            return optax.apply_updates(p, updates), state, grads
+
+        p, state = params0, tx.init(params0)
+        for _ in range(8):
+            p, state, grads = step(p, state)
+            assert tree_dtypes(grads) == tree_dtypes(params0)
+        return float(loss(model.apply, p)), state
+
+    # (optax.adam's bias correction does not trace under strict dtype promotion.)
+    want, _ = train(model.apply, optax.sgd(0.05, momentum=0.9), scaled=False)
+    got, state = train(
+        jamp.autocast(model.apply, jnp.float16),
+        jamp.loss_scaling(optax.sgd(0.05, momentum=0.9)),
+        scaled=True,
+    )
+    start = float(loss(model.apply, params0))
+    assert want < 0.9 * start
+    assert abs(got - want) < 0.05 * start
+    assert float(jamp.get_loss_scale(state).scale) > 0
+
+
+# --------------------------------------------------------------------------
+# composition: jit, vmap, kwargs, closures, Flax NNX
+
+
+def test_jit_vmap_and_kwargs():
+    def f(x, *, w, scale=2.0, activate=True):
+        y = x @ w * scale
+        return {"y": jax.nn.relu(y) if activate else y, "s": jnp.sum(y)}
+
+    x, w = jnp.ones((3, 4)), jnp.ones((4, 2))
+    g = jamp.autocast(f, jnp.float16)
+    assert f.__name__ == g.__name__
+    for h in (g, jax.jit(functools.partial(g, activate=False))):
+        out = h(x, w=w, scale=3.0)
+        assert tree_dtypes(out) == {"y": F32, "s": F32}
+        np.testing.assert_allclose(out["y"], f(x, w=w, scale=3.0)["y"])
+    batched = jax.vmap(lambda xi: g(xi, w=w), in_axes=0)(jnp.ones((5, 3, 4)))
+    assert batched["y"].shape == (5, 3, 2) and batched["y"].dtype == F32
+    jaxpr = jax.make_jaxpr(jax.vmap(lambda xi: g(xi, w=w)))(jnp.ones((5, 3, 4)))
+    assert_autocast_jaxpr(jaxpr, F16)
+
+
+def test_gradients_wrt_closed_over_float32_parameters():
+    x, w, _ = _inputs()
+
+    def loss(w):
+        return jnp.sum(jamp.autocast(lambda x: jnp.tanh(x @ w), jnp.bfloat16)(x) ** 2)
+
+    g = jax.grad(loss)(w)
+    assert g.dtype == F32
+    assert_close_tree(g, jax.grad(lambda w: jnp.sum(jnp.tanh(x @ w) ** 2))(w), 20 * EPS[BF16])
+
+
+def test_integer_inputs_and_outputs_are_untouched():
+    def f(x, idx):
+        return jnp.take(x @ x, idx, axis=0), idx * 2, jnp.argmax(x, axis=-1)
+
+    x, idx = jnp.eye(3), jnp.array([2, 0], jnp.int32)
+    out = jamp.autocast(f)(x, idx)
+    assert tree_dtypes(out) == tree_dtypes(f(x, idx))
+    np.testing.assert_array_equal(out[1], idx * 2)
+
+
+def test_scatter_sort_and_explicit_casts():
+    def f(x, idx):
+        y = x @ x
+        y = y.at[idx].add(y[:2])  # scatter-add carries a typed update jaxpr: runs as traced
+        return jnp.sort(y, axis=-1), jnp.argsort(y[0]), y.astype(jnp.bfloat16)
+
+    x, idx = jnp.eye(3) * 2.0, jnp.array([2, 0], jnp.int32)
+    g = jamp.autocast(f, jnp.float16)
+    out = jax.jit(g)(x, idx)
+    assert tree_dtypes(out) == tree_dtypes(f(x, idx))  # the explicit bfloat16 cast is kept
+    assert_close_tree(out, f(x, idx), 1e-3)
+    (scatter,) = eqns_named(jax.make_jaxpr(g)(x, idx), "scatter-add")
+    assert set(in_dtypes(scatter)) == {F32}
+
+
+def test_float16_program_and_python_scalars_do_not_widen():
+    def f(x):
+        return jnp.tanh(x * 0.5 + 1.0) * 3.0
+
+    jaxpr = jax.make_jaxpr(jamp.autocast(f, jnp.float16))(jnp.ones(3, jnp.float16))
+    assert all(jnp.dtype(e.outvars[0].aval.dtype) == F16 for e in jaxpr.eqns)
+
+
+def test_nnx_module():
+    class MLP(nnx.Module):
+        def __init__(self, rngs):
+            self.l1 = nnx.Linear(4, 8, rngs=rngs)
+            self.norm = nnx.LayerNorm(8, rngs=rngs)
+            self.l2 = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.l2(nnx.gelu(self.norm(self.l1(x))))
+
+    model = nnx.jit(lambda: MLP(nnx.Rngs(0)))()
+    x = randn(6, 3, 4)
+    f = jamp.autocast(lambda m, x: m(x), jnp.bfloat16)
+    out = jax.jit(f)(model, x)
+    assert out.dtype == F32
+    assert_close_tree(out, jax.jit(lambda m, x: m(x))(model, x), 20 * EPS[BF16])
+    assert_autocast_jaxpr(jax.make_jaxpr(jamp.autocast(model))(x), BF16, min_dots=2)
+
+    @nnx.jit
+    def loss_and_grad(model, x):
+        return nnx.value_and_grad(lambda m: jnp.sum(f(m, x) ** 2))(model)
+
+    value, grads = loss_and_grad(model, x)
+    assert value.dtype == F32
+    assert grads.l1.kernel[...].dtype == F32
+
+
+# --------------------------------------------------------------------------
+# policy, disabled regions, nesting
+
+
+def test_policy_sets_compute_and_output_dtypes():
+    def f(x, w):
+        return x @ w, jnp.int32(7), jnp.exp(x)
+
+    x = jnp.ones((2, 2))
+    g = jamp.autocast(f, policy="p=f32,c=f16,o=bf16")
+    out = g(x, x)
+    assert tree_dtypes(out) == (BF16, jnp.dtype(jnp.int32), BF16)
+    assert_autocast_jaxpr(jax.make_jaxpr(g)(x, x), F16)
+    policy = jamp.Policy(jnp.float32, jnp.float16, jnp.float32)
+    assert tree_dtypes(jamp.autocast(f, jnp.float16, policy=policy)(x, x))[0] == F32
+
+
+def test_disabled_region_and_enabled_false_run_as_traced():
+    @jamp.autocast_disabled
+    def sensitive(a, w):
+        return jnp.tanh(a @ w)
+
+    def f(x, w):
+        return sensitive(x @ w, w) + jamp.autocast(jnp.matmul, enabled=False)(x, w)
+
+    x = jnp.ones((2, 2))
+    jaxpr = jax.make_jaxpr(jamp.autocast(f, jnp.float16))(x, x)
+    dots = [jnp.dtype(e.outvars[0].aval.dtype) for e in eqns_named(jaxpr, "dot_general")]
+    assert dots == [F16, F32, F32]
+    tanh = eqns_named(jaxpr, "tanh")[0]
+    assert in_dtypes(tanh) == [F32]
+    assert sensitive.__name__ == "sensitive"
+    # Outside any autocast the region is the plain function.
+    np.testing.assert_array_equal(sensitive(x, x), jnp.tanh(x @ x))
+    plain = jax.make_jaxpr(jamp.autocast(f, enabled=False))(x, x)
+    assert {jnp.dtype(e.outvars[0].aval.dtype) for e in eqns_named(plain, "dot_general")} == {F32}
+
+
+def test_nested_autocast_innermost_wins():
+    inner = jamp.autocast(lambda a: a @ a, jnp.float16)
+
+    def f(x):
+        return inner(x) + x @ x
+
+    jaxpr = jax.make_jaxpr(jamp.autocast(f, jnp.bfloat16))(jnp.ones((2, 2)))
+    dots = [jnp.dtype(e.outvars[0].aval.dtype) for e in eqns_named(jaxpr, "dot_general")]
+    assert dots == [F16, BF16]
+
+
+# --------------------------------------------------------------------------
+# report and errors
+
+
+def test_report_counts_dtypes_and_unknown_primitives():
+    def f(x):
+        y = jax.nn.softmax(x @ x)
+        return jnp.abs(jnp.fft.rfft(y)), jnp.cumsum(y)
+
+    report = jamp.autocast_report(f, jnp.ones((4, 4)), dtype=jnp.float16)
+    assert report.counts["dot_general"] == {"float16": 1}
+    assert report.counts["exp"] == {"float32": 1}
+    assert report.counts["cumsum"] == {"float32": 1}
+    assert report.unknown == ("fft",)
+    text = str(report)
+    assert "dot_general" in text and "float16" in text and "unknown" in text and "fft" in text
+    # The unknown primitive ran as traced and the function still works.
+    out = jamp.autocast(f, jnp.float16)(jnp.ones((4, 4)))
+    assert tree_dtypes(out) == tree_dtypes(f(jnp.ones((4, 4))))
+    shaped = jamp.autocast_report(f, jax.ShapeDtypeStruct((4, 4), jnp.float32))
+    assert shaped.counts["dot_general"] == {"bfloat16": 1}
+
+
+def test_errors():
+    with pytest.raises(
+        TypeError, match=r"Expected a floating dtype for `dtype`.*got int32 instead"
+    ):
+        jamp.autocast(jnp.sin, jnp.int32)
+    with pytest.raises(TypeError, match=r"Expected a floating dtype for `dtype`.*got 'foo'"):
+        jamp.autocast(jnp.sin, "foo")
+    with pytest.raises(
+        ValueError, match=r"Expected a policy string .*'mixed_float16'.*got 'mixed'"
+    ):
+        jamp.autocast(jnp.sin, policy="mixed")
+    with pytest.raises(ValueError, match=r"Expected a policy key, one of .*got 'q'"):
+        jamp.autocast(jnp.sin, policy="q=f16")
+    with pytest.raises(TypeError, match=r"Expected a jamp.Policy or a policy string"):
+        jamp.autocast(jnp.sin, policy=3)
+    with pytest.raises(ValueError, match=r"policy's compute dtype float32, got float16"):
+        jamp.autocast(jnp.sin, jnp.float16, policy="full")
+    with pytest.raises(TypeError, match=r"Expected a callable for `fun`"):
+        jamp.autocast(3)
+    with pytest.raises(TypeError, match=r"Expected a bool for `enabled`"):
+        jamp.autocast(jnp.sin, enabled="yes")
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    in_dtype=st.sampled_from([F16, BF16, F32]),
+    low=st.sampled_from(HALF),
+    rows=st.integers(1, 3),
+)
+def test_output_dtypes_are_preserved(in_dtype, low, rows):
+    def f(x):
+        y = x @ x.T
+        return jnp.exp(y - jnp.max(y)), jnp.sum(x, axis=0), x.shape[0]
+
+    x = jax.ShapeDtypeStruct((rows, 2), in_dtype)
+    out = jax.eval_shape(jamp.autocast(f, low), x)
+    want = jax.eval_shape(f, x)
+    assert tree_dtypes(out) == tree_dtypes(want)
+    assert_autocast_jaxpr(jax.make_jaxpr(jamp.autocast(f, low))(x), low)

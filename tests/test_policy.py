@@ -1,0 +1,158 @@
+"""Tests for jamp.Policy, jamp.get_policy and the dtype parser."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+import jamp
+
+F16, BF16, F32, F64 = (jnp.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+NAMES = {"f16": F16, "bf16": BF16, "f32": F32, "float16": F16, "bfloat16": BF16, "float32": F32}
+
+
+def test_policy_is_frozen_hashable_and_normalised():
+    p = jamp.Policy(jnp.float32, "bf16", np.float32)
+    assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (F32, BF16, F32)
+    assert all(isinstance(d, np.dtype) for d in dataclasses.astuple(p))
+    assert p == jamp.Policy("f32", jnp.bfloat16, "float32")
+    assert hash(p) == hash(jamp.Policy(F32, BF16, F32))
+    assert len({p, jamp.Policy(F32, BF16, F32)}) == 1
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.compute_dtype = F16  # type: ignore[misc]
+    assert str(p) == "p=float32,c=bfloat16,o=float32"
+    assert jamp.get_policy(str(p)) == p
+
+
+def test_policy_is_a_valid_static_argument():
+    p = jamp.get_policy("mixed_float16")
+    f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
+    assert f(jnp.ones(2), p).dtype == F16
+
+
+def test_casts_touch_floating_arrays_only():
+    p = jamp.Policy(F32, BF16, F16)
+    tree = {
+        "w": jnp.ones(2, F32),
+        "h": jnp.ones(2, F16),
+        "np": np.ones(2, np.float32),
+        "step": jnp.int32(3),
+        "mask": jnp.array([True, False]),
+        "none": None,
+        "py": 1.5,
+        "c": jnp.ones(2, jnp.complex64),
+    }
+    for cast, want in ((p.cast_to_param, F32), (p.cast_to_compute, BF16), (p.cast_to_output, F16)):
+        out = cast(tree)
+        assert out["w"].dtype == want and out["h"].dtype == want and out["np"].dtype == want
+        assert isinstance(out["np"], np.ndarray)
+        assert out["step"].dtype == jnp.int32 and out["mask"].dtype == jnp.bool_
+        assert out["none"] is None and out["py"] == 1.5 and out["c"].dtype == jnp.complex64
+    same = p.cast_to_param(tree)
+    assert same["w"] is tree["w"]  # no copy when already in the dtype
+    jitted = jax.jit(p.cast_to_compute)(tree)
+    assert jitted["w"].dtype == BF16
+
+
+def test_with_output_dtype():
+    p = jamp.get_policy("p=f32,c=bf16,o=bf16")
+    q = p.with_output_dtype(jnp.float32)
+    assert q == jamp.Policy(F32, BF16, F32) and p.output_dtype == BF16
+    with pytest.raises(TypeError, match=r"Expected a floating dtype for `output_dtype`.*int8"):
+        p.with_output_dtype(jnp.int8)
+
+
+@pytest.mark.parametrize(
+    "spec, want",
+    [
+        ("params=float32,compute=bfloat16,output=float32", (F32, BF16, F32)),
+        ("p=f32,c=bf16,o=f32", (F32, BF16, F32)),
+        ("param=f32,c=f16", (F32, F16, F16)),
+        (" P = F32 , C = BF16 ", (F32, BF16, BF16)),
+        ("c=f16", (F32, F16, F16)),  # jmp: params default f32, output follows compute
+        ("p=bf16", (BF16, BF16, BF16)),  # compute follows params
+        ("o=f16", (F32, F32, F16)),
+        ("p=f64,c=f32", (F64, F32, F32)),
+        ("bf16", (BF16, BF16, BF16)),
+        ("float16", (F16, F16, F16)),
+        ("full", (F32, F32, F32)),
+        ("half", (F16, F16, F16)),  # CPU: float16 (bfloat16 only on TPU)
+        ("c=half,o=full", (F32, F16, F32)),
+        ("mixed_float16", (F32, F16, F32)),
+        ("mixed_bfloat16", (F32, BF16, F32)),
+    ],
+)
+def test_get_policy_grammar(spec, want):
+    assert dataclasses.astuple(jamp.get_policy(spec)) == want
+
+
+def test_get_policy_passes_a_policy_through_and_half_dtype():
+    p = jamp.Policy(F32, F16, F32)
+    assert jamp.get_policy(p) is p
+    assert jamp.half_dtype() == (BF16 if jax.default_backend() == "tpu" else F16)
+
+
+@pytest.mark.parametrize(
+    "spec, error, match",
+    [
+        ("mixed", ValueError,
+         r"Expected a policy string .*\['mixed_bfloat16', 'mixed_float16'\].*'bf16'.*"
+         r"got 'mixed' instead"),
+        ("q=f16", ValueError,
+         r"Expected a policy key, one of \['c', 'compute', 'o', 'output', 'p', 'param', "
+         r"'params'\].*got 'q' instead"),
+        ("c=f8", ValueError,
+         r"Expected a dtype name for compute_dtype in policy 'c=f8', one of \[.*'bf16'.*\], "
+         r"got 'f8' instead"),
+        ("c=int32", ValueError, r"Expected a dtype name for compute_dtype.*got 'int32' instead"),
+        ("bf16,o=f32", ValueError, r"Expected 'key=dtype' parts.*got 'bf16' instead"),
+        ("c=f16,c=bf16", ValueError, r"at most once.*got compute twice instead"),
+        ("", ValueError, r"Expected a non-empty policy string"),
+        (3, TypeError, r"Expected a policy string .* for `spec`, got 3 \(type int\) instead"),
+    ],
+)  # fmt: skip
+def test_get_policy_errors(spec, error, match):
+    with pytest.raises(error, match=match):
+        jamp.get_policy(spec)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"param_dtype": jnp.int32},
+         r"Expected a floating dtype for `param_dtype`.*got int32 instead"),
+        ({"compute_dtype": jnp.bool_},
+         r"Expected a floating dtype for `compute_dtype`.*got bool instead"),
+        ({"output_dtype": jnp.complex64}, r"`output_dtype`.*got complex64 instead"),
+        ({"compute_dtype": "foo"},
+         r"Expected a floating dtype for `compute_dtype`.*got 'foo' instead"),
+        ({"compute_dtype": None}, r"`compute_dtype`.*got None \(type NoneType\) instead"),
+    ],
+)  # fmt: skip
+def test_policy_constructor_validates(kwargs, match):
+    args = {"param_dtype": F32, "compute_dtype": BF16, "output_dtype": F32, **kwargs}
+    with pytest.raises(TypeError, match=match):
+        jamp.Policy(**args)
+
+
+def test_parse_dtype():
+    assert jamp.parse_dtype("BF16") == BF16
+    assert jamp.parse_dtype(jnp.float16) == F16
+    with pytest.raises(TypeError, match=r"Expected a floating dtype for `dtype`.*got int32"):
+        jamp.parse_dtype(jnp.int32)
+
+
+dtypes = st.sampled_from([F16, BF16, F32])
+
+
+@given(param=dtypes, compute=dtypes, output=dtypes)
+def test_string_round_trip_and_cast_dtypes(param, compute, output):
+    p = jamp.Policy(param, compute, output)
+    assert jamp.get_policy(str(p)) == p
+    tree = {"a": np.ones(3, np.float32), "i": np.arange(3)}
+    assert p.cast_to_compute(tree)["a"].dtype == compute
+    assert p.cast_to_output(tree)["i"].dtype == tree["i"].dtype
