@@ -535,9 +535,48 @@ def test_shard_map_shared_state_per_replica_grads(path):
         new_w, _, found = scaler.step(state, inner, g, opt_state, w, found_inf=found_inf)
         return new_w[None], jnp.logical_not(found)[None]
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data"))))
+    f = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data")))
+    )
     new_w, finite = f(w, jnp.asarray(x))
     assert not np.asarray(finite).any()
     np.testing.assert_array_equal(np.asarray(new_w), np.ones((8, 2)))
     new_w, finite = f(w, jnp.ones((8, 2)))
     assert np.asarray(finite).all() and not np.array_equal(np.asarray(new_w), np.ones((8, 2)))
+
+
+def test_shard_map_state_carried_through_scan_per_replica():
+    """A per-replica optimizer state keeps its varying type through update, so it
+    can be a lax.scan carry under shard_map's default check_vma=True."""
+    mesh = mesh8()
+    tx = jamp.loss_scaling(
+        optax.sgd(0.1, momentum=0.9), jamp.dynamic_loss_scale(8.0), axis_name="data"
+    )
+    w = jnp.ones((8, 2))
+    state = jax.vmap(tx.init)(w)
+    xs = np.ones((3, 8, 2), np.float32)
+    xs[1, 4, 0] = np.nan  # step 1, replica 4
+
+    def local(w, state, xs):
+        w, state = w[0], jax.tree_util.tree_map(lambda a: a[0], state)
+
+        def body(carry, x):
+            w, state = carry
+            g = jax.grad(lambda w: jamp.scale(jamp.get_loss_scale(state), jnp.sum(w * x[0])))(w)
+            u, state = tx.update(g, state, w)
+            return (w + u, state), state.last_finite
+
+        (w, state), finite = jax.lax.scan(body, (w, state), xs)
+        return w[None], finite[None]
+
+    f = jax.jit(
+        jax.shard_map(
+            local,
+            mesh=mesh,
+            in_specs=(P("data"), P("data"), P(None, "data")),
+            out_specs=(P("data"), P("data")),
+        )
+    )
+    new_w, finite = f(w, state, jnp.asarray(xs))
+    np.testing.assert_array_equal(np.asarray(finite), np.tile([True, False, True], (8, 1)))
+    assert len({np.asarray(r).tobytes() for r in np.asarray(new_w)}) == 1  # replicas agree

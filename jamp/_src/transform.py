@@ -54,8 +54,9 @@ def match_varying(tree: Any, like: Any) -> Any:
     the updated values do.
     """
 
-    def one(x: Any, shape: Any) -> Any:
-        missing = _varying_axes(shape) - _varying_axes(jax.typeof(x))
+    def one(x: Any, ref: Any) -> Any:
+        want = _varying_axes(ref if isinstance(ref, jax.ShapeDtypeStruct) else jax.typeof(ref))
+        missing = want - _varying_axes(jax.typeof(x))
         return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
 
     return jax.tree_util.tree_map(one, tree, like)
@@ -161,12 +162,17 @@ def loss_scaling(
             return _zeros_like_output(apply)[0], state.inner_state
 
         new_updates, new_inner = cond_or_keep(finite, apply, skip)
-        return new_updates, LossScalingState(
+        counters = LossScalingState(
             loss_scale=ls.update(state.loss_scale, finite),
-            inner_state=new_inner,
+            inner_state=None,
             last_finite=finite,
             skipped_steps=saturating_increment(state.skipped_steps, jnp.logical_not(finite)),
         )
+        # Under shard_map, a state that came in varying per replica goes out
+        # varying too (the agreed flag alone would not be), so it can be carried
+        # through lax.scan / lax.cond by the caller.
+        counters = match_varying(counters, state._replace(inner_state=None))
+        return new_updates, counters._replace(inner_state=new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
