@@ -29,6 +29,7 @@ from jamp._src.transform import (
     get_loss_scale,
     loss_scaling,
     metrics,
+    multi_steps,
     value_and_grad,
 )
 
@@ -47,6 +48,7 @@ __all__ = [
     "NonfiniteCount",
     "log_nonfinite",
     "metrics",
+    "multi_steps",
     "nonfinite_report",
     "LossScalingState",
     "ScaledValueAndGrad",

@@ -12,6 +12,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jamp
 from jamp._src import loss_scale as ls
+from jamp._src.finite import check_unscaled
 
 import _golden
 
@@ -164,13 +165,37 @@ def test_unscale_and_check_disabled_still_checks():
     assert not bool(finite)
 
 
-def test_finite_check_is_one_fused_pass():
-    # The unscale multiply and the finite reduction compile without any
-    # boolean array: no per-element is-finite over the gradients.
+def test_clean_path_is_one_sum_per_leaf():
+    # Outside the fallback branch: one float32 sum per leaf, no per-element
+    # is-finite (which would write a boolean array) and no unscaled copy.
     state = jamp.dynamic_loss_scale()
     g = {"a": jnp.ones((256, 256)), "b": jnp.ones((1000,), jnp.bfloat16)}
-    hlo = jax.jit(jamp.unscale_and_check).lower(state, g).compile().as_text()
-    assert "pred[256,256]" not in hlo and "pred[1000]" not in hlo
+    jaxpr = jax.make_jaxpr(check_unscaled)(state, g).jaxpr
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert prims.count("cond") == 1 and prims.count("reduce_sum") == 2
+    for e in jaxpr.eqns:
+        if e.primitive.name in ("is_finite", "mul"):
+            assert all(v.aval.ndim == 0 for v in e.invars), e
+    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    exact = [x.primitive.name for b in cond.params["branches"] for x in b.jaxpr.eqns]
+    assert "is_finite" in exact and "mul" in exact  # the exact pass, on unscaled values
+
+
+@pytest.mark.parametrize("scale", [2.0**-10, 1.0, 2.0**10])
+def test_fast_path_and_fallback_agree_with_numpy(scale):
+    state = jamp.static_loss_scale(scale)
+    rng = np.random.default_rng(0)
+    cases = [
+        np.ones(100, np.float32),
+        np.full(100, 3e38, np.float32),  # finite, but the sum overflows: fallback
+        np.array([3e38, 1.0], np.float32),  # overflows only once unscaled when scale < 1
+        rng.normal(size=50).astype(np.float32),
+    ]
+    for x in cases:
+        with np.errstate(over="ignore"):
+            expected = np.isfinite(x * np.float32(1 / scale)).all()  # float32, as unscaled
+        _, finite = jax.jit(jamp.unscale_and_check)(state, jnp.asarray(x))
+        assert bool(finite) == expected, (scale, x[:3])
 
 
 # ---------------------------------------------------------------- select_tree

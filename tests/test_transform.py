@@ -410,6 +410,48 @@ def test_multisteps_accumulation_scale_constant_across_micro_steps():
     assert float(jamp.get_loss_scale(s).scale) == 256.0
 
 
+def run_accumulation(tx, n_steps, k, poison_at):
+    p = params0()
+    s = tx.init(p)
+    step = jax.jit(tx.update)
+    history = []
+    for i in range(n_steps * k):
+        g = scaled_grads(s, p, X * (1.0 + 0.1 * (i % 3)))
+        if i == poison_at:
+            g = poison(g)
+        u, s = step(g, s, p)
+        p = optax.apply_updates(p, u)
+        history.append(p)
+    return p, s, history
+
+
+@pytest.mark.standard_promotion  # optax.MultiSteps multiplies int32 by float32 inside optax
+def test_multi_steps_recovers_after_an_overflow():
+    k = 2
+    inner = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(2.0**8, growth_interval=100))
+    tx = jamp.multi_steps(inner, k)
+    p, s, history = run_accumulation(tx, 5, k, poison_at=1)
+    ls = jamp.get_loss_scale(s)
+    assert float(ls.scale) == 128.0  # backed off once, at the first boundary
+    assert int(s.inner_opt_state.skipped_steps) == 1  # only the poisoned step
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(s.acc_grads))
+    # every later boundary applied an update
+    for i in range(3, 10, 2):
+        assert not np.array_equal(np.asarray(history[i]["w"]), np.asarray(history[i - 2]["w"]))
+
+
+@pytest.mark.standard_promotion
+def test_loss_scaling_around_multisteps_drops_only_the_bad_micro_batch():
+    k = 2
+    tx = jamp.loss_scaling(optax.MultiSteps(optax.sgd(0.1), k), jamp.dynamic_loss_scale(2.0**8))
+    p, s, history = run_accumulation(tx, 3, k, poison_at=1)
+    assert int(s.skipped_steps) == 1 and float(s.loss_scale.scale) == 128.0
+    # the poisoned micro-batch did not count: the first boundary comes one call later
+    assert np.array_equal(np.asarray(history[1]["w"]), np.asarray(params0()["w"]))
+    assert not np.array_equal(np.asarray(history[2]["w"]), np.asarray(params0()["w"]))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(p))
+
+
 def test_schedule_does_not_drift_on_skipped_steps():
     sched = optax.linear_schedule(1.0, 0.0, 10)
     tx = jamp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=sched))

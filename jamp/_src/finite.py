@@ -1,11 +1,14 @@
 """Finite checks fused into the step, and tree selection.
 
-The check is one reduction per leaf whose result is a single boolean scalar:
-``sum(x * 0)`` is exactly 0 for finite ``x`` and NaN as soon as one element is
-inf or NaN. Unlike ``sum(x)`` it cannot overflow on large finite values, unlike
-``max|x|`` it cannot drop a NaN, and unlike ``all(isfinite(x))`` it writes no
-boolean array: XLA fuses it with the unscale multiply into one pass that reads
-each gradient once.
+The check reads each gradient once, with the cheapest full reduction XLA has:
+a float32 sum per leaf. A finite total proves every element finite (an inf or
+NaN anywhere makes any sum inf or NaN), and when the loss scale is >= 1,
+unscaling cannot overflow, so the *unscaled* gradients are finite too. Only
+when that fast path fails (a real overflow, a finite sum too large for
+float32, or a scale below 1) does an exact ``all(isfinite)`` pass run, under a
+``lax.cond``, so a clean step pays for one read. A ``max|x|`` check would be
+no cheaper and drops NaN on XLA's CPU backend; ``all(isfinite(x))`` writes a
+boolean array per leaf and costs 2-6x the read (``benchmarks/FINDINGS.md``).
 """
 
 from __future__ import annotations
@@ -23,13 +26,41 @@ from jamp._src import loss_scale as ls
 AxisName = Any  # a hashable axis name, or a tuple of them
 
 
-def _leaf_poison(x: Any) -> jax.Array:
-    """A float32 scalar that is 0 when ``x`` is all finite and NaN otherwise."""
-    x = jnp.asarray(x)
-    r = jnp.sum(x * jnp.zeros((), x.dtype))
-    if jnp.issubdtype(r.dtype, jnp.complexfloating):
-        r = jnp.real(r) + jnp.imag(r)
-    return r.astype(jnp.float32)
+def _float_leaves(tree: Any, fn: str) -> list[Any]:
+    leaves: list[Any] = []
+
+    def visit(path: Any, leaf: Any) -> None:
+        if ls.leaf_kind(path, leaf, fn) == "float":
+            leaves.append(jnp.asarray(leaf))
+
+    jax.tree_util.tree_map_with_path(visit, tree)
+    return leaves
+
+
+def _sum32(x: jax.Array) -> jax.Array:
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.sum(jnp.real(x), dtype=jnp.float32) + jnp.sum(jnp.imag(x), dtype=jnp.float32)
+    return jnp.sum(x, dtype=jnp.float32)
+
+
+def _exact(leaves: list[jax.Array]) -> jax.Array:
+    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in leaves])
+
+
+def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
+    """Whether every leaf (times ``inv``, when given) is finite."""
+    if not leaves:
+        return jnp.asarray(True)
+    fast = jnp.isfinite(functools.reduce(jnp.add, [_sum32(x) for x in leaves]))
+    if inv is None:
+        leaves_to_check = lambda: leaves  # noqa: E731
+    else:
+        # |g * inv| <= |g| when inv <= 1: finite g stay finite once unscaled.
+        fast = fast & (inv <= 1)
+        leaves_to_check = lambda: [ls._unscale_leaf(x, inv) for x in leaves]  # noqa: E731
+    # Both branches derive from the same leaves, so under shard_map they vary
+    # over the same axes.
+    return lax.cond(fast, lambda: fast, lambda: _exact(leaves_to_check()))
 
 
 def _agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
@@ -42,9 +73,10 @@ def _agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
 def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
     """One boolean scalar: whether every floating element of ``tree`` is finite.
 
-    Computed on device, in one read of each leaf (fused by XLA with whatever
-    produced the leaf, e.g. the unscale). Integer, boolean and ``float0``
-    leaves and ``None`` are ignored; an empty tree is finite.
+    Computed on device; a finite tree costs one read of each leaf (a float32
+    sum), and only a tree whose sum is not finite pays for an exact second
+    pass. Integer, boolean and ``float0`` leaves and ``None`` are ignored; an
+    empty tree is finite.
 
     Args:
       tree: any pytree of arrays.
@@ -64,18 +96,20 @@ def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
       >>> bool(jamp.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
-    poisons = []
+    return _agree(_finite(_float_leaves(tree, "all_finite")), axis_name)
 
-    def visit(path: Any, leaf: Any) -> None:
-        if ls.leaf_kind(path, leaf, "all_finite") == "float":
-            poisons.append(_leaf_poison(leaf))
 
-    jax.tree_util.tree_map_with_path(visit, tree)
-    if not poisons:
-        finite = jnp.asarray(True)
-    else:
-        finite = jnp.isfinite(functools.reduce(jnp.add, poisons))
-    return _agree(finite, axis_name)
+def check_unscaled(
+    state: ls.LossScaleState, grads: Any, *, axis_name: AxisName | None = None
+) -> jax.Array:
+    """Whether ``unscale(state, grads)`` is all finite, from one read of ``grads``.
+
+    The unscaled gradients are not formed on the fast path, so a caller can
+    unscale inside the branch that uses them, where XLA fuses the multiply
+    into the optimizer's own pass.
+    """
+    inv = ls.inverse_scale(state) if state.enabled else None
+    return _agree(_finite(_float_leaves(grads, "unscale_and_check"), inv), axis_name)
 
 
 def unscale_and_check(
@@ -103,8 +137,7 @@ def unscale_and_check(
       >>> g, bool(finite)
       (Array([2., 3.], dtype=float32), True)
     """
-    unscaled = ls.unscale(state, grads)
-    return unscaled, all_finite(unscaled, axis_name=axis_name)
+    return ls.unscale(state, grads), check_unscaled(state, grads, axis_name=axis_name)
 
 
 def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:

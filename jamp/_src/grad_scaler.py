@@ -193,12 +193,15 @@ class GradScaler:
             updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)
         if found_inf is None:
-            grads, finite = fin.unscale_and_check(state, grads)
-        else:
+            finite = fin.check_unscaled(state, grads)
+            unscaled = lambda: ls.unscale(state, grads)  # noqa: E731
+        else:  # grads already unscaled by scaler.unscale
             finite = jnp.logical_not(_found_inf_flag(found_inf))
+            unscaled = lambda: grads  # noqa: E731
 
+        # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
         def apply() -> tuple[Any, Any]:
-            updates, new_opt_state = tx.update(grads, opt_state, params, **extra_args)
+            updates, new_opt_state = tx.update(unscaled(), opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), new_opt_state
 
         new_params, new_opt_state = transform.cond_or_keep(

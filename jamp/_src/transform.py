@@ -117,6 +117,8 @@ def loss_scaling(
       >>> updates["w"]
       Array([-0.2, -0.2], dtype=float32)
     """
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
     if not isinstance(inner, optax.GradientTransformation):
         raise TypeError(
             f"Expected `inner` to be an optax.GradientTransformation, got "
@@ -151,13 +153,16 @@ def loss_scaling(
                 "Expected `state` to be the LossScalingState from this transformation's init, "
                 f"got {type(state).__name__} instead."
             )
-        grads, finite = fin.unscale_and_check(state.loss_scale, updates, axis_name=axis_name)
+        finite = fin.check_unscaled(state.loss_scale, updates, axis_name=axis_name)
 
+        # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
         def apply() -> tuple[Any, Any]:
+            grads = ls.unscale(state.loss_scale, updates)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         def skip() -> tuple[Any, Any]:
             if report_nonfinite:
+                grads = ls.unscale(state.loss_scale, updates)
                 report.log_nonfinite(grads, prefix="skipped step: ")
             return _zeros_like_output(apply)[0], state.inner_state
 
@@ -175,6 +180,42 @@ def loss_scaling(
         return new_updates, counters._replace(inner_state=new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def multi_steps(
+    inner: optax.GradientTransformation, every_k_schedule: Any, **kwargs: Any
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.MultiSteps(inner, every_k_schedule, **kwargs)`` that survives an overflow.
+
+    Gradient accumulation over a loss-scaled optimizer with the scale constant
+    across micro-steps (torch's recipe)::
+
+        tx = jamp.multi_steps(jamp.loss_scaling(optax.adamw(1e-3)), every_k_schedule=4)
+
+    An inf in any micro-batch makes the accumulated step non-finite, and
+    ``loss_scaling`` skips it at the boundary. ``optax.MultiSteps`` then resets
+    its accumulator as ``(1 - emit) * acc``, and ``0 * inf`` is NaN, so with
+    plain ``optax.MultiSteps`` every later accumulated step is non-finite too
+    and training silently stops. This wrapper starts each accumulation from
+    zeros instead. The state is the same ``optax.MultiStepsState``.
+
+    The other nesting, ``jamp.loss_scaling(optax.MultiSteps(inner, k))``,
+    checks every micro-batch and drops only the one that overflowed; the scale
+    may then change between micro-steps, which is harmless since what is
+    accumulated is already unscaled.
+    """
+    ms = optax.MultiSteps(inner, every_k_schedule, **kwargs).gradient_transformation()
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
+        new_updates, new_state = ms.update(updates, state, params, **extra_args)
+
+        def zeros() -> Any:
+            return jax.tree_util.tree_map(jnp.zeros_like, new_state.acc_grads)
+
+        acc = cond_or_keep(new_state.mini_step == 0, zeros, lambda: new_state.acc_grads)
+        return new_updates, new_state._replace(acc_grads=acc)
+
+    return optax.GradientTransformationExtraArgs(ms.init, update_fn)
 
 
 # --------------------------------------------------------------------------
