@@ -77,8 +77,11 @@ def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str =
     Inside a jitted step, the counts are computed on device and, only when a
     leaf is non-finite, sent to Python's ``logging`` (logger ``"jamp"``,
     level WARNING) through an asynchronous ``jax.debug.callback``, e.g.
-    ``params/Dense_3/kernel: 12 inf, 0 nan``. Clean steps pay for one
-    reduction per leaf and a branch, and never call back to the host.
+    ``params/Dense_3/kernel: 12 inf, 0 nan``. Clean steps never call back to
+    the host, but they are not free: one reduction per leaf, and, because
+    the compiled step now contains a host callback, JAX dispatches it through
+    its slower Python path instead of the C++ fast path (a fixed ~0.4 ms per
+    call on this project's CPU benchmarks; see ``benchmarks/RESULTS.md``).
 
     Args:
       tree: the gradients (or any pytree of arrays).

@@ -100,7 +100,8 @@ def loss_scaling(
         replicas agree on skipping. Not needed under ``jit`` with sharded
         arrays.
       report_nonfinite: on skipped steps only, log which gradient leaves held
-        inf/NaN (see :func:`jamp.log_nonfinite`); clean steps are unaffected.
+        inf/NaN (see :func:`jamp.log_nonfinite`). Clean steps never call the
+        host, but pay a small fixed dispatch cost (``benchmarks/RESULTS.md``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments

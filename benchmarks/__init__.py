@@ -1,0 +1,1 @@
+"""jamp benchmarks: ``python -m benchmarks [--quick|--tiny] [--out PATH]``."""

@@ -1,0 +1,58 @@
+"""Smoke test of the benchmark entry point: tiny sizes, a few steps, no timed assertions."""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_benchmarks_tiny_writes_every_table(tmp_path):
+    out = tmp_path / "results.md"
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # A fresh interpreter: the benchmark must not inherit the test session's
+    # strict dtype promotion or its 8 virtual devices.
+    # Less LLVM optimisation: compiles dominate a tiny run (timings are not checked).
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks", "--tiny", "--no-torch", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    text = out.read_text()
+    for heading in (
+        "# jamp benchmark results",
+        "## Training step: MLP",
+        "### Compile, traces, transfers, HLO (MLP)",
+        "## Training step: GPT",
+        "### Compile, traces, transfers, HLO (GPT)",
+        "## Finite check alone",
+        "## Targets",
+    ):
+        assert heading in text, heading
+    for row in (
+        "| plain (f32 optax.adamw) |",
+        "| jamp.loss_scaling |",
+        "| jamp.loss_scaling(report_nonfinite=True) |",
+        "| jamp.GradScaler.step |",
+        "| jmp DynamicLossScale + select_tree |",
+        "| flax DynamicScale + where |",
+        "| optax.apply_if_finite (no scaling) |",
+        "| jamp.all_finite |",
+        "| jamp.unscale_and_check flag (scale 2^15) |",
+        "| peers: all(isfinite) per leaf |",
+    ):
+        assert row in text, row
+    assert "float32" in text and "float16" in text and "bfloat16" in text
+    assert "candidate" not in text
+    # Every jamp step traces once in 20 steps, with no host transfer.
+    jamp_rows = [
+        line for line in text.splitlines() if line.startswith("| jamp.") and "| ok / ok |" in line
+    ]
+    assert len(jamp_rows) == 6, jamp_rows  # 3 jamp steps x 2 models
+    for line in jamp_rows:
+        assert "| 1 | ok / ok |" in line, line
