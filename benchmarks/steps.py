@@ -34,8 +34,8 @@ def _adamw() -> optax.GradientTransformation:
 # ------------------------------------------------------------------ variants
 
 
-def plain(model):
-    tx = _adamw()
+def _optax_step(model, tx):
+    """An unscaled step through the Optax transformation ``tx``."""
     params = fresh(model.params)
 
     def step(state, batch):
@@ -45,6 +45,10 @@ def plain(model):
         return optax.apply_updates(params, updates), opt_state
 
     return (params, tx.init(params)), step
+
+
+def plain(model):
+    return _optax_step(model, _adamw())
 
 
 def jamp_loss_scaling(model, report_nonfinite=False):
@@ -121,16 +125,7 @@ def flax_dynamic_scale(model):
 
 
 def optax_apply_if_finite(model):
-    tx = optax.apply_if_finite(_adamw(), max_consecutive_errors=5)
-    params = fresh(model.params)
-
-    def step(state, batch):
-        params, opt_state = state
-        grads = jax.grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return (params, tx.init(params)), step
+    return _optax_step(model, optax.apply_if_finite(_adamw(), max_consecutive_errors=5))
 
 
 VARIANTS: dict[str, Callable] = {

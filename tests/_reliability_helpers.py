@@ -170,6 +170,22 @@ def tree_isfinite(tree):
     return jnp.all(jnp.stack(flags))
 
 
+def apply_unless_omitted(tx, params, opt_state, grads, omit):
+    """One soak step: the update, or an exact no-op for an omitted step; and its record."""
+
+    def take():
+        updates, new_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_state
+
+    params, opt_state = lax.cond(omit, lambda: (params, opt_state), take)
+    rec = dict(
+        scale=jamp.get_loss_scale(opt_state).scale,
+        applied=opt_state.last_finite,
+        state_finite=tree_isfinite((params, opt_state)),
+    )
+    return (params, opt_state), rec
+
+
 def n_leaves(params) -> int:
     return len(jax.tree.leaves(params))
 
@@ -193,17 +209,7 @@ def make_chunk_runner(tx):
         grads = jax.grad(lambda p: jamp.scale(ls_state, loss_fn(p, x, y) * mult))(params)
         grads = inject(grads, s["kind"] == GRAD, s["leaf"], s["elem"], s["poison"])
 
-        def take():
-            updates, new_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_state
-
-        params, opt_state = lax.cond(s["omit"], lambda: (params, opt_state), take)
-        rec = dict(
-            scale=jamp.get_loss_scale(opt_state).scale,
-            applied=opt_state.last_finite,
-            state_finite=tree_isfinite((params, opt_state)),
-        )
-        return (params, opt_state), rec
+        return apply_unless_omitted(tx, params, opt_state, grads, s["omit"])
 
     @jax.jit
     def run(params, opt_state, sched):
@@ -263,17 +269,7 @@ def make_dp_runner(tx, n):
         grads = lax.pmean(grads, "data")
         grads = inject(grads, (s["kind"] == REDUCED) & mine, s["leaf"], s["elem"], s["poison"])
 
-        def take():
-            updates, new_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), new_state
-
-        params, opt_state = lax.cond(s["omit"], lambda: (params, opt_state), take)
-        rec = dict(
-            scale=jamp.get_loss_scale(opt_state).scale,
-            applied=opt_state.last_finite,
-            state_finite=tree_isfinite((params, opt_state)),
-        )
-        return (params, opt_state), rec
+        return apply_unless_omitted(tx, params, opt_state, grads, s["omit"])
 
     def per_replica(params, opt_state, sched):
         squeeze = lambda t: jax.tree.map(lambda a: a[0], t)  # noqa: E731
