@@ -62,14 +62,19 @@ def match_varying(tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like)
 
 
-def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[], Any]) -> Any:
-    """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s."""
-    shapes = jax.eval_shape(apply)
+def cond_or_keep(
+    pred: jax.Array, apply: Callable[[], Any], keep: Callable[[], Any], shapes: Any = None
+) -> Any:
+    """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
+
+    ``shapes`` is ``jax.eval_shape(apply)``, when the caller has it already.
+    """
+    if shapes is None:
+        shapes = jax.eval_shape(apply)
     return lax.cond(pred, apply, lambda: match_varying(keep(), shapes))
 
 
-def _zeros_like_output(fn: Callable[[], Any]) -> Any:
-    shapes = jax.eval_shape(fn)
+def _zeros(shapes: Any) -> Any:
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
@@ -161,13 +166,15 @@ def loss_scaling(
             grads = ls.unscale(state.loss_scale, updates)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
+        shapes = jax.eval_shape(apply)  # traced once, for the zeros and for cond_or_keep
+
         def skip() -> tuple[Any, Any]:
             if report_nonfinite:
                 grads = ls.unscale(state.loss_scale, updates)
                 report.log_nonfinite(grads, prefix="skipped step: ")
-            return _zeros_like_output(apply)[0], state.inner_state
+            return _zeros(shapes[0]), state.inner_state
 
-        new_updates, new_inner = cond_or_keep(finite, apply, skip)
+        new_updates, new_inner = cond_or_keep(finite, apply, skip, shapes)
         counters = LossScalingState(
             loss_scale=ls.update(state.loss_scale, finite),
             inner_state=None,
