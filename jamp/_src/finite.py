@@ -115,11 +115,14 @@ def check_unscaled(
 def unscale_and_check(
     state: ls.LossScaleState, grads: Any, *, axis_name: AxisName | None = None
 ) -> tuple[Any, jax.Array]:
-    """Unscale ``grads`` and check the *unscaled* values in the same pass.
+    """Unscale ``grads`` and check whether the *unscaled* values are all finite.
 
-    Checking after unscaling catches an overflow that unscaling itself creates
-    (a scale below 1), which torch's kernel, checking the scaled values, does
-    not. A disabled state still checks, so non-finite steps can be skipped.
+    The check reads the scaled gradients once (see :func:`all_finite`); with
+    a scale >= 1 a finite scaled gradient stays finite once unscaled, and
+    otherwise the unscaled values themselves are checked. So an overflow that
+    unscaling creates (a scale below 1) is caught, which torch's kernel,
+    checking the scaled values, misses. A disabled state still checks, so
+    non-finite steps can be skipped.
 
     Args:
       state: a :class:`LossScaleState`.
