@@ -486,7 +486,7 @@ def _shift_round_even(limbs: list, n: int) -> list:
     return out
 
 
-def mul_round_once(s: jax.Array, factor: float) -> jax.Array:
+def mul_as_torch(s: jax.Array, factor: float) -> jax.Array:
     """torch's ``(float)((double)s * factor)`` for a positive normal float32 ``s``.
 
     When ``factor`` is exact in float32 this is a float32 multiply: the double
@@ -592,13 +592,13 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
 
     # Non-finite branch.
     streak_bad = jnp.minimum(streak + 1, jnp.int32(state.hysteresis))
-    backed_off = jnp.maximum(mul_round_once(s, state.backoff_factor), lo)
+    backed_off = jnp.maximum(mul_as_torch(s, state.backoff_factor), lo)
     s_bad = jnp.where(streak_bad >= state.hysteresis, backed_off, s)
 
     # Finite branch.
     k = jnp.where(tracker < jnp.int32(_INT32_MAX), tracker + 1, tracker)  # never wraps
     grow = k == jnp.int32(state.growth_interval)
-    grown = mul_round_once(s, state.growth_factor)
+    grown = mul_as_torch(s, state.growth_factor)
     grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, hi), s)
     s_good = jnp.where(grow, grown, s)
     tracker_good = jnp.where(grow, jnp.int32(0), k)
@@ -624,7 +624,7 @@ def backoff(state: LossScaleState) -> LossScaleState:
     lo = jnp.float32(state.min_scale)
     return dataclasses.replace(
         state,
-        scale=jnp.maximum(mul_round_once(state.scale, state.backoff_factor), lo),
+        scale=jnp.maximum(mul_as_torch(state.scale, state.backoff_factor), lo),
         growth_tracker=jnp.zeros((), jnp.int32),
         overflow_streak=jnp.zeros((), jnp.int32),
     )
