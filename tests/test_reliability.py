@@ -500,6 +500,12 @@ def _lss():
     return jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
 
 
+def valid_state_dict(**changes):
+    """A valid PyTorch GradScaler state dict, with ``changes``."""
+    d = dict(scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=10)
+    return {**d, "_growth_tracker": 0, **changes}
+
+
 DYN = jamp.dynamic_loss_scale
 BAD_INPUT = {
     # dynamic_loss_scale
@@ -687,41 +693,17 @@ BAD_INPUT = {
         r"`state_dict` to be a mapping",
     ),
     "GradScaler load_state_dict(scale=0)": (
-        lambda: jamp.GradScaler().load_state_dict(
-            dict(
-                scale=0.0,
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=10,
-                _growth_tracker=0,
-            )
-        ),
+        lambda: jamp.GradScaler().load_state_dict(valid_state_dict(scale=0.0)),
         ValueError,
         r"state_dict\['scale'\]",
     ),
     "GradScaler load_state_dict(scale='inf')": (
-        lambda: jamp.GradScaler().load_state_dict(
-            dict(
-                scale="inf",
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=10,
-                _growth_tracker=0,
-            )
-        ),
+        lambda: jamp.GradScaler().load_state_dict(valid_state_dict(scale="inf")),
         TypeError,
         r"state_dict\['scale'\]",
     ),
     "GradScaler load_state_dict(tracker=-1)": (
-        lambda: jamp.GradScaler().load_state_dict(
-            dict(
-                scale=1.0,
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=10,
-                _growth_tracker=-1,
-            )
-        ),
+        lambda: jamp.GradScaler().load_state_dict(valid_state_dict(_growth_tracker=-1)),
         ValueError,
         r"_growth_tracker",
     ),
