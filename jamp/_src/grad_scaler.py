@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
@@ -294,15 +293,13 @@ class GradScaler:
                 f"Expected `state_dict` to have the keys {list(_TORCH_KEYS)}, missing {missing}."
             )
         tracker = state_dict["_growth_tracker"]
-        if not (isinstance(tracker, numbers.Integral) and not isinstance(tracker, bool)) or not (
-            0 <= tracker < 2**31
-        ):
+        if not ls.is_integer(tracker) or not 0 <= tracker <= ls.INT32_MAX:
             raise ValueError(
                 "Expected state_dict['_growth_tracker'] to be an int in [0, 2**31), got "
                 f"{tracker!r} instead."
             )
         scale_value = state_dict["scale"]
-        if _is_number(scale_value) and not (
+        if ls.is_real_number(scale_value) and not (
             math.isfinite(float(scale_value)) and float(scale_value) > 0
         ):
             raise ValueError(
@@ -317,7 +314,3 @@ class GradScaler:
             state_dict["growth_interval"],
         )
         return dataclasses.replace(state, growth_tracker=jnp.asarray(int(tracker), jnp.int32))
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)

@@ -20,7 +20,7 @@ import numpy as np
 # multiplies by inf, 0, or a subnormal that a backend may flush to zero.
 MIN_SCALE = 2.0**-126
 MAX_SCALE = 2.0**126
-_INT32_MAX = 2**31 - 1
+INT32_MAX = 2**31 - 1
 
 DYNAMIC = "dynamic"
 STATIC = "static"
@@ -86,8 +86,19 @@ jax.tree_util.register_dataclass(
 # Validation helpers (host-side, at construction).
 
 
-def _is_concrete_number(x: Any) -> bool:
+def is_real_number(x: Any) -> bool:
+    """A Python (or NumPy) real number, not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_integer(x: Any) -> bool:
+    """A Python (or NumPy) integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def saturating_increment(count: jax.Array, where: Any) -> jax.Array:
+    """``count + where`` for an int32 counter, held at 2**31 - 1 instead of wrapping."""
+    return jnp.where(where & (count < INT32_MAX), count + 1, count)
 
 
 def _scalar_float(name: str, value: Any) -> float:
@@ -113,7 +124,7 @@ def _scalar_float(name: str, value: Any) -> float:
                 "instead."
             )
         return float(np.asarray(value))
-    if not _is_concrete_number(value):
+    if not is_real_number(value):
         raise TypeError(f"Expected `{name}` to be a real number, got {value!r} instead.")
     return float(value)
 
@@ -227,21 +238,21 @@ def dynamic_loss_scale(
             f"Expected `backoff_factor` in the open interval (0, 1), got backoff_factor={bf!r} "
             "instead."
         )
-    if isinstance(growth_interval, bool) or not isinstance(growth_interval, numbers.Integral):
+    if not is_integer(growth_interval):
         raise ValueError(
             f"Expected `growth_interval` to be an integer >= 1, got "
             f"growth_interval={growth_interval!r} instead."
         )
-    if not (1 <= int(growth_interval) <= _INT32_MAX):
+    if not (1 <= int(growth_interval) <= INT32_MAX):
         raise ValueError(
             f"Expected `growth_interval` to be an integer in [1, 2**31 - 1], got "
             f"growth_interval={growth_interval!r} instead."
         )
-    if isinstance(hysteresis, bool) or not isinstance(hysteresis, numbers.Integral):
+    if not is_integer(hysteresis):
         raise ValueError(
             f"Expected `hysteresis` to be an integer >= 1, got hysteresis={hysteresis!r} instead."
         )
-    if not (1 <= int(hysteresis) <= _INT32_MAX):
+    if not (1 <= int(hysteresis) <= INT32_MAX):
         raise ValueError(
             f"Expected `hysteresis` to be an integer >= 1, got hysteresis={hysteresis!r} instead."
         )
@@ -596,7 +607,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     s_bad = jnp.where(streak_bad >= state.hysteresis, backed_off, s)
 
     # Finite branch.
-    k = jnp.where(tracker < jnp.int32(_INT32_MAX), tracker + 1, tracker)  # never wraps
+    k = saturating_increment(tracker, True)  # never wraps
     grow = k == jnp.int32(state.growth_interval)
     grown = mul_as_torch(s, state.growth_factor)
     grown = jnp.where(jnp.isfinite(grown), jnp.minimum(grown, hi), s)

@@ -15,8 +15,6 @@ from jamp._src import finite as fin
 from jamp._src import loss_scale as ls
 from jamp._src import report
 
-_INT32_MAX = 2**31 - 1
-
 
 class LossScalingState(NamedTuple):
     """State of :func:`loss_scaling`; field names are unique for ``optax.tree.get``.
@@ -33,11 +31,6 @@ class LossScalingState(NamedTuple):
     inner_state: Any
     last_finite: jax.Array
     skipped_steps: jax.Array
-
-
-def saturating_increment(count: jax.Array, where: jax.Array) -> jax.Array:
-    """``count + where`` for int32, held at 2**31 - 1 instead of wrapping."""
-    return jnp.where(where & (count < _INT32_MAX), count + 1, count)
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -179,7 +172,7 @@ def loss_scaling(
             loss_scale=ls.update(state.loss_scale, finite),
             inner_state=None,
             last_finite=finite,
-            skipped_steps=saturating_increment(state.skipped_steps, jnp.logical_not(finite)),
+            skipped_steps=ls.saturating_increment(state.skipped_steps, jnp.logical_not(finite)),
         )
         # Under shard_map, a state that came in varying per replica goes out
         # varying too (the agreed flag alone would not be), so it can be carried
