@@ -22,16 +22,19 @@ EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id
 # ---------------------------------------------------------------- all_finite
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
 @pytest.mark.parametrize("wrap", EAGER_AND_JIT)
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
 @pytest.mark.parametrize("size", [7, 4096, 100_003])
-def test_all_finite_catches_every_kind_in_large_leaves(wrap, bad, size):
+def test_all_finite_catches_every_kind_in_large_leaves(wrap, bad, size, dtype):
     # jnp.max drops NaN on >= 4096 elements on XLA:CPU; our check must not.
-    x = np.ones(size, np.float32)
+    # float16 leaves take their own path (all(isfinite), not a float32 sum).
+    x = np.ones(size, dtype)
     x[size // 2] = bad
     tree = {"a": jnp.ones(3), "b": jnp.asarray(x)}
     assert not bool(wrap(jamp.all_finite)(tree))
-    assert bool(wrap(jamp.all_finite)({"a": jnp.ones(3), "b": jnp.ones(size)}))
+    assert not bool(wrap(jamp.all_finite)({"b": jnp.asarray(x)}))
+    assert bool(wrap(jamp.all_finite)({"a": jnp.ones(3), "b": jnp.ones(size, dtype)}))
 
 
 @pytest.mark.parametrize("wrap", EAGER_AND_JIT)
@@ -190,10 +193,15 @@ def test_fast_path_and_fallback_agree_with_numpy(scale):
         np.full(100, 3e38, np.float32),  # finite, but the sum overflows: fallback
         np.array([3e38, 1.0], np.float32),  # overflows only once unscaled when scale < 1
         rng.normal(size=50).astype(np.float32),
+        np.full(100, 60000.0, np.float16),  # float16: overflows once unscaled when scale < 1
+        np.array([60000.0, np.inf], np.float16),
+        rng.normal(size=50).astype(np.float16),
     ]
     for x in cases:
         with np.errstate(over="ignore"):
-            expected = np.isfinite(x * np.float32(1 / scale)).all()  # float32, as unscaled
+            # as unscaled: float32 arithmetic, rounded to the leaf's dtype
+            unscaled = (x.astype(np.float32) * np.float32(1 / scale)).astype(x.dtype)
+            expected = np.isfinite(unscaled).all()
         _, finite = jax.jit(jamp.unscale_and_check)(state, jnp.asarray(x))
         assert bool(finite) == expected, (scale, x[:3])
 

@@ -1,7 +1,8 @@
 """Finite checks fused into the step, and tree selection.
 
 The check reads each gradient once, with the cheapest full reduction XLA has:
-a float32 sum per leaf. A finite total proves every element finite (an inf or
+a float32 sum per leaf (for float16 leaves, ``all(isfinite)``, which is
+cheaper than converting them). A finite total proves every element finite (an inf or
 NaN anywhere makes any sum inf or NaN), and when the loss scale is >= 1,
 unscaling cannot overflow, so the *unscaled* gradients are finite too. Only
 when that fast path fails (a real overflow, a finite sum too large for
@@ -51,7 +52,16 @@ def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
     """Whether every leaf (times ``inv``, when given) is finite."""
     if not leaves:
         return jnp.asarray(True)
-    fast = jnp.isfinite(functools.reduce(jnp.add, [_sum32(x) for x in leaves]))
+    # float16 leaves are checked exactly on the fast path too: on a CPU without
+    # float16 arithmetic, converting every element for the sum costs 2-3x more
+    # than all(isfinite) (benchmarks/FINDINGS.md, section 6).
+    half = [x for x in leaves if x.dtype == jnp.float16]
+    rest = [x for x in leaves if x.dtype != jnp.float16]
+    fast = jnp.asarray(True)
+    if rest:
+        fast = jnp.isfinite(functools.reduce(jnp.add, [_sum32(x) for x in rest]))
+    if half:
+        fast = fast & _exact(half)
     if inv is None:
         leaves_to_check = lambda: leaves  # noqa: E731
     else:
