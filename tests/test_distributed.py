@@ -510,13 +510,16 @@ def test_shard_map_checked_vma_per_replica_grads():
     check_mapped_skip(shard_map_step)
 
 
+@pytest.mark.parametrize("skip", ["cond", "select"])
 @pytest.mark.parametrize("path", ["loss_scaling", "grad_scaler"])
-def test_shard_map_shared_state_per_replica_grads(path):
+def test_shard_map_shared_state_per_replica_grads(path, skip):
     """Optimizer state and params passed in shared (P()), gradients differing per
     replica: the kept state of the skip branch must be typed like the updated one."""
     mesh = mesh8()
-    scaler = jamp.GradScaler(init_scale=4.0)
-    tx = jamp.loss_scaling(optax.sgd(0.1, momentum=0.9), scaler.init(), axis_name="data")
+    scaler = jamp.GradScaler(init_scale=4.0, skip=skip)
+    tx = jamp.loss_scaling(
+        optax.sgd(0.1, momentum=0.9), scaler.init(), axis_name="data", skip=skip
+    )
     inner = optax.sgd(0.1, momentum=0.9)
     w = jnp.ones((2,))
     x = np.ones((8, 2), np.float32)
@@ -545,12 +548,13 @@ def test_shard_map_shared_state_per_replica_grads(path):
     assert np.asarray(finite).all() and not np.array_equal(np.asarray(new_w), np.ones((8, 2)))
 
 
-def test_shard_map_state_carried_through_scan_per_replica():
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_shard_map_state_carried_through_scan_per_replica(skip):
     """A per-replica optimizer state keeps its varying type through update, so it
     can be a lax.scan carry under shard_map's default check_vma=True."""
     mesh = mesh8()
     tx = jamp.loss_scaling(
-        optax.sgd(0.1, momentum=0.9), jamp.dynamic_loss_scale(8.0), axis_name="data"
+        optax.sgd(0.1, momentum=0.9), jamp.dynamic_loss_scale(8.0), axis_name="data", skip=skip
     )
     w = jnp.ones((8, 2))
     state = jax.vmap(tx.init)(w)

@@ -41,9 +41,14 @@ def test_defaults_hashable_immutable():
         (dict(growth_interval=0), ValueError, r"growth_interval=0"),
         (dict(init_scale=-2.0), ValueError, r"init_scale=-2\.0"),
         (dict(enabled="yes"), TypeError, r"`enabled` to be a bool"),
+        (dict(skip="jnp.where"), ValueError, r"`skip` to be one of \('cond', 'select'\)"),
+        (dict(skip="select", enabled=False, growth_factor=0.5), None, None),
     ],
 )
 def test_constructor_validation(kwargs, exc, match):
+    if exc is None:  # disabled: no validation, as in torch; a valid `skip` is accepted
+        assert jamp.GradScaler(**kwargs).skip == kwargs["skip"]
+        return
     with pytest.raises(exc, match=match):
         jamp.GradScaler(**kwargs)
 
@@ -75,9 +80,10 @@ def loss(p):
     return jnp.sum(p["w"] ** 2) + jnp.sum(p["b"] ** 2)
 
 
+@pytest.mark.parametrize("skip", ["cond", "select"])
 @pytest.mark.parametrize("wrap", [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")])
-def test_step_and_update(wrap):
-    scaler = jamp.GradScaler(init_scale=1024.0, growth_interval=2)
+def test_step_and_update(wrap, skip):
+    scaler = jamp.GradScaler(init_scale=1024.0, growth_interval=2, skip=skip)
     state = scaler.init()
     params, tx, opt_state = sgd_problem()
 
@@ -306,14 +312,20 @@ def assert_params(got, expected, tol):
 
 
 @pytest.mark.standard_promotion
+@pytest.mark.parametrize("skip", ["cond", "select"])
 @pytest.mark.parametrize("path", ["loss_scaling", "grad_scaler"])
 @pytest.mark.parametrize("name", _golden.scenario_names())
-def test_replay_trajectory_with_optimizer(name, path):
+def test_replay_trajectory_with_optimizer(name, path, skip):
     sc = _golden.scenario(name)
     ctor = sc["scaler_ctor"]
     inner, rtol = optimizer_for(sc)
     scaler = jamp.GradScaler(
-        ctor["init_scale"], ctor["growth_factor"], ctor["backoff_factor"], ctor["growth_interval"], ctor["enabled"]
+        ctor["init_scale"],
+        ctor["growth_factor"],
+        ctor["backoff_factor"],
+        ctor["growth_interval"],
+        ctor["enabled"],
+        skip=skip,
     )
     if path == "loss_scaling" and not ctor["enabled"]:
         # torch applies inf/NaN steps when disabled; loss_scaling deliberately never does.

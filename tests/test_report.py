@@ -98,8 +98,9 @@ def test_log_nonfinite_errors(kwargs, match):
         jamp.log_nonfinite({"g": jnp.ones(1)}, **kwargs)
 
 
-def test_loss_scaling_report_nonfinite(caplog):
-    tx = jamp.loss_scaling(optax.sgd(0.1), report_nonfinite=True)
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_loss_scaling_report_nonfinite(caplog, skip):
+    tx = jamp.loss_scaling(optax.sgd(0.1), report_nonfinite=True, skip=skip)
     params = grads_tree(jnp.bool_(False))
     state = tx.init(params)
     step = jax.jit(tx.update)

@@ -61,10 +61,11 @@ def test_state_fields_are_unique_and_findable():
 
 
 @pytest.mark.standard_promotion
+@pytest.mark.parametrize("skip", ["cond", "select"])
 @pytest.mark.parametrize("wrap", EAGER_AND_JIT)
 @pytest.mark.parametrize("bad", [jnp.inf, -jnp.inf, jnp.nan])
-def test_nonfinite_step_is_skipped_and_inner_state_frozen(wrap, bad):
-    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(1024.0))
+def test_nonfinite_step_is_skipped_and_inner_state_frozen(wrap, bad, skip):
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(1024.0), skip=skip)
     p = params0()
     state = tx.init(p)
     update = wrap(tx.update)
@@ -84,9 +85,10 @@ def test_nonfinite_step_is_skipped_and_inner_state_frozen(wrap, bad):
 
 
 @pytest.mark.standard_promotion
-def test_updates_equal_plain_optimizer_on_unscaled_grads():
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_updates_equal_plain_optimizer_on_unscaled_grads(skip):
     inner = optax.adamw(1e-2)
-    tx = jamp.loss_scaling(inner, jamp.dynamic_loss_scale(2.0**10))
+    tx = jamp.loss_scaling(inner, jamp.dynamic_loss_scale(2.0**10), skip=skip)
     p = params0()
     s, s_plain = tx.init(p), inner.init(p)
     for _ in range(3):
@@ -157,11 +159,14 @@ def test_reduce_on_plateau_gets_the_value():
     [
         (("adam",), TypeError, r"`inner` to be an optax.GradientTransformation, got str"),
         ((optax.sgd(0.1), 2.0), TypeError, r"`loss_scale` to be a jamp.LossScaleState"),
+        ((optax.sgd(0.1), None, "where"), ValueError, r"`skip` to be one of .*got 'where'"),
+        ((optax.sgd(0.1), None, None), ValueError, r"`skip` to be one of .*got None"),
     ],
 )
 def test_loss_scaling_argument_errors(args, exc, match):
+    kwargs = {"skip": args[2]} if len(args) > 2 else {}
     with pytest.raises(exc, match=match):
-        jamp.loss_scaling(*args)
+        jamp.loss_scaling(*args[:2], **kwargs)
 
 
 def test_static_and_no_loss_scale_still_skip_nonfinite():

@@ -62,6 +62,8 @@ class GradScaler:
       growth_interval: finite steps in a row before the scale grows; >= 1.
       enabled: ``False`` makes every method the identity / a plain step, as
         in PyTorch (and skips validation, as PyTorch does).
+      skip: how :meth:`step` drops a non-finite step (not in PyTorch):
+        ``"cond"`` (default) or ``"select"``; see :func:`jamp.loss_scaling`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -82,11 +84,13 @@ class GradScaler:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     enabled: bool = True
+    skip: str = "cond"
 
     def __post_init__(self) -> None:
         # GradScaler is configuration, not a pytree, so validating here is safe.
         if not isinstance(self.enabled, bool):
             raise TypeError(f"Expected `enabled` to be a bool, got {self.enabled!r} instead.")
+        transform.check_skip(self.skip)
         if self.enabled:
             self.init()
 
@@ -179,9 +183,9 @@ class GradScaler:
     ) -> tuple[Any, Any, jax.Array]:
         """Unscale, and apply ``tx`` unless a gradient is inf/NaN: ``scaler.step(opt)``.
 
-        The update is applied inside a ``lax.cond``: on a skipped step the
-        parameters and ``opt_state`` come back unchanged (Adam's count does
-        not advance). With ``found_inf`` (from :meth:`unscale`), ``grads`` are
+        The update is applied inside a ``lax.cond`` (or selected, with
+        ``skip="select"``): on a skipped step the parameters and
+        ``opt_state`` come back unchanged (Adam's count does not advance). With ``found_inf`` (from :meth:`unscale`), ``grads`` are
         taken as already unscaled. When disabled, the step is always applied,
         as in PyTorch.
 
@@ -203,8 +207,8 @@ class GradScaler:
             updates, new_opt_state = tx.update(unscaled(), opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), new_opt_state
 
-        new_params, new_opt_state = transform.cond_or_keep(
-            finite, apply, lambda: (params, opt_state)
+        new_params, new_opt_state = transform.apply_or_keep(
+            finite, apply, lambda _: (params, opt_state), skip=self.skip
         )
         return new_params, new_opt_state, jnp.logical_not(finite)
 
@@ -249,7 +253,7 @@ class GradScaler:
         When disabled, the transformation scales by 1 but still skips
         non-finite steps (PyTorch would apply them).
         """
-        return transform.loss_scaling(inner, self.init())
+        return transform.loss_scaling(inner, self.init(), skip=self.skip)
 
     # ------------------------------------------------------------ checkpoints
 

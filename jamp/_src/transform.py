@@ -56,15 +56,49 @@ def match_varying(tree: Any, like: Any) -> Any:
 
 
 def cond_or_keep(
-    pred: jax.Array, apply: Callable[[], Any], keep: Callable[[], Any], shapes: Any = None
+    pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any], shapes: Any = None
 ) -> Any:
     """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
 
-    ``shapes`` is ``jax.eval_shape(apply)``, when the caller has it already.
+    ``keep`` is called with ``apply``'s output shapes; ``shapes`` is
+    ``jax.eval_shape(apply)``, when the caller has it already.
     """
     if shapes is None:
         shapes = jax.eval_shape(apply)
-    return lax.cond(pred, apply, lambda: match_varying(keep(), shapes))
+    return lax.cond(pred, apply, lambda: match_varying(keep(shapes), shapes))
+
+
+SKIP_MODES = ("cond", "select")
+
+
+def check_skip(skip: Any) -> str:
+    """``skip`` if it names a skipping mode, else a ``ValueError`` naming the argument."""
+    if not isinstance(skip, str) or skip not in SKIP_MODES:
+        raise ValueError(
+            f"Expected `skip` to be one of {SKIP_MODES} ('cond': apply the update under "
+            f"lax.cond; 'select': compute it, then keep or drop it), got {skip!r} instead."
+        )
+    return skip
+
+
+def apply_or_keep(
+    pred: jax.Array,
+    apply: Callable[[], Any],
+    keep: Callable[[Any], Any],
+    *,
+    skip: str = "cond",
+) -> Any:
+    """``apply()`` where ``pred`` holds, else ``keep(shapes of apply())``, by cond or select.
+
+    ``"cond"`` runs only the chosen branch. ``"select"`` runs both and picks
+    leaf by leaf; a non-finite value in the dropped branch never reaches the
+    result (a select, unlike ``a * pred``, does not propagate it).
+    """
+    if skip == "cond":
+        return cond_or_keep(pred, apply, keep)
+    new = apply()
+    old = match_varying(keep(new), new)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
 def _zeros(shapes: Any) -> Any:
@@ -77,6 +111,7 @@ def loss_scaling(
     *,
     axis_name: Any = None,
     report_nonfinite: bool = False,
+    skip: str = "cond",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an Optax transformation so it takes gradients of a *scaled* loss.
 
@@ -100,6 +135,14 @@ def loss_scaling(
       report_nonfinite: on skipped steps only, log which gradient leaves held
         inf/NaN (see :func:`jamp.log_nonfinite`). Clean steps never call the
         host, but pay a small fixed dispatch cost (``benchmarks/RESULTS.md``).
+      skip: how a non-finite step is dropped; both give the same results.
+        ``"cond"`` (default) runs ``inner`` under ``lax.cond``, only on
+        finite steps: fastest when the train step donates its state
+        (``jax.jit(..., donate_argnums=...)``). ``"select"`` runs ``inner``
+        on every step and keeps its result or the old state with a select,
+        which XLA can fuse with ``optax.apply_updates``: faster without
+        donation, and on some many-leaf models. ``benchmarks/RESULTS.md``
+        measures both.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments
@@ -134,6 +177,7 @@ def loss_scaling(
         raise TypeError(
             f"Expected `report_nonfinite` to be a bool, got {report_nonfinite!r} instead."
         )
+    check_skip(skip)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:
@@ -159,15 +203,13 @@ def loss_scaling(
             grads = ls.unscale(state.loss_scale, updates)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
-        shapes = jax.eval_shape(apply)  # traced once, for the zeros and for cond_or_keep
-
-        def skip() -> tuple[Any, Any]:
-            if report_nonfinite:
+        def keep(shapes: Any) -> tuple[Any, Any]:
+            if report_nonfinite:  # under "select", log_nonfinite's own cond gates it
                 grads = ls.unscale(state.loss_scale, updates)
                 report.log_nonfinite(grads, prefix="skipped step: ")
             return _zeros(shapes[0]), state.inner_state
 
-        new_updates, new_inner = cond_or_keep(finite, apply, skip, shapes)
+        new_updates, new_inner = apply_or_keep(finite, apply, keep, skip=skip)
         counters = LossScalingState(
             loss_scale=ls.update(state.loss_scale, finite),
             inner_state=None,
@@ -213,7 +255,7 @@ def multi_steps(
         def zeros() -> Any:
             return jax.tree_util.tree_map(jnp.zeros_like, new_state.acc_grads)
 
-        acc = cond_or_keep(new_state.mini_step == 0, zeros, lambda: new_state.acc_grads)
+        acc = cond_or_keep(new_state.mini_step == 0, zeros, lambda _: new_state.acc_grads)
         return new_updates, new_state._replace(acc_grads=acc)
 
     return optax.GradientTransformationExtraArgs(ms.init, update_fn)
