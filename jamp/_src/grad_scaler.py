@@ -185,8 +185,9 @@ class GradScaler:
 
         The update is applied inside a ``lax.cond`` (or selected, with
         ``skip="select"``): on a skipped step the parameters and
-        ``opt_state`` come back unchanged (Adam's count does not advance). With ``found_inf`` (from :meth:`unscale`), ``grads`` are
-        taken as already unscaled. When disabled, the step is always applied,
+        ``opt_state`` come back unchanged (Adam's count does not advance).
+        With ``found_inf`` (from :meth:`unscale`), ``grads`` are taken as
+        already unscaled. When disabled, the step is always applied,
         as in PyTorch.
 
         Returns:
