@@ -42,8 +42,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 QUICK_GPT = (
     "plain (f32 optax.adamw)",
     "jamp.loss_scaling",
-    "jamp.loss_scaling(report_nonfinite=True)",
+    "jamp.loss_scaling(skip='select')",
     "jamp.GradScaler.step",
+    "jamp.GradScaler(skip='select').step",
     "jmp DynamicLossScale + select_tree",
 )
 

@@ -51,9 +51,12 @@ def plain(model):
     return _optax_step(model, _adamw())
 
 
-def jamp_loss_scaling(model, report_nonfinite=False):
+def jamp_loss_scaling(model, report_nonfinite=False, skip="cond"):
     tx = jamp.loss_scaling(
-        _adamw(), jamp.dynamic_loss_scale(INIT_SCALE), report_nonfinite=report_nonfinite
+        _adamw(),
+        jamp.dynamic_loss_scale(INIT_SCALE),
+        report_nonfinite=report_nonfinite,
+        skip=skip,
     )
     params = fresh(model.params)
 
@@ -67,8 +70,8 @@ def jamp_loss_scaling(model, report_nonfinite=False):
     return (params, tx.init(params)), step
 
 
-def jamp_grad_scaler(model, step_fn=None):
-    scaler = jamp.GradScaler(init_scale=INIT_SCALE)
+def jamp_grad_scaler(model, step_fn=None, skip="cond"):
+    scaler = jamp.GradScaler(init_scale=INIT_SCALE, skip=skip)
     tx = _adamw()
     params = fresh(model.params)
     do_step = step_fn or scaler.step
@@ -134,7 +137,9 @@ VARIANTS: dict[str, Callable] = {
     "jamp.loss_scaling(report_nonfinite=True)": functools.partial(
         jamp_loss_scaling, report_nonfinite=True
     ),
+    "jamp.loss_scaling(skip='select')": functools.partial(jamp_loss_scaling, skip="select"),
     "jamp.GradScaler.step": jamp_grad_scaler,
+    "jamp.GradScaler(skip='select').step": functools.partial(jamp_grad_scaler, skip="select"),
     "jmp DynamicLossScale + select_tree": jmp_dynamic,
     "flax DynamicScale + where": flax_dynamic_scale,
     "optax.apply_if_finite (no scaling)": optax_apply_if_finite,
