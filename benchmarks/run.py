@@ -516,16 +516,17 @@ _WHY = {
         "unscale: XLA bytes {peer_bytes:.3f}x vs jamp's {bytes:.3f}x (FINDINGS 2)"
     ),
     "compile": (
-        "the check (one reduction per leaf) and the `cond` (two branches, {fus} fusions vs "
-        "{pfus} plain) add a near-fixed compile cost, large next to plain's {pc:.2f} s"
+        "the check (one reduction per leaf) and the skip (`cond` branches or selects; {fus} "
+        "fusions vs {pfus} plain) add a near-fixed ~0.2-0.3 s of compile, large next to "
+        "plain's {pc:.2f} s (one compile per variant in --quick: noisy)"
     ),
     "compile:report": (
         "the skip branch also holds `log_nonfinite`'s per-leaf counts ({fus} fusions)"
     ),
     "finite:float16": (
-        "no native float16 arithmetic on this CPU: any float16 sum converts every element; "
-        "the floor is a float16 `max`, which is no sound check (drops NaN); jamp is at "
-        "{f32:.2f}x of the float32-sum read there (FINDINGS 1)"
+        "no native float16 arithmetic on this CPU: jamp checks float16 leaves with "
+        "`all(isfinite)` (no conversion; {f32:.2f}x the time of the float32-sum read); the "
+        "floor is a float16 `max`, which is no sound check (drops NaN) (FINDINGS 1, 6)"
     ),
     "finite:small": (
         "1M elements: ~0.3 ms, dispatch and the per-leaf reductions' fixed cost dominate"
