@@ -39,6 +39,8 @@ def test_benchmarks_tiny_writes_every_table(tmp_path):
         "| jamp.loss_scaling |",
         "| jamp.loss_scaling(report_nonfinite=True) |",
         "| jamp.GradScaler.step |",
+        "| jamp.loss_scaling(skip='select') |",
+        "| jamp.GradScaler(skip='select').step |",
         "| jmp DynamicLossScale + select_tree |",
         "| flax DynamicScale + where |",
         "| optax.apply_if_finite (no scaling) |",
@@ -53,6 +55,6 @@ def test_benchmarks_tiny_writes_every_table(tmp_path):
     jamp_rows = [
         line for line in text.splitlines() if line.startswith("| jamp.") and "| ok / ok |" in line
     ]
-    assert len(jamp_rows) == 6, jamp_rows  # 3 jamp steps x 2 models
+    assert len(jamp_rows) == 9, jamp_rows  # 5 jamp steps on the MLP, 4 on the GPT
     for line in jamp_rows:
         assert "| 1 | ok / ok |" in line, line
