@@ -110,8 +110,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"unscaled grad norm up to {max(norms):.2f}, clipped to <= {max(clipped):.2f}"
     )
     return {
-        "losses": losses, "norms": norms, "clipped_norms": clipped, "skipped": skipped,
-        "accuracy": accuracy, "params": params,
+        "losses": losses,
+        "norms": norms,
+        "clipped_norms": clipped,
+        "skipped": skipped,
+        "accuracy": accuracy,
+        "params": params,
     }
 
 

@@ -43,8 +43,12 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--per-device-batch", type=int, default=16)
-    parser.add_argument("--global-batch", type=int, default=0,
-                        help="global batch size (default: per-device batch x devices)")
+    parser.add_argument(
+        "--global-batch",
+        type=int,
+        default=0,
+        help="global batch size (default: per-device batch x devices)",
+    )
     parser.add_argument("--devices", type=int, default=0, help="devices to use (default: all)")
     parser.add_argument("--nan-at-step", type=int, default=-1)
     args = parser.parse_args(argv)
@@ -58,8 +62,11 @@ def main(argv: Sequence[str] | None = None) -> dict:
         parser.error(f"the global batch {batch} must divide evenly over {len(devices)} devices")
 
     k1, k2, kx, kw = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {"w1": jax.random.normal(k1, (16, 64)) / 4.0, "b1": jnp.zeros((64,)),
-              "w2": jax.random.normal(k2, (64, 1)) / 8.0}
+    params = {
+        "w1": jax.random.normal(k1, (16, 64)) / 4.0,
+        "b1": jnp.zeros((64,)),
+        "w2": jax.random.normal(k2, (64, 1)) / 8.0,
+    }
     x_all = jax.random.normal(kx, (args.steps * batch, 16))
     y_all = jnp.tanh(x_all @ jax.random.normal(kw, (16, 1)) / 4.0)
 
@@ -77,20 +84,28 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     losses, skipped_at = [], []
     for step in range(args.steps):
-        x = x_all[step * batch:(step + 1) * batch]
+        x = x_all[step * batch : (step + 1) * batch]
         if step == args.nan_at_step:  # poison the last device's shard only
             x = x.at[-1, 0].set(jnp.nan)
         x = jax.device_put(x, batch_sharding)
-        y = jax.device_put(y_all[step * batch:(step + 1) * batch], batch_sharding)
+        y = jax.device_put(y_all[step * batch : (step + 1) * batch], batch_sharding)
         params, opt_state, loss = train_step(params, opt_state, x, y)
         losses.append(float(loss))
         if not bool(opt_state.last_finite):
             skipped_at.append(step)
     m = {k: float(v) for k, v in jax.device_get(jamp.metrics(opt_state)).items()}
-    print(f"{len(devices)} device(s), global batch {batch} ({x.sharding.spec}): "
-          f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; skipped at {skipped_at}; {m}")
-    return {"losses": losses, "skipped_at": skipped_at, "params": params,
-            "opt_state": opt_state, "batch_sharding": x.sharding, "devices": len(devices)}
+    print(
+        f"{len(devices)} device(s), global batch {batch} ({x.sharding.spec}): "
+        f"loss {losses[0]:.4f} -> {losses[-1]:.4f}; skipped at {skipped_at}; {m}"
+    )
+    return {
+        "losses": losses,
+        "skipped_at": skipped_at,
+        "params": params,
+        "opt_state": opt_state,
+        "batch_sharding": x.sharding,
+        "devices": len(devices),
+    }
 
 
 if __name__ == "__main__":

@@ -12,9 +12,10 @@ PyTorch's "gradient accumulation" example::
             optimizer.zero_grad()
 
 In JAX, ``jamp.multi_steps(jamp.loss_scaling(sgd), every_k_schedule=k)``
-(``optax.MultiSteps`` with one fix, below) does the bookkeeping: it averages the scaled gradients of ``k`` micro-batches
-(no division by ``k`` needed), the scale stays the same across them, and at
-the boundary ``loss_scaling`` unscales, checks the accumulated gradients
+(``optax.MultiSteps`` with one fix, below) does the bookkeeping: it averages
+the scaled gradients of ``k`` micro-batches (no division by ``k`` needed),
+the scale stays the same across them, and at the boundary ``loss_scaling``
+unscales, checks the accumulated gradients
 (an inf in any micro-batch makes the sum inf, so the whole effective step is
 skipped) and updates the scale once. ``--inject-inf-at`` poisons one
 micro-batch to show that.
@@ -46,13 +47,19 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--micro-steps", type=int, default=4, help="micro-batches per step")
     parser.add_argument("--steps", type=int, default=50, help="optimizer steps")
     parser.add_argument("--micro-batch", type=int, default=16)
-    parser.add_argument("--inject-inf-at", type=int, default=-1,
-                        help="micro-batch index whose input is set to inf (-1: none)")
+    parser.add_argument(
+        "--inject-inf-at",
+        type=int,
+        default=-1,
+        help="micro-batch index whose input is set to inf (-1: none)",
+    )
     args = parser.parse_args(argv)
 
     k1, k2, kx, kw = jax.random.split(jax.random.PRNGKey(0), 4)
-    params = {"w1": jax.random.normal(k1, (8, 32)) / jnp.sqrt(8.0),
-              "w2": jax.random.normal(k2, (32, 1)) / jnp.sqrt(32.0)}
+    params = {
+        "w1": jax.random.normal(k1, (8, 32)) / jnp.sqrt(8.0),
+        "w2": jax.random.normal(k2, (32, 1)) / jnp.sqrt(32.0),
+    }
     n = args.steps * args.micro_steps * args.micro_batch
     x = jax.random.normal(kx, (n, 8))
     y = jnp.sin(x @ jax.random.normal(kw, (8, 1)))
@@ -79,20 +86,24 @@ def main(argv: Sequence[str] | None = None) -> dict:
         before = params
         params, opt_state, loss = micro_step(params, opt_state, xb, y[sl])
         m = jax.device_get(jamp.metrics(opt_state))
-        records.append({
-            "micro_step": i,
-            "loss": float(loss),
-            "params_changed": any(
-                bool(jnp.any(a != b))
-                for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params), strict=True)
-            ),
-            "scale": float(m["loss_scale"]),
-            "skipped_steps": int(m["skipped_steps"]),
-        })
+        records.append(
+            {
+                "micro_step": i,
+                "loss": float(loss),
+                "params_changed": any(
+                    bool(jnp.any(a != b))
+                    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(params), strict=True)
+                ),
+                "scale": float(m["loss_scale"]),
+                "skipped_steps": int(m["skipped_steps"]),
+            }
+        )
     first, last = float(loss_fn(params0, x, y)), float(loss_fn(params, x, y))
-    print(f"{args.steps} steps of {args.micro_steps} micro-batches: "
-          f"loss {first:.4f} -> {last:.4f}, "
-          f"skipped {records[-1]['skipped_steps']}, scale {records[-1]['scale']:g}")
+    print(
+        f"{args.steps} steps of {args.micro_steps} micro-batches: "
+        f"loss {first:.4f} -> {last:.4f}, "
+        f"skipped {records[-1]['skipped_steps']}, scale {records[-1]['scale']:g}"
+    )
     return {"records": records, "params": params, "initial_loss": first, "final_loss": last}
 
 

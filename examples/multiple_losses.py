@@ -86,9 +86,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
 
     @jax.jit
     def iteration(state, p0, p1, o0, o1):
-        g0, g1 = jax.grad(
-            lambda ps: total_scaled_loss(scaler, state, ps, x, y, args.form)
-        )((p0, p1))
+        g0, g1 = jax.grad(lambda ps: total_scaled_loss(scaler, state, ps, x, y, args.form))(
+            (p0, p1)
+        )
         g0, found_inf0 = scaler.unscale(state, g0)  # scaler.unscale_(optimizer0)
         p0, o0, found_inf0 = scaler.step(state, tx0, g0, o0, p0, found_inf=found_inf0)
         p1, o1, found_inf1 = scaler.step(state, tx1, g1, o1, p1)

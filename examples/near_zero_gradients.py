@@ -63,8 +63,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
     print(f"largest float32 gradient entry: {out['max_abs_float32_grad']:.3g}")
     for name in ("float32", "float16", "float16+scaling"):
         s = out[name]
-        print(f"{name:<16} nonzero {s['nonzero']:6.1%}   "
-              f"error vs float32 {s['relative_error']:.2e}")
+        print(
+            f"{name:<16} nonzero {s['nonzero']:6.1%}   error vs float32 {s['relative_error']:.2e}"
+        )
     return out
 
 

@@ -241,10 +241,18 @@ def plot(results: Sequence[Result], path: str) -> None:
         ax_loss.plot(steps, smooth, label=r.mode, **style)
         ax_uf.plot(r.probe_steps, r.underflow, label=r.mode, marker=".", **style)
         ax_scale.plot(np.arange(len(r.scales)), r.scales, label=r.mode, **style)
-    ax_loss.set(title=f"training loss ({window}-step mean)", xlabel="step",
-                ylabel="cross-entropy per example", yscale="log")
-    ax_uf.set(title="gradient entries lost to underflow", xlabel="step",
-              ylabel="fraction of float32-nonzero entries that are 0", ylim=(-0.02, 1.02))
+    ax_loss.set(
+        title=f"training loss ({window}-step mean)",
+        xlabel="step",
+        ylabel="cross-entropy per example",
+        yscale="log",
+    )
+    ax_uf.set(
+        title="gradient entries lost to underflow",
+        xlabel="step",
+        ylabel="fraction of float32-nonzero entries that are 0",
+        ylim=(-0.02, 1.02),
+    )
     ax_scale.set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
     ax_scale.set_yscale("log", base=2)
     for ax in (ax_loss, ax_uf, ax_scale):
@@ -278,12 +286,16 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     parser.add_argument("--steps", type=int, default=1500, help="training steps per mode")
     parser.add_argument("--seed", type=int, default=0, help="data split, init and batches")
     parser.add_argument(
-        "--modes", type=parse_modes, default=list(MODES),
+        "--modes",
+        type=parse_modes,
+        default=list(MODES),
         help=f"comma-separated subset of {','.join(MODES)} (default: all)",
     )
     parser.add_argument("--out", default="runs/digits.png", help="where to write the plot")
     parser.add_argument(
-        "--log-every", type=int, default=50,
+        "--log-every",
+        type=int,
+        default=50,
         help="steps between progress-bar metrics and underflow measurements",
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")

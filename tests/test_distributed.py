@@ -51,7 +51,7 @@ def same_bits(a, b):
 def tree_same_bits(a, b):
     la, ta = jax.tree.flatten(a)
     lb, tb = jax.tree.flatten(b)
-    return ta == tb and all(same_bits(x, y) for x, y in zip(la, lb))
+    return ta == tb and all(same_bits(x, y) for x, y in zip(la, lb, strict=True))
 
 
 def host(tree):
@@ -108,7 +108,9 @@ def make_step(tx, loss_fn):
 
 def assert_shards_unchanged(new, old):
     """Every addressable shard of every leaf of ``new`` equals ``old`` bit for bit."""
-    for (path, n), o in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old)):
+    for (path, n), o in zip(
+        jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old), strict=True
+    ):
         o = np.asarray(o)
         shards = n.addressable_shards
         assert len({s.device for s in shards}) == N_DEV, jax.tree_util.keystr(path)
@@ -120,7 +122,9 @@ def assert_shards_unchanged(new, old):
 
 def assert_shards_changed(new, old):
     """Every addressable shard of every leaf of ``new`` differs from ``old`` everywhere."""
-    for (path, n), o in zip(jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old)):
+    for (path, n), o in zip(
+        jax.tree_util.tree_flatten_with_path(new)[0], jax.tree.leaves(old), strict=True
+    ):
         o = np.asarray(o)
         for s in n.addressable_shards:
             d = np.asarray(s.data)
@@ -493,7 +497,7 @@ def test_two_processes_gloo_skip_together_and_stay_identical():
     # differently across gloo's 2x4 devices than on one process's 8).
     ref = reference_run(worker)
     assert [(f, sc) for f, sc, _ in ref] == [(s["last_finite"][0], s["scale"]) for s in steps]
-    for (_, _, p), s in zip(ref, steps):
+    for (_, _, p), s in zip(ref, steps, strict=True):
         got = {k: np.array([float.fromhex(h) for h in s[k]], np.float32) for k in ("w", "b")}
         np.testing.assert_allclose(got["w"], p["w"], rtol=0, atol=5e-4)
         np.testing.assert_allclose(got["b"], p["b"].reshape(-1), rtol=0, atol=5e-4)
@@ -517,9 +521,7 @@ def test_shard_map_shared_state_per_replica_grads(path, skip):
     replica: the kept state of the skip branch must be typed like the updated one."""
     mesh = mesh8()
     scaler = jamp.GradScaler(init_scale=4.0, skip=skip)
-    tx = jamp.loss_scaling(
-        optax.sgd(0.1, momentum=0.9), scaler.init(), axis_name="data", skip=skip
-    )
+    tx = jamp.loss_scaling(optax.sgd(0.1, momentum=0.9), scaler.init(), axis_name="data", skip=skip)
     inner = optax.sgd(0.1, momentum=0.9)
     w = jnp.ones((2,))
     x = np.ones((8, 2), np.float32)

@@ -13,7 +13,11 @@ def test_mkdocs_build_strict(tmp_path):
     env = dict(os.environ, NO_MKDOCS_2_WARNING="1", JAX_PLATFORMS="cpu")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Every page in docs/ was built (strict mode also fails on pages left out of the nav).
@@ -22,8 +26,12 @@ def test_mkdocs_build_strict(tmp_path):
         assert built.exists(), page.name
     # The API reference is generated from the docstrings, not written by hand.
     api = (site / "api" / "index.html").read_text()
-    for text in ("Wrap an Optax transformation so it takes gradients of a", "jamp.GradScaler",
-                 "jamp.autocast", "jamp.dynamic_loss_scale"):
+    for text in (
+        "Wrap an Optax transformation so it takes gradients of a",
+        "jamp.GradScaler",
+        "jamp.autocast",
+        "jamp.dynamic_loss_scale",
+    ):
         assert text in api, text
     # The benchmarks page includes benchmarks/RESULTS.md.
     results_title = (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()[0].lstrip("# ")

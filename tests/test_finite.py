@@ -1,5 +1,6 @@
 """all_finite, unscale_and_check, select_tree: golden unscale cases and multi-device agreement."""
 
+import _golden
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -8,13 +9,12 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import jamp
 from jamp._src import loss_scale as ls
 from jamp._src.finite import check_unscaled
-
-import _golden
 
 EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
 
@@ -73,7 +73,9 @@ def trees_with_injections(draw):
         dtype = draw(st.sampled_from([np.float16, np.float32, ml_dtypes.bfloat16]))
         shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=6))
         arr = draw(
-            hnp.arrays(dtype, shape, elements=st.floats(-1000, 1000, width=16, allow_subnormal=False))
+            hnp.arrays(
+                dtype, shape, elements=st.floats(-1000, 1000, width=16, allow_subnormal=False)
+            )
         )
         if arr.size and draw(st.booleans()):
             idx = draw(st.integers(0, arr.size - 1))
@@ -130,17 +132,19 @@ def test_unit_unscale_golden():
         if state is not None:
             public += 1
             via_api, finite = jamp.unscale_and_check(state, [jnp.asarray(g) for g in grads_in])
-            for a, b in zip(via_api, outs):
+            for a, b in zip(via_api, outs, strict=True):
                 assert _golden.bits_equal(np.asarray(a), b)
             # jamp checks the unscaled values: torch's flag, plus overflows made by unscaling.
             expected_finite = all(np.isfinite(o.astype(np.float32)).all() for o in grads_out)
             assert bool(finite) == expected_finite, c
-            torch_found = _golden.scalar(c["found_inf_out"]) != 0 and _golden.scalar(c["found_inf_in"]) == 0
+            torch_found = (
+                _golden.scalar(c["found_inf_out"]) != 0 and _golden.scalar(c["found_inf_in"]) == 0
+            )
             if torch_found:
                 assert not bool(finite)
             elif not expected_finite:
                 caught_by_jamp_only += 1
-        for gin, gout, got in zip(grads_in, grads_out, outs):
+        for gin, gout, got in zip(grads_in, grads_out, outs, strict=True):
             assert got.dtype == gout.dtype and got.shape == gout.shape
             with np.errstate(over="ignore", invalid="ignore"):
                 mid = gin.astype(np.float32) * inv
@@ -221,10 +225,34 @@ def test_select_tree():
 @pytest.mark.parametrize(
     "pred,t,f,exc,match",
     [
-        (jnp.ones(2, bool), {"a": jnp.ones(2)}, {"a": jnp.ones(2)}, ValueError, r"`pred` to be a scalar"),
-        (jnp.float32(1), {"a": jnp.ones(2)}, {"a": jnp.ones(2)}, TypeError, r"`pred` to be a boolean scalar"),
-        (jnp.bool_(True), {"a": jnp.ones(2)}, {"b": jnp.ones(2)}, ValueError, r"same tree structure"),
-        (jnp.bool_(True), {"a": jnp.ones(2)}, {"a": jnp.ones(3)}, TypeError, r"matching leaves at path \['a'\]"),
+        (
+            jnp.ones(2, bool),
+            {"a": jnp.ones(2)},
+            {"a": jnp.ones(2)},
+            ValueError,
+            r"`pred` to be a scalar",
+        ),
+        (
+            jnp.float32(1),
+            {"a": jnp.ones(2)},
+            {"a": jnp.ones(2)},
+            TypeError,
+            r"`pred` to be a boolean scalar",
+        ),
+        (
+            jnp.bool_(True),
+            {"a": jnp.ones(2)},
+            {"b": jnp.ones(2)},
+            ValueError,
+            r"same tree structure",
+        ),
+        (
+            jnp.bool_(True),
+            {"a": jnp.ones(2)},
+            {"a": jnp.ones(3)},
+            TypeError,
+            r"matching leaves at path \['a'\]",
+        ),
         (jnp.bool_(True), {"a": "x"}, {"a": "y"}, TypeError, r"non-array leaves"),
     ],
 )
@@ -251,7 +279,9 @@ def test_shard_map_axis_name_agreement():
         local_only = jamp.all_finite(grads)
         return finite[None], local_only[None]
 
-    f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data"))))
+    f = jax.jit(
+        jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=(P("data"), P("data")))
+    )
     agreed, local_only = f(jnp.asarray(g))
     assert not np.asarray(agreed).any()  # every replica reports non-finite
     assert np.asarray(local_only).sum() == 7  # without axis_name, only one would

@@ -7,6 +7,7 @@ must match torch exactly while torch's scale stays within jamp's bounds.
 
 import dataclasses
 
+import _golden
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,8 +15,6 @@ import pytest
 
 import jamp
 from jamp._src import loss_scale as ls
-
-import _golden
 
 SCENARIOS = _golden.scenario_names()
 
@@ -102,7 +101,9 @@ def test_consecutive_infs_final_finite_step_stays_finite():
     assert first_finite == 170
     last = sc["steps"][first_finite]
     assert _golden.scalar(last["scale_used"]) == 0.0 and last["found_inf_combined"] == 0.0
-    torch_params = {k: _golden.array(v) for k, v in last["optimizers"]["opt"]["params_after"].items()}
+    torch_params = {
+        k: _golden.array(v) for k, v in last["optimizers"]["opt"]["params_after"].items()
+    }
     assert any(np.isnan(p).any() for p in torch_params.values())
     state = jamp.dynamic_loss_scale()
     for _ in range(first_finite):

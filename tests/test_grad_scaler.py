@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 
+import _golden
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +13,6 @@ import pytest
 
 import jamp
 from jamp._src import loss_scale as ls
-
-import _golden
 
 TORCH_KEYS = {"scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker"}
 
@@ -81,7 +80,9 @@ def loss(p):
 
 
 @pytest.mark.parametrize("skip", ["cond", "select"])
-@pytest.mark.parametrize("wrap", [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")])
+@pytest.mark.parametrize(
+    "wrap", [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
+)
 def test_step_and_update(wrap, skip):
     scaler = jamp.GradScaler(init_scale=1024.0, growth_interval=2, skip=skip)
     state = scaler.init()
@@ -223,7 +224,9 @@ def test_as_optax():
 
 
 def test_state_dict_json_round_trip_continues_identically():
-    scaler = jamp.GradScaler(init_scale=2.0**10, growth_factor=1.1, backoff_factor=0.3, growth_interval=2)
+    scaler = jamp.GradScaler(
+        init_scale=2.0**10, growth_factor=1.1, backoff_factor=0.3, growth_interval=2
+    )
     state = scaler.init()
     flags = [True, False, True, True, True, False, True, True]
     for f in flags[:4]:
@@ -248,7 +251,10 @@ def test_loads_every_torch_state_dict_and_writes_it_back(name):
         if not d:
             assert not sc["scaler_ctor"]["enabled"]
             continue
-        d = {k: (_golden.scalar(v) if k != "_growth_tracker" and k != "growth_interval" else v) for k, v in d.items()}
+        d = {
+            k: (_golden.scalar(v) if k != "_growth_tracker" and k != "growth_interval" else v)
+            for k, v in d.items()
+        }
         if not (ls.MIN_SCALE <= d["scale"] <= ls.MAX_SCALE):
             with pytest.raises(ValueError, match=r"state_dict\['scale'\]"):
                 scaler.load_state_dict(d)
@@ -261,11 +267,45 @@ def test_loads_every_torch_state_dict_and_writes_it_back(name):
     "d,exc,match",
     [
         ({}, ValueError, r"The source state dict is empty"),
-        ({"scale": 1.0}, ValueError, r"missing \['growth_factor', 'backoff_factor', 'growth_interval', '_growth_tracker'\]"),
+        (
+            {"scale": 1.0},
+            ValueError,
+            r"missing \['growth_factor', 'backoff_factor', 'growth_interval', '_growth_tracker'\]",
+        ),
         ([("scale", 1.0)], TypeError, r"`state_dict` to be a mapping"),
-        (dict(scale=0.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=10, _growth_tracker=0), ValueError, r"collapsed to 0"),
-        (dict(scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=10, _growth_tracker=-1), ValueError, r"_growth_tracker"),
-        (dict(scale=1.0, growth_factor=0.5, backoff_factor=0.5, growth_interval=10, _growth_tracker=0), ValueError, r"growth_factor=0\.5"),
+        (
+            dict(
+                scale=0.0,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=10,
+                _growth_tracker=0,
+            ),
+            ValueError,
+            r"collapsed to 0",
+        ),
+        (
+            dict(
+                scale=1.0,
+                growth_factor=2.0,
+                backoff_factor=0.5,
+                growth_interval=10,
+                _growth_tracker=-1,
+            ),
+            ValueError,
+            r"_growth_tracker",
+        ),
+        (
+            dict(
+                scale=1.0,
+                growth_factor=0.5,
+                backoff_factor=0.5,
+                growth_interval=10,
+                _growth_tracker=0,
+            ),
+            ValueError,
+            r"growth_factor=0\.5",
+        ),
     ],
 )
 def test_load_state_dict_errors(d, exc, match):
@@ -347,7 +387,11 @@ def test_replay_trajectory_with_optimizer(name, path, skip):
         @jax.jit
         def run(params, opt_state, grads):
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, jnp.logical_not(opt_state.last_finite)
+            return (
+                optax.apply_updates(params, updates),
+                opt_state,
+                jnp.logical_not(opt_state.last_finite),
+            )
     else:
         state = scaler.init()
         opt_state = inner.init(params)
@@ -369,15 +413,21 @@ def test_replay_trajectory_with_optimizer(name, path, skip):
             params, opt_state, found_inf = run(state, params, opt_state, grads)
         torch_opt = step["optimizers"]["opt"]
         if in_bounds:
-            assert bool(found_inf) == (torch_opt["found_inf"] != 0 and ctor["enabled"]), step["index"]
-            assert_params(params, {k: _golden.array(v) for k, v in torch_opt["params_after"].items()}, rtol)
+            assert bool(found_inf) == (torch_opt["found_inf"] != 0 and ctor["enabled"]), step[
+                "index"
+            ]
+            assert_params(
+                params, {k: _golden.array(v) for k, v in torch_opt["params_after"].items()}, rtol
+            )
             compared += 1
         # the scale update: dynamic, or update(new_scale=...) as torch was told
         new_scale = new_scale_of(step)
         if path == "loss_scaling":
             if new_scale is not None:
                 # torch's update(new_scale=) replaces the dynamic update: tracker untouched
-                opt_state = opt_state._replace(loss_scale=scaler.update(ls_before, new_scale=new_scale))
+                opt_state = opt_state._replace(
+                    loss_scale=scaler.update(ls_before, new_scale=new_scale)
+                )
             ls_state = opt_state.loss_scale
         else:
             state = scaler.update(state, found_inf, new_scale=new_scale)

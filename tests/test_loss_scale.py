@@ -3,6 +3,7 @@
 import dataclasses
 import math
 
+import _golden
 import hypothesis.extra.numpy as hnp
 import jax
 import jax.numpy as jnp
@@ -14,8 +15,6 @@ from hypothesis import strategies as st
 
 import jamp
 from jamp._src import loss_scale as ls
-
-import _golden
 
 FLOAT_DTYPES = [jnp.float16, jnp.bfloat16, jnp.float32]
 EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
@@ -71,7 +70,11 @@ def test_min_scale_survives_jit():
 
 
 BAD_CTOR = [
-    (dict(init_scale=0.0), ValueError, r"`init_scale` to be positive and finite, got init_scale=0\.0"),
+    (
+        dict(init_scale=0.0),
+        ValueError,
+        r"`init_scale` to be positive and finite, got init_scale=0\.0",
+    ),
     (dict(init_scale=-1.0), ValueError, r"init_scale=-1\.0"),
     (dict(init_scale=math.inf), ValueError, r"init_scale=inf"),
     (dict(init_scale=math.nan), ValueError, r"init_scale=nan"),
@@ -81,19 +84,39 @@ BAD_CTOR = [
     (dict(init_scale="big"), TypeError, r"`init_scale` to be a real number, got 'big'"),
     (dict(init_scale=np.float16(4.0)), TypeError, r"`init_scale`.*dtype float16"),
     (dict(init_scale=jnp.asarray(4.0, jnp.bfloat16)), TypeError, r"`init_scale`.*dtype bfloat16"),
-    (dict(init_scale=jnp.ones(2)), ValueError, r"`init_scale` to be a scalar, got an array of shape \(2,\)"),
-    (dict(growth_factor=1.0), ValueError, r"`growth_factor` > 1 and finite, got growth_factor=1\.0"),
+    (
+        dict(init_scale=jnp.ones(2)),
+        ValueError,
+        r"`init_scale` to be a scalar, got an array of shape \(2,\)",
+    ),
+    (
+        dict(growth_factor=1.0),
+        ValueError,
+        r"`growth_factor` > 1 and finite, got growth_factor=1\.0",
+    ),
     (dict(growth_factor=0.5), ValueError, r"growth_factor=0\.5"),
     (dict(growth_factor=math.inf), ValueError, r"growth_factor=inf"),
-    (dict(backoff_factor=1.0), ValueError, r"`backoff_factor` in the open interval \(0, 1\), got backoff_factor=1\.0"),
+    (
+        dict(backoff_factor=1.0),
+        ValueError,
+        r"`backoff_factor` in the open interval \(0, 1\), got backoff_factor=1\.0",
+    ),
     (dict(backoff_factor=0.0), ValueError, r"backoff_factor=0\.0"),
     (dict(backoff_factor=-0.5), ValueError, r"backoff_factor=-0\.5"),
     (dict(growth_interval=0), ValueError, r"`growth_interval`.*growth_interval=0"),
     (dict(growth_interval=-1), ValueError, r"growth_interval=-1"),
-    (dict(growth_interval=2.5), ValueError, r"`growth_interval` to be an integer >= 1, got growth_interval=2\.5"),
+    (
+        dict(growth_interval=2.5),
+        ValueError,
+        r"`growth_interval` to be an integer >= 1, got growth_interval=2\.5",
+    ),
     (dict(growth_interval=True), ValueError, r"growth_interval=True"),
     (dict(growth_interval=2**31), ValueError, r"growth_interval=2147483648"),
-    (dict(min_scale=4.0, max_scale=2.0, init_scale=3.0), ValueError, r"`min_scale` <= `max_scale`, got min_scale=4\.0 > max_scale=2\.0"),
+    (
+        dict(min_scale=4.0, max_scale=2.0, init_scale=3.0),
+        ValueError,
+        r"`min_scale` <= `max_scale`, got min_scale=4\.0 > max_scale=2\.0",
+    ),
     (dict(min_scale=0.0), ValueError, r"`min_scale` in \[2\*\*-126, 2\*\*126\].*min_scale=0\.0"),
     (dict(max_scale=2.0**127), ValueError, r"`max_scale` in \[2\*\*-126, 2\*\*126\]"),
     (dict(hysteresis=0), ValueError, r"`hysteresis` to be an integer >= 1, got hysteresis=0"),
@@ -177,7 +200,7 @@ def test_api_facts_scalar_and_mixed_dtypes():
     state = jamp.static_loss_scale(1.0 / _golden.scalar(calls[0]["inv_scale"]))
     out, finite = jamp.unscale_and_check(state, grads)
     assert bool(finite)
-    for o, c in zip(out, calls):
+    for o, c in zip(out, calls, strict=True):
         assert _golden.bits_equal(np.asarray(o), _golden.array(c["grads_out"][0]))
 
 
@@ -209,7 +232,9 @@ def test_non_array_leaf_is_a_type_error_naming_the_path(fn):
 
 
 def test_state_argument_checked():
-    with pytest.raises(TypeError, match=r"`jamp.scale` expected `state` to be a LossScaleState.*got float"):
+    with pytest.raises(
+        TypeError, match=r"`jamp.scale` expected `state` to be a LossScaleState.*got float"
+    ):
         jamp.scale(2.0, jnp.ones(2))
 
 
@@ -238,7 +263,11 @@ def test_unscale_inverts_scale_for_powers_of_two(dtype, exponent, data):
 
 
 @settings(max_examples=40, deadline=None)
-@given(dtype=st.sampled_from(FLOAT_DTYPES), ndim=st.integers(0, 3), scale=st.floats(2.0**-126, 2.0**126))
+@given(
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    ndim=st.integers(0, 3),
+    scale=st.floats(2.0**-126, 2.0**126),
+)
 def test_dtype_preserved_property(dtype, ndim, scale):
     x = jnp.ones((2,) * ndim, dtype)
     state = jamp.static_loss_scale(scale)
@@ -259,7 +288,9 @@ def _in_bounds_cases():
         s = float(_golden.array(c["scale_in"]))
         if not (ls.MIN_SCALE <= s <= ls.MAX_SCALE):
             continue
-        if not (0 < c["backoff_factor"] < 1 and c["growth_factor"] > 1 and c["growth_interval"] >= 1):
+        if not (
+            0 < c["backoff_factor"] < 1 and c["growth_factor"] > 1 and c["growth_interval"] >= 1
+        ):
             continue  # configurations jamp rejects at construction
         keep.append(c)
     return keep
@@ -286,7 +317,9 @@ def test_unit_update_scale_golden_bit_for_bit():
             assert int(out.growth_tracker) == c["growth_tracker_out"], c
 
 
-@pytest.mark.parametrize("factor", [1.1, 0.3, 1.0001, 0.9999, 1 + 2.0**-24, 1 + 2.0**-23 + 2.0**-30, 0.7, 3.3])
+@pytest.mark.parametrize(
+    "factor", [1.1, 0.3, 1.0001, 0.9999, 1 + 2.0**-24, 1 + 2.0**-23 + 2.0**-30, 0.7, 3.3]
+)
 def test_double_rounding_emulation_matches_torch_arithmetic(factor):
     rng = np.random.default_rng(0)
     # Random float32 bit patterns over the whole normal range, plus edge mantissas.
@@ -362,7 +395,11 @@ def test_update_static_and_none_return_state(kind):
 @pytest.mark.parametrize(
     "flag,exc,match",
     [
-        (jnp.ones(2, bool), ValueError, r"`finite` to be a scalar \(shape \(\)\), got shape \(2,\)"),
+        (
+            jnp.ones(2, bool),
+            ValueError,
+            r"`finite` to be a scalar \(shape \(\)\), got shape \(2,\)",
+        ),
         (jnp.float32(1.0), TypeError, r"`finite` to be a boolean scalar, got dtype float32"),
         ("yes", TypeError, r"`finite` to be a boolean scalar array .* got str"),
     ],
@@ -399,7 +436,13 @@ def test_jitted_update_never_retraces_and_needs_no_transfers():
     interval=st.integers(1, 4),
 )
 def test_scale_always_within_bounds(flags, init, growth, backoff, interval):
-    s = jamp.dynamic_loss_scale(init, growth, backoff, interval, min_scale=2.0**-20, max_scale=2.0**20) if 2.0**-20 <= np.float32(init) <= 2.0**20 else jamp.dynamic_loss_scale(init, growth, backoff, interval)
+    s = (
+        jamp.dynamic_loss_scale(
+            init, growth, backoff, interval, min_scale=2.0**-20, max_scale=2.0**20
+        )
+        if 2.0**-20 <= np.float32(init) <= 2.0**20
+        else jamp.dynamic_loss_scale(init, growth, backoff, interval)
+    )
     for f in flags:
         s = jamp.update(s, jnp.asarray(f))
         assert s.min_scale <= float(s.scale) <= s.max_scale

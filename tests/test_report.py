@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 import jamp
 
-
 # ---------------------------------------------------------------- nonfinite_report
 
 
@@ -23,7 +22,11 @@ def poisoned_trees(draw):
     for i in range(draw(st.integers(1, 4))):
         shape = draw(hnp.array_shapes(min_dims=0, max_dims=3, max_side=5))
         dtype = draw(st.sampled_from([np.float32, np.float16]))
-        x = draw(hnp.arrays(dtype, shape, elements=st.sampled_from([0.0, 1.5, -2.0, np.inf, -np.inf, np.nan])))
+        x = draw(
+            hnp.arrays(
+                dtype, shape, elements=st.sampled_from([0.0, 1.5, -2.0, np.inf, -np.inf, np.nan])
+            )
+        )
         tree[f"leaf{i}"] = x
     return tree
 
@@ -54,7 +57,10 @@ def grads_tree(bad):
     return {
         "params": {
             "Dense_0": {"kernel": jnp.ones((3, 2)), "bias": jnp.zeros(2)},
-            "Dense_3": {"kernel": jnp.ones((3, 4)).at[0, :].set(jnp.where(bad, jnp.inf, 1.0)), "bias": jnp.zeros(4)},
+            "Dense_3": {
+                "kernel": jnp.ones((3, 4)).at[0, :].set(jnp.where(bad, jnp.inf, 1.0)),
+                "bias": jnp.zeros(4),
+            },
         }
     }
 
@@ -91,7 +97,10 @@ def test_log_every_nth_overflow(caplog):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [(dict(every=0), r"`every` to be an int >= 1, got every=0"), (dict(every=2), r"Expected `count`")],
+    [
+        (dict(every=0), r"`every` to be an int >= 1, got every=0"),
+        (dict(every=2), r"Expected `count`"),
+    ],
 )
 def test_log_nonfinite_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -112,7 +121,10 @@ def test_loss_scaling_report_nonfinite(caplog, skip):
         jax.effects_barrier()
     assert not bool(state.last_finite)
     (record,) = caplog.records
-    assert record.getMessage() == "skipped step: non-finite values in params/Dense_3/kernel: 4 inf, 0 nan"
+    assert (
+        record.getMessage()
+        == "skipped step: non-finite values in params/Dense_3/kernel: 4 inf, 0 nan"
+    )
     with pytest.raises(TypeError, match=r"`report_nonfinite` to be a bool"):
         jamp.loss_scaling(optax.sgd(0.1), report_nonfinite="yes")
 
@@ -123,7 +135,7 @@ def test_loss_scaling_report_nonfinite(caplog, skip):
 def fp16_loss(w, x):
     # The scaled loss is formed in float16 inside the backward pass, so the
     # cotangent overflows float16 at scale 2**16 and 2**15 but not at 2**14.
-    h = (x.astype(jnp.float16) * w.astype(jnp.float16))
+    h = x.astype(jnp.float16) * w.astype(jnp.float16)
     return jnp.sum(h.astype(jnp.float32))
 
 
@@ -150,7 +162,9 @@ def test_retries_exhausted():
 
 
 def test_retries_ignore_static_scale_and_validate():
-    out = jamp.value_and_grad(lambda w: jnp.sum(w) * jnp.inf, max_retries=3)(jamp.static_loss_scale(4.0), jnp.ones(2))
+    out = jamp.value_and_grad(lambda w: jnp.sum(w) * jnp.inf, max_retries=3)(
+        jamp.static_loss_scale(4.0), jnp.ones(2)
+    )
     assert int(out.retries) == 0
     with pytest.raises(ValueError, match=r"`max_retries` to be an int >= 0, got max_retries=-1"):
         jamp.value_and_grad(jnp.sum, max_retries=-1)

@@ -34,14 +34,14 @@ def poison(tree, value=jnp.inf):
 def assert_trees_equal(a, b):
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
 def assert_trees_close(a, b, rtol=2e-7):
     la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
     assert len(la) == len(lb)
-    for x, y in zip(la, lb):
+    for x, y in zip(la, lb, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=0)
 
 
@@ -212,7 +212,9 @@ def _nesting_cases():
         "chain": optax.chain(optax.clip(1.0), inner),
         "multisteps": optax.MultiSteps(inner, every_k_schedule=2),
         "inject_hyperparams": optax.inject_hyperparams(
-            lambda learning_rate: jamp.loss_scaling(optax.adam(learning_rate), jamp.dynamic_loss_scale(256.0))
+            lambda learning_rate: jamp.loss_scaling(
+                optax.adam(learning_rate), jamp.dynamic_loss_scale(256.0)
+            )
         )(learning_rate=1e-3),
         "named_chain": optax.named_chain(("clip", optax.clip(1.0)), ("scaled", inner)),
     }
@@ -280,14 +282,19 @@ def test_get_loss_scale_in_nnx_optimizer():
     assert float(jamp.get_loss_scale(opt).scale) == 64.0
     step(model, opt, X, jnp.bool_(False))
     after = nnx.state(model, nnx.Param)
-    assert not np.array_equal(np.asarray(after["lin"]["kernel"][...]), np.asarray(before["lin"]["kernel"][...]))
+    assert not np.array_equal(
+        np.asarray(after["lin"]["kernel"][...]), np.asarray(before["lin"]["kernel"][...])
+    )
 
 
 def test_get_loss_scale_errors():
     with pytest.raises(ValueError, match=r"found none in ScaleByAdamState.*jamp.loss_scaling"):
         jamp.get_loss_scale(optax.adam(1e-3).init(params0())[0])
     two = optax.chain(jamp.loss_scaling(optax.sgd(0.1)), jamp.loss_scaling(optax.sgd(0.1)))
-    with pytest.raises(ValueError, match=r"exactly one loss-scale state.*found 2 at \[0\]\.loss_scale, \[1\]\.loss_scale"):
+    with pytest.raises(
+        ValueError,
+        match=r"exactly one loss-scale state.*found 2 at \[0\]\.loss_scale, \[1\]\.loss_scale",
+    ):
         jamp.get_loss_scale(two.init(params0()))
 
 
@@ -316,7 +323,9 @@ def test_value_and_grad_aux_argnums_kwargs():
     assert float(out.aux["k"]) == 2.0
     ref = jax.grad(lambda p: f(X, p, k=jnp.float32(2.0))[0])(params0())
     assert_trees_equal(out.grads[0], ref)
-    out_neg = jamp.value_and_grad(f, argnums=-1, has_aux=True)(jamp.dynamic_loss_scale(8.0), X, params0(), k=jnp.float32(2.0))
+    out_neg = jamp.value_and_grad(f, argnums=-1, has_aux=True)(
+        jamp.dynamic_loss_scale(8.0), X, params0(), k=jnp.float32(2.0)
+    )
     assert_trees_equal(out_neg.grads, ref)
 
 
@@ -353,7 +362,9 @@ def test_value_and_grad_errors(kwargs, call, exc, match):
 
 
 def test_value_and_grad_needs_state_first():
-    with pytest.raises(TypeError, match=r"takes the loss-scale state as its first argument, got dict"):
+    with pytest.raises(
+        TypeError, match=r"takes the loss-scale state as its first argument, got dict"
+    ):
         jamp.value_and_grad(loss_fn)(params0(), X)
 
 
@@ -373,7 +384,8 @@ def test_clipping_inside_sees_unscaled_grads():
 
 def test_clip_by_global_norm_norm_is_of_unscaled_grads():
     tx = jamp.loss_scaling(
-        optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)), jamp.dynamic_loss_scale(2.0**14)
+        optax.chain(optax.clip_by_global_norm(0.1), optax.sgd(1.0)),
+        jamp.dynamic_loss_scale(2.0**14),
     )
     p = params0()
     s = tx.init(p)
@@ -387,7 +399,9 @@ def test_clip_by_global_norm_norm_is_of_unscaled_grads():
 @pytest.mark.standard_promotion
 def test_multisteps_accumulation_scale_constant_across_micro_steps():
     k = 3
-    tx = optax.MultiSteps(jamp.loss_scaling(optax.sgd(0.5), jamp.dynamic_loss_scale(2.0**8, growth_interval=1)), k)
+    tx = optax.MultiSteps(
+        jamp.loss_scaling(optax.sgd(0.5), jamp.dynamic_loss_scale(2.0**8, growth_interval=1)), k
+    )
     p = params0()
     s = tx.init(p)
     micro = [X, X * 0.5, X * 2.0]
@@ -399,9 +413,11 @@ def test_multisteps_accumulation_scale_constant_across_micro_steps():
         p = optax.apply_updates(p, u)
     assert scales == [256.0, 256.0, 512.0]  # constant across micro-steps, grows at the boundary
     ref = params0()
-    mean_grad = jax.tree_util.tree_map(lambda *g: sum(g) / k, *[jax.grad(loss_fn)(ref, x) for x in micro])
+    mean_grad = jax.tree_util.tree_map(
+        lambda *g: sum(g) / k, *[jax.grad(loss_fn)(ref, x) for x in micro]
+    )
     expected = jax.tree_util.tree_map(lambda w, g: w - 0.5 * g, ref, mean_grad)
-    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(expected)):
+    for a, b in zip(jax.tree_util.tree_leaves(p), jax.tree_util.tree_leaves(expected), strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
     # An inf in one micro-step skips the whole accumulated step at the boundary.
     before = p
@@ -482,7 +498,9 @@ def test_several_losses_one_state():
 
     # Summed after scaling, as a list, and as a dict: all the same grads.
     g_sum = jax.grad(lambda p: sum(jamp.scale(ls, list(two_losses(p)))))(params0())
-    g_dict = jax.grad(lambda p: sum(jamp.scale(ls, dict(zip("ab", two_losses(p)))).values()))(params0())
+    g_dict = jax.grad(
+        lambda p: sum(jamp.scale(ls, dict(zip("ab", two_losses(p), strict=True))).values())
+    )(params0())
     ref = jax.grad(lambda p: sum(two_losses(p)))(params0())
     unscaled, finite = jamp.unscale_and_check(ls, g_sum)
     assert bool(finite)
@@ -497,7 +515,9 @@ def test_several_losses_one_state():
 def test_orbax_round_trip_continues_identically(tmp_path):
     import orbax.checkpoint as ocp
 
-    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(2.0**10, growth_interval=2, min_scale=1.0))
+    tx = jamp.loss_scaling(
+        optax.adam(1e-2), jamp.dynamic_loss_scale(2.0**10, growth_interval=2, min_scale=1.0)
+    )
 
     @jax.jit
     def step(p, s, x):
