@@ -210,37 +210,6 @@ def test_fast_path_and_fallback_agree_with_numpy(scale):
         assert bool(finite) == expected, (scale, x[:3])
 
 
-def test_fallback_is_one_reduction_per_dtype_and_exact_on_many_leaves():
-    # The rarely taken exact branch ravels the leaves of each dtype into one
-    # array: its kernel count does not grow with the number of leaves.
-    rng = np.random.default_rng(1)
-    shapes = [(3, 5), (7,), (2, 2, 2), (1,), (11, 4)] * 4
-    dtypes = [np.float32, ml_dtypes.bfloat16, np.float16]
-    leaves = [rng.normal(size=s).astype(dtypes[i % 3]) for i, s in enumerate(shapes)]
-    state = jamp.static_loss_scale(2.0**-10)  # scale < 1: the exact branch always runs
-    jaxpr = jax.make_jaxpr(check_unscaled)(state, [jnp.asarray(x) for x in leaves]).jaxpr
-    (cond,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    exact = [x.primitive.name for b in cond.params["branches"] for x in b.jaxpr.eqns]
-    assert exact.count("reduce_and") == len(dtypes), exact
-    check = jax.jit(check_unscaled)
-
-    def expected(leaves):
-        with np.errstate(over="ignore"):
-            return all(
-                np.isfinite((x.astype(np.float32) * np.float32(2.0**10)).astype(x.dtype)).all()
-                for x in leaves
-            )
-
-    assert bool(check(state, [jnp.asarray(x) for x in leaves])) == expected(leaves)
-    for i in (0, 7, 14):  # one leaf of each dtype overflows once unscaled, then is NaN
-        big = 60000.0 if leaves[i].dtype == np.float16 else 3e38
-        for bad in (big, np.nan):
-            hit = [x.copy() for x in leaves]
-            hit[i].reshape(-1)[-1] = bad
-            got = bool(check(state, [jnp.asarray(x) for x in hit]))
-            assert got == expected(hit) and not got, (i, bad)
-
-
 # ---------------------------------------------------------------- select_tree
 
 

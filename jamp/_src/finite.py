@@ -48,27 +48,6 @@ def _exact(leaves: list[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in leaves])
 
 
-def _exact_rare(leaves: list[jax.Array], inv: jax.Array | None) -> jax.Array:
-    """Whether every leaf (times ``inv``, when given) is finite: the rarely taken branch.
-
-    Leaves of one dtype are raveled into one array and checked by one
-    reduction, so the branch compiles to a few kernels however many leaves
-    there are: one reduction per leaf added ~0.25 s of compile to the MLP
-    step (``benchmarks/FINDINGS.md``, section 7). The copy costs a pass over
-    the gradients, paid only on the steps that take this branch.
-    """
-    groups: dict[Any, list[jax.Array]] = {}
-    for x in leaves:
-        groups.setdefault(x.dtype, []).append(x.ravel())
-    flags = []
-    for group in groups.values():
-        # The barrier keeps XLA from splitting the reduction of a
-        # concatenation back into one reduction per leaf.
-        x = lax.optimization_barrier(jnp.concatenate(group)) if len(group) > 1 else group[0]
-        flags.append(jnp.all(jnp.isfinite(x if inv is None else ls._unscale_leaf(x, inv))))
-    return functools.reduce(jnp.logical_and, flags)
-
-
 def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
     """Whether every leaf (times ``inv``, when given) is finite."""
     if not leaves:
@@ -83,12 +62,15 @@ def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
         fast = jnp.isfinite(functools.reduce(jnp.add, [_sum32(x) for x in rest]))
     if half:
         fast = fast & _exact(half)
-    if inv is not None:
+    if inv is None:
+        leaves_to_check = lambda: leaves  # noqa: E731
+    else:
         # |g * inv| <= |g| when inv <= 1: finite g stay finite once unscaled.
         fast = fast & (inv <= 1)
+        leaves_to_check = lambda: [ls._unscale_leaf(x, inv) for x in leaves]  # noqa: E731
     # Both branches derive from the same leaves, so under shard_map they vary
     # over the same axes.
-    return lax.cond(fast, lambda: fast, lambda: _exact_rare(leaves, inv))
+    return lax.cond(fast, lambda: fast, lambda: _exact(leaves_to_check()))
 
 
 def _agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
