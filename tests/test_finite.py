@@ -210,6 +210,42 @@ def test_fast_path_and_fallback_agree_with_numpy(scale):
         assert bool(finite) == expected, (scale, x[:3])
 
 
+def test_fallback_is_exact_on_many_leaves_of_mixed_dtypes():
+    rng = np.random.default_rng(1)
+    shapes = [(3, 5), (7,), (2, 2, 2), (1,), (11, 4)] * 4
+    dtypes = [np.float32, ml_dtypes.bfloat16, np.float16]
+    leaves = [rng.normal(size=s).astype(dtypes[i % 3]) for i, s in enumerate(shapes)]
+    state = jamp.static_loss_scale(2.0**-10)  # scale < 1: the exact branch always runs
+    check = jax.jit(check_unscaled)
+
+    def expected(leaves):
+        with np.errstate(over="ignore"):
+            return all(
+                np.isfinite((x.astype(np.float32) * np.float32(2.0**10)).astype(x.dtype)).all()
+                for x in leaves
+            )
+
+    assert bool(check(state, [jnp.asarray(x) for x in leaves])) == expected(leaves)
+    for i in (0, 7, 14):  # float32, bfloat16, float16: overflows once unscaled, then NaN
+        big = 60000.0 if leaves[i].dtype == np.float16 else 3e38
+        for bad in (big, np.nan):
+            hit = [x.copy() for x in leaves]
+            hit[i].reshape(-1)[-1] = bad
+            got = bool(check(state, [jnp.asarray(x) for x in hit]))
+            assert got == expected(hit) and not got, (i, bad)
+
+
+def test_check_adds_no_gradient_sized_temporary():
+    # The check must not copy the gradients (e.g. by concatenating them): XLA
+    # allocates a branch's temporaries on every step, taken or not. On XLA:CPU
+    # the fallback's per-leaf is-finite flags (1 byte per element) remain.
+    g = {f"l{i}": jnp.ones((1024, 1024)) for i in range(4)}
+    grad_bytes = 4 * 1024 * 1024 * 4
+    for fn in (check_unscaled, lambda s, g: jamp.all_finite(g)):
+        mem = jax.jit(fn).lower(jamp.dynamic_loss_scale(), g).compile().memory_analysis()
+        assert mem.temp_size_in_bytes <= grad_bytes // 4 + 65536, mem.temp_size_in_bytes
+
+
 # ---------------------------------------------------------------- select_tree
 
 
