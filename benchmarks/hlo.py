@@ -1,9 +1,17 @@
-"""Compiled-HLO statistics: fusions, conditionals, copies, and XLA's bytes-accessed estimate."""
+"""Compiled-HLO statistics: fusions, conditionals, copies, bytes accessed, temp memory."""
 
 from __future__ import annotations
 
 import re
 from typing import Any
+
+
+def _temp_bytes(compiled: Any) -> float:
+    """XLA's temporary allocation: allocated on every call, every branch's included."""
+    try:
+        return float(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # a backend without memory analysis
+        return float("nan")
 
 
 def stats(compiled: Any) -> dict[str, float]:
@@ -20,5 +28,6 @@ def stats(compiled: Any) -> dict[str, float]:
         "conditionals": len(re.findall(r" conditional\(", text)),
         "copies": len(re.findall(r" copy\(", text)),
         "bytes_accessed": float(ca.get("bytes accessed", float("nan"))),
+        "temp_bytes": _temp_bytes(compiled),
         "flops": float(ca.get("flops", float("nan"))),
     }

@@ -417,9 +417,9 @@ def report(args, cfg, step_results, torch_res, finite_res, elapsed) -> str:
             "| variant | compile (s) | compile ratio (wall / CPU) | "
             f"traces in {cfg['guard']} steps | "
             f"transfer guard: first call / steps 2-{cfg['guard']} | XLA bytes accessed ratio | "
-            "fusions | conditionals |"
+            "temp memory (MB) | fusions | conditionals |"
         )
-        L.append("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: |")
+        L.append("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
         for r in rows:
             h = r["hlo"]
             L.append(
@@ -427,7 +427,7 @@ def report(args, cfg, step_results, torch_res, finite_res, elapsed) -> str:
                 f"{_fmt(r['compile_ratio'], 2)} / {_fmt(r['compile_cpu_ratio'], 2)} | "
                 f"{r['traces']} | "
                 f"{r['guard_first']} / {r['guard_steps']} | {_fmt(r['bytes_ratio'])} | "
-                f"{h['fusions_total']} | {h['conditionals']} |"
+                f"{h['temp_bytes'] / 1e6:.1f} | {h['fusions_total']} | {h['conditionals']} |"
             )
         L.append("")
 
