@@ -1,0 +1,58 @@
+"""Compile time (CPU seconds of lower().compile()) of the MLP step's parts (FINDINGS 7).
+
+python -m benchmarks.experiments.compile_parts [MLP|GPT] [repeats]
+"""
+
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from benchmarks import hlo, models, steps
+from jamp._src import loss_scale as ls
+
+
+def fast_only_step(state, tx, grads, opt_state, params):
+    """jamp.GradScaler.step with the fast sum only (no exact fallback): not sound."""
+    inv = ls.inverse_scale(state)
+    total = sum(jnp.sum(x, dtype=jnp.float32) for x in jax.tree.leaves(grads))
+    finite = jnp.isfinite(total) & (inv <= 1)
+
+    def apply():
+        updates, new_opt = tx.update(ls.unscale(state, grads), opt_state, params)
+        return optax.apply_updates(params, updates), new_opt
+
+    new_params, new_opt = lax.cond(finite, apply, lambda: (params, opt_state))
+    return new_params, new_opt, ~finite
+
+
+if __name__ == "__main__":
+    m = {"MLP": models.mlp, "GPT": models.gpt}[sys.argv[1] if len(sys.argv) > 1 else "MLP"]()
+    variants = {
+        "plain": steps.plain,
+        "jamp.GradScaler.step": steps.jamp_grad_scaler,
+        "GradScaler.step, fast sum only": lambda mm: steps.jamp_grad_scaler(
+            mm, step_fn=fast_only_step
+        ),
+        "jamp.loss_scaling": steps.jamp_loss_scaling,
+    }
+    times: dict = {k: [] for k in variants}
+    for rep in range(int(sys.argv[2]) if len(sys.argv) > 2 else 5):
+        for name, build in variants.items():
+            state, step = build(m)
+            jitted, leaves = steps.make_flat_jit(step, state)
+            lowered = jitted.lower(leaves, m.batch)
+            t = time.process_time()
+            compiled = lowered.compile()
+            times[name].append(time.process_time() - t)
+            if rep == 0:
+                st = hlo.stats(compiled)
+                temp = st["temp_bytes"] / 1e6
+                print(f"{name:32s} fusions {st['fusions_total']:.0f}, temp {temp:.1f} MB")
+    base = statistics.median(times["plain"])
+    for name, ts in times.items():
+        print(f"{name:32s} {statistics.median(ts):.3f} s CPU, {statistics.median(ts) / base:.2f}x")
