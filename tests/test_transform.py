@@ -447,9 +447,12 @@ def run_accumulation(tx, n_steps, k, poison_at):
 
 
 @pytest.mark.standard_promotion  # optax.MultiSteps multiplies int32 by float32 inside optax
-def test_multi_steps_recovers_after_an_overflow():
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_multi_steps_recovers_after_an_overflow(skip):
     k = 2
-    inner = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(2.0**8, growth_interval=100))
+    inner = jamp.loss_scaling(
+        optax.sgd(0.1), jamp.dynamic_loss_scale(2.0**8, growth_interval=100), skip=skip
+    )
     tx = jamp.multi_steps(inner, k)
     p, s, history = run_accumulation(tx, 5, k, poison_at=1)
     ls = jamp.get_loss_scale(s)
@@ -473,9 +476,10 @@ def test_loss_scaling_around_multisteps_drops_only_the_bad_micro_batch():
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree_util.tree_leaves(p))
 
 
-def test_schedule_does_not_drift_on_skipped_steps():
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_schedule_does_not_drift_on_skipped_steps(skip):
     sched = optax.linear_schedule(1.0, 0.0, 10)
-    tx = jamp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=sched))
+    tx = jamp.loss_scaling(optax.inject_hyperparams(optax.sgd)(learning_rate=sched), skip=skip)
     p = params0()
     s = tx.init(p)
     for i in range(6):
