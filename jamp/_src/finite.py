@@ -1,15 +1,17 @@
 """Finite checks fused into the step, and tree selection.
 
 The check reads each gradient once, with the cheapest full reduction XLA has:
-a float32 sum per leaf (for float16 leaves, ``all(isfinite)``, which is
-cheaper than converting them). A finite total proves every element finite (an inf or
+a float32 sum per leaf. A finite total proves every element finite (an inf or
 NaN anywhere makes any sum inf or NaN), and when the loss scale is >= 1,
 unscaling cannot overflow, so the *unscaled* gradients are finite too. Only
 when that fast path fails (a real overflow, a finite sum too large for
 float32, or a scale below 1) does an exact ``all(isfinite)`` pass run, under a
 ``lax.cond``, so a clean step pays for one read. A ``max|x|`` check would be
 no cheaper and drops NaN on XLA's CPU backend; ``all(isfinite(x))`` writes a
-boolean array per leaf and costs 2-6x the read (``benchmarks/FINDINGS.md``).
+boolean array per leaf on the CPU and costs 2-6x the sum
+(``benchmarks/FINDINGS.md``), except for float16 leaves: a CPU without float16
+arithmetic converts every element for the sum, so they take the exact check
+on the fast path too.
 """
 
 from __future__ import annotations
