@@ -41,6 +41,28 @@ def test_report_counts_equal_numpy(tree):
         assert report[k].inf.dtype == jnp.int32
 
 
+@pytest.mark.parametrize("n", [2**16 - 1, 2**16, 2**17, 3 * 2**16 + 5, 2**20])
+def test_report_counts_large_leaves_chunk_by_chunk(n):
+    # Leaves over 2**16 elements are counted a chunk at a time: every boundary,
+    # the first chunk, the loop and the tail must all count.
+    rng = np.random.default_rng(n)
+    x = rng.normal(size=n).astype(np.float32)
+    spots = {0, n - 1, min(2**16, n - 1), min(2**16 - 1, n - 1), int(rng.integers(0, n))}
+    for j, i in enumerate(sorted(spots)):
+        x[i] = [np.inf, -np.inf, np.nan][j % 3]
+    for shape in [(n,), (1, n)]:
+        r = jax.jit(jamp.nonfinite_report)({"x": jnp.asarray(x.reshape(shape))})["x"]
+        assert (int(r.inf), int(r.nan)) == (int(np.isinf(x).sum()), int(np.isnan(x).sum()))
+
+
+def test_report_adds_no_gradient_sized_temporary():
+    # XLA allocates a branch's temporaries on every call; counting a whole leaf
+    # at once made XLA:CPU copy it as int32 (a step's temp memory doubled).
+    g = {f"l{i}": jnp.ones((1024, 1024)) for i in range(4)}
+    mem = jax.jit(jamp.log_nonfinite).lower(g).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < 4 * 1024 * 1024, mem.temp_size_in_bytes
+
+
 def test_report_structure_and_non_float_leaves():
     tree = {"a": [jnp.ones(2), None], "i": jnp.arange(3)}
     report = jamp.nonfinite_report(tree)
@@ -127,6 +149,24 @@ def test_loss_scaling_report_nonfinite(caplog, skip):
     )
     with pytest.raises(TypeError, match=r"`report_nonfinite` to be a bool"):
         jamp.loss_scaling(optax.sgd(0.1), report_nonfinite="yes")
+
+
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_report_counts_the_unscaled_values(caplog, skip):
+    # A scale below 1 makes a finite gradient overflow once unscaled: the
+    # report names it, counted on the unscaled values of a large leaf.
+    tx = jamp.loss_scaling(
+        optax.sgd(0.1), jamp.static_loss_scale(2.0**-4), report_nonfinite=True, skip=skip
+    )
+    params = {"w": jnp.ones(3 * 2**16 + 1)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(3 * 2**16 + 1).at[2**17 + 3].set(3e38)}
+    with caplog.at_level(logging.WARNING, logger="jamp"):
+        _, state = jax.jit(tx.update)(grads, state, params)
+        jax.effects_barrier()
+    assert not bool(state.last_finite)
+    (record,) = caplog.records
+    assert record.getMessage() == "skipped step: non-finite values in w: 1 inf, 0 nan"
 
 
 # ---------------------------------------------------------------- retries

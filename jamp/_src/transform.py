@@ -204,12 +204,20 @@ def loss_scaling(
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         def keep(shapes: Any) -> tuple[Any, Any]:
-            if report_nonfinite:  # under "select", log_nonfinite's own cond gates it
-                grads = ls.unscale(state.loss_scale, updates)
-                report.log_nonfinite(grads, prefix="skipped step: ")
             return _zeros(shapes[0]), state.inner_state
 
         new_updates, new_inner = apply_or_keep(finite, apply, keep, skip=skip)
+        if report_nonfinite:
+            # Counted only on skipped steps, on the unscaled values, a chunk at
+            # a time (no unscaled copy of the gradients).
+            def log_skipped() -> None:
+                report._log(
+                    updates,
+                    prefix="skipped step: ",
+                    transform=lambda v: ls.unscale(state.loss_scale, v),
+                )
+
+            lax.cond(finite, lambda: None, log_skipped)
         counters = LossScalingState(
             loss_scale=ls.update(state.loss_scale, finite),
             inner_state=None,
