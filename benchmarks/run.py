@@ -761,6 +761,8 @@ def main(argv: list[str] | None = None) -> str:
             describe=model.describe + ", state **not** donated",
         )
         vs = {k: v for k, v in variants.items() if "report_nonfinite" not in k}
+        if cfg["gpt"] is not None and not args.all_peers:  # --quick: jmp stands for the peers
+            vs = {k: v for i, (k, v) in enumerate(vs.items()) if i == 0 or k in cfg["gpt"]}
         log(f"{model.describe}")
         step_results.append((model, bench_steps(model, vs, cfg, log, donate=False)))
         for r in step_results[-1][1]:
