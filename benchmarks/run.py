@@ -208,6 +208,17 @@ def bench_torch(sizes, batch: int, rounds: int, per_round: int) -> dict | None:
     except ImportError:
         return None
     torch.set_num_threads(os.cpu_count() or 1)
+    # XLA:CPU flushes subnormals to zero; torch does not by default, and after
+    # ~50 steps on one batch its GradScaler step ran 4x slower on subnormal
+    # arithmetic (FINDINGS 8). Flush in torch too, so both sides compute alike.
+    torch.set_flush_denormal(True)
+    try:
+        return _bench_torch(torch, sizes, batch, rounds, per_round)
+    finally:
+        torch.set_flush_denormal(False)  # torch's default
+
+
+def _bench_torch(torch, sizes, batch: int, rounds: int, per_round: int) -> dict:
     torch.manual_seed(0)
 
     def make():
@@ -432,7 +443,10 @@ def report(args, cfg, step_results, torch_res, finite_res, elapsed) -> str:
         L.append("")
 
     if torch_res:
-        L.append(f"## PyTorch {torch_res['version']} (same MLP, AdamW, CPU, float32)\n")
+        L.append(
+            f"## PyTorch {torch_res['version']} (same MLP, AdamW, CPU, float32, subnormals "
+            "flushed to zero as XLA:CPU does)\n"
+        )
         L.append("| variant | median step (ms) | ratio to torch plain |")
         L.append("| --- | ---: | ---: |")
         for r in torch_res["rows"]:
