@@ -50,10 +50,24 @@ def _exact(leaves: list[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in leaves])
 
 
+def _after_all(leaves: list[jax.Array]) -> list[jax.Array]:
+    """On a CPU, ``leaves`` such that reductions of them wait until all are computed.
+
+    XLA:CPU runs a reduction as soon as its gradient exists, next to the
+    backward pass's matrix products, which then lose a core; checking after
+    the last gradient made the MLP step 2-3% faster (``benchmarks/FINDINGS.md``,
+    section 7). Other platforms are left to schedule as they see fit.
+    """
+    return list(
+        lax.platform_dependent(tuple(leaves), cpu=lax.optimization_barrier, default=lambda t: t)
+    )
+
+
 def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
     """Whether every leaf (times ``inv``, when given) is finite."""
     if not leaves:
         return jnp.asarray(True)
+    leaves = _after_all(leaves)
     # float16 leaves are checked exactly on the fast path too: on a CPU without
     # float16 arithmetic, converting every element for the sum costs 2-3x more
     # than all(isfinite) (benchmarks/FINDINGS.md, section 6).
