@@ -55,6 +55,6 @@ R, per = int(sys.argv[1]) if len(sys.argv) > 1 else 20, 2
 timing.interleave(runners, R, per)
 base = runners["plain"]
 for n, r in runners.items():
-    print(
-        f"{n:32s} {np.median(r.times) * 1e3:6.1f} ms ratio {timing.ratio_stats(r.times, base.times, per)[0]:.3f} cpu {timing.ratio_stats(r.cpu, base.cpu, per)[0]:.3f}"
-    )
+    wall = timing.ratio_stats(r.times, base.times, per)[0]
+    cpu = timing.ratio_stats(r.cpu, base.cpu, per)[0]
+    print(f"{n:32s} {np.median(r.times) * 1e3:6.1f} ms ratio {wall:.3f} cpu {cpu:.3f}")
