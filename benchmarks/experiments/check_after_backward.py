@@ -1,4 +1,4 @@
-"""Does the check run faster after the whole backward pass? (FINDINGS 7)
+"""Does the check run faster after the whole backward pass? (FINDINGS 9)
 
 python -m benchmarks.experiments.check_after_backward [rounds]
 
