@@ -753,19 +753,28 @@ def main(argv: list[str] | None = None) -> str:
         "GPT": (models.tiny_gpt if tiny else functools.partial(models.gpt, compute_dtype=cd)),
     }
     step_results = []
-    for name in [m.strip() for m in args.models.split(",") if m.strip()]:
-        model = builders[name]()
-        log(f"{model.describe}: {model.n_params / 1e6:.2f}M params, {model.n_leaves} leaves")
-        vs = variants
-        if name == "GPT" and cfg["gpt"] is not None and not args.all_peers:
-            vs = {k: v for i, (k, v) in enumerate(variants.items()) if i == 0 or k in cfg["gpt"]}
-        step_results.append((model, bench_steps(model, vs, cfg, log)))
+    names = [m.strip() for m in args.models.split(",") if m.strip()]
+    quick_subset = cfg["gpt"] is not None and not args.all_peers
+
+    def kept(vs: dict) -> dict:
+        """--quick: plain, jamp's forms and jmp (standing for the select-based peers)."""
+        if not quick_subset:
+            return vs
+        return {k: v for i, (k, v) in enumerate(vs.items()) if i == 0 or k in cfg["gpt"]}
+
+    def run_model(model: models.Model, vs: dict, donate: bool = True) -> None:
+        step_results.append((model, bench_steps(model, vs, cfg, log, donate=donate)))
         for r in step_results[-1][1]:
             log(
                 f"    {r['name']:55s} {r['ms']:8.1f} ms  x{r['ratio']:.3f}"
                 f"  cpu x{r['cpu_ratio']:.3f}"
             )
-    if "MLP" in args.models and not args.no_undonated:
+
+    for name in names:
+        model = builders[name]()
+        log(f"{model.describe}: {model.n_params / 1e6:.2f}M params, {model.n_leaves} leaves")
+        run_model(model, kept(variants) if name == "GPT" else variants)
+    if "MLP" in names and not args.no_undonated:
         # The same MLP steps with the state not donated (a jax.jit without
         # donate_argnums, as many training loops are written): XLA's choices flip.
         model = builders["MLP"]()
@@ -774,13 +783,9 @@ def main(argv: list[str] | None = None) -> str:
             name="MLP-undonated",
             describe=model.describe + ", state **not** donated",
         )
-        vs = {k: v for k, v in variants.items() if "report_nonfinite" not in k}
-        if cfg["gpt"] is not None and not args.all_peers:  # --quick: jmp stands for the peers
-            vs = {k: v for i, (k, v) in enumerate(vs.items()) if i == 0 or k in cfg["gpt"]}
         log(f"{model.describe}")
-        step_results.append((model, bench_steps(model, vs, cfg, log, donate=False)))
-        for r in step_results[-1][1]:
-            log(f"    {r['name']:55s} {r['ms']:8.1f} ms  x{r['ratio']:.3f}")
+        vs = {k: v for k, v in variants.items() if "report_nonfinite" not in k}
+        run_model(model, kept(vs), donate=False)
     if args.half_speedup:
         base = builders["GPT"]() if tiny else models.gpt()
         half = {}
