@@ -55,8 +55,8 @@ def _after_all(leaves: list[jax.Array]) -> list[jax.Array]:
 
     XLA:CPU runs a reduction as soon as its gradient exists, next to the
     backward pass's matrix products, which then lose a core; checking after
-    the last gradient made the MLP step 2-3% faster (``benchmarks/FINDINGS.md``,
-    section 7). Other platforms are left to schedule as they see fit.
+    the last gradient made the MLP step about 2% faster (``benchmarks/FINDINGS.md``,
+    section 9). Other platforms are left to schedule as they see fit.
     """
     return list(
         lax.platform_dependent(tuple(leaves), cpu=lax.optimization_barrier, default=lambda t: t)

@@ -53,13 +53,12 @@ def _count(path: Any, leaf: Any, transform: Transform = None) -> NonfiniteCount:
 
     def add(i: jax.Array, c: NonfiniteCount) -> NonfiniteCount:
         chunk = _count_flat(f(lax.dynamic_slice(flat, (i * _CHUNK,), (_CHUNK,))))
-        return NonfiniteCount(c.inf + chunk.inf, c.nan + chunk.nan)
+        return jax.tree.map(jnp.add, c, chunk)
 
     # The first chunk starts the carry, so under shard_map it varies like the leaf.
     c = lax.fori_loop(1, full, add, _count_flat(f(flat[:_CHUNK])))
     if rest:
-        tail = _count_flat(f(flat[full * _CHUNK :]))
-        c = NonfiniteCount(c.inf + tail.inf, c.nan + tail.nan)
+        c = jax.tree.map(jnp.add, c, _count_flat(f(flat[full * _CHUNK :])))
     return c
 
 
