@@ -1,5 +1,7 @@
 """all_finite, unscale_and_check, select_tree: golden unscale cases and multi-device agreement."""
 
+import functools
+
 import _golden
 import hypothesis.extra.numpy as hnp
 import jax
@@ -13,6 +15,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jamp
+from jamp._src import finite as fin
 from jamp._src import loss_scale as ls
 from jamp._src.finite import check_unscaled
 
@@ -178,19 +181,65 @@ def test_clean_path_is_one_sum_per_leaf():
     state = jamp.dynamic_loss_scale()
     g = {"a": jnp.ones((256, 256)), "b": jnp.ones((1000,), jnp.bfloat16)}
     jaxpr = jax.make_jaxpr(check_unscaled)(state, g).jaxpr
-    # The platform switch (an optimization barrier on CPUs: the check waits for
-    # every gradient) is the first cond; the exact fallback is the other.
+    # The platform switch (the one-read check, in its CPU form and the others')
+    # is the first cond; the exact fallback is the other.
     prims = [e.primitive.name for e in jaxpr.eqns]
-    assert prims.count("platform_index") == 1
-    assert prims.count("cond") == 2 and prims.count("reduce_sum") == 2
+    assert prims.count("platform_index") == 1 and prims.count("cond") == 2, prims
     for e in jaxpr.eqns:
         if e.primitive.name in ("is_finite", "mul"):
             assert all(v.aval.ndim == 0 for v in e.invars), e
     switch, cond = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    switch_prims = [x.primitive.name for b in switch.params["branches"] for x in b.jaxpr.eqns]
-    assert switch_prims == ["optimization_barrier"], switch_prims
+    cpu, other = [[x.primitive.name for x in b.jaxpr.eqns] for b in switch.params["branches"]]
+    # On a CPU the check waits for every gradient, and the large float32 leaf
+    # is summed by a matrix-vector product; elsewhere, one sum per leaf.
+    assert cpu[0] == "optimization_barrier" and cpu.count("dot_general") == 1, cpu
+    assert cpu.count("reduce_sum") == 2 and "is_finite" in cpu, cpu
+    assert "dot_general" not in other and other.count("reduce_sum") == 2, other
+    for branch in (cpu, other):
+        assert branch.count("is_finite") == 1  # of the scalar total
     exact = [x.primitive.name for b in cond.params["branches"] for x in b.jaxpr.eqns]
     assert "is_finite" in exact and "mul" in exact  # the exact pass, on unscaled values
+
+
+def _cpu_fast(*leaves):
+    return jax.jit(functools.partial(fin._fast, cpu=True))(*leaves)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (3, 40, 1024), (100_003,), (784, 2048)])
+@pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
+def test_cpu_matrix_vector_sum_is_exact(shape, bad):
+    # The CPU form of the one-read check is exact for float32 leaves large
+    # enough to be summed by a matrix-vector product: any inf or NaN, first,
+    # middle or last, is found, and finite values up to float32's largest
+    # never overflow the weighted sum (so the fallback is not needed).
+    assert fin._cpu_sum32(jnp.ones(shape)).shape == ()
+    big = np.full(shape, np.finfo(np.float32).max, np.float32)
+    big.reshape(-1)[::2] *= -1
+    assert bool(_cpu_fast(jnp.asarray(big)))
+    assert bool(_cpu_fast(jnp.asarray(np.abs(big))))
+    assert not bool(_cpu_fast(jnp.asarray(big), jnp.full((10,), np.nan)))
+    n = int(np.prod(shape))
+    for where in (0, n // 2 + 1, n - 1):
+        x = np.ones(shape, np.float32)
+        x.reshape(-1)[where] = bad
+        assert not bool(_cpu_fast(jnp.asarray(x))), where
+        assert not bool(jax.jit(jamp.all_finite)({"x": jnp.asarray(x)}))
+        assert not bool(fin._fast(jnp.asarray(x)))  # the other platforms' form
+    assert bool(jax.jit(jamp.all_finite)(jnp.ones(shape)))
+
+
+def test_cpu_matrix_vector_sum_only_where_it_pays():
+    # Small leaves, narrow last dimensions and other dtypes keep the plain sum.
+    for x in (
+        jnp.ones((127, 128)),
+        jnp.ones((100_000, 3)),
+        jnp.ones((256, 256), jnp.bfloat16),
+        jnp.ones((256, 256), jnp.complex64),
+    ):
+        prims = [e.primitive.name for e in jax.make_jaxpr(fin._cpu_sum32)(x).jaxpr.eqns]
+        assert "dot_general" not in prims, (x.shape, x.dtype)
+    prims = [e.primitive.name for e in jax.make_jaxpr(fin._cpu_sum32)(jnp.ones((128, 128))).eqns]
+    assert "dot_general" in prims
 
 
 @pytest.mark.parametrize("scale", [2.0**-10, 1.0, 2.0**10])
@@ -343,3 +392,19 @@ def test_sharded_jit_needs_no_axis_name():
     g[7, 0] = -np.inf
     x = jax.device_put(jnp.asarray(g), NamedSharding(mesh, P("data")))
     assert not bool(jax.jit(jamp.all_finite)(x))
+
+
+@pytest.mark.parametrize("spec", [P("data", None), P(None, "data"), P(("data",), None)])
+def test_sharded_large_leaf_is_checked_where_it_lies(spec):
+    # The CPU check contracts the last dimension without reshaping, so a leaf
+    # sharded along either dimension is checked where it lies: no gathering of
+    # gradients, only scalars and per-row totals cross devices.
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    g = np.ones((512, 1024), np.float32)
+    x = jax.device_put(jnp.asarray(g), NamedSharding(mesh, spec))
+    check = jax.jit(jamp.all_finite)
+    assert bool(check(x))
+    g[300, 1000] = np.nan
+    assert not bool(check(jax.device_put(jnp.asarray(g), NamedSharding(mesh, spec))))
+    hlo = check.lower(x).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo

@@ -12,6 +12,11 @@ boolean array per leaf on the CPU and costs 2-6x the sum
 (``benchmarks/FINDINGS.md``), except for float16 leaves: a CPU without float16
 arithmetic converts every element for the sum, so they take the exact check
 on the fast path too.
+
+On a CPU, the sum of a large float32 leaf is a matrix-vector product with a
+vector of ``2**-40`` (``_cpu_sum32``): XLA:CPU tiles a large sum of a gradient
+into slow ``reduce-window`` kernels, and the weighted product cannot overflow,
+so it is exact on its own.
 """
 
 from __future__ import annotations
@@ -46,38 +51,87 @@ def _sum32(x: jax.Array) -> jax.Array:
     return jnp.sum(x, dtype=jnp.float32)
 
 
-def _exact(leaves: list[jax.Array]) -> jax.Array:
-    return functools.reduce(jnp.logical_and, [jnp.all(jnp.isfinite(x)) for x in leaves])
+# A float32 leaf of at least this many elements, and at least this many in its
+# last dimension, is summed by a matrix-vector product on a CPU (_cpu_sum32).
+_DOT_MIN_SIZE = 2**14
+_DOT_MIN_COLS = 32
+# The vector's entries: finite float32 values times 2**-40 cannot overflow a
+# float32 sum of fewer than 2**40 elements, so only an inf or NaN makes the
+# product non-finite. (A power of two: the products are the values, exactly,
+# bar underflow to zero, which cannot hide an inf or NaN.)
+_DOT_WEIGHT = 2.0**-40
 
 
-def _after_all(leaves: list[jax.Array]) -> list[jax.Array]:
-    """On a CPU, ``leaves`` such that reductions of them wait until all are computed.
+def _cpu_sum32(x: jax.Array) -> jax.Array:
+    """On XLA:CPU, the sum of a large float32 leaf through a matrix-vector product.
 
-    XLA:CPU runs a reduction as soon as its gradient exists, next to the
-    backward pass's matrix products, which then lose a core; checking after
-    the last gradient made the MLP step about 2% faster (``benchmarks/FINDINGS.md``,
-    section 9). Other platforms are left to schedule as they see fit.
+    XLA:CPU splits a large sum of a computed value (a gradient) into 32x32
+    ``reduce-window`` tiles that read memory across rows, several times slower
+    than the same sum of a parameter: most of what a loss-scaled MLP step cost
+    over a plain one. A product with a vector of ``2**-40`` over the last
+    dimension reads the leaf once in the library's matrix kernels on every
+    core (``benchmarks/FINDINGS.md``, section 10), and it is non-finite
+    exactly when the leaf holds an inf or NaN. Contracting the last dimension
+    without a reshape keeps a sharded leaf where it is.
     """
-    return list(
-        lax.platform_dependent(tuple(leaves), cpu=lax.optimization_barrier, default=lambda t: t)
-    )
+    if x.dtype != jnp.float32 or x.size < _DOT_MIN_SIZE or x.shape[-1] < _DOT_MIN_COLS:
+        return _sum32(x)
+    weights = jnp.full((x.shape[-1],), _DOT_WEIGHT, jnp.float32)
+    return jnp.sum(lax.dot_general(x, weights, (((x.ndim - 1,), (0,)), ((), ()))))
+
+
+def _exact(leaves: list[jax.Array]) -> jax.Array:
+    """Whether every element of every leaf is finite: one pass per leaf.
+
+    Each leaf's non-finite flags are reduced as a ``uint8`` max: XLA:CPU
+    reduces booleans (``jnp.all``) through tiled ``reduce-window`` kernels,
+    which run about 2x slower and compile to more kernels
+    (``benchmarks/FINDINGS.md``, section 10).
+    """
+    flags = [jnp.max(jnp.logical_not(jnp.isfinite(x)).astype(jnp.uint8), initial=0) for x in leaves]
+    return functools.reduce(jnp.maximum, flags) == 0
+
+
+def _after_all(leaves: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
+    """``leaves`` such that reductions of them wait until all are computed.
+
+    XLA:CPU would otherwise start each reduction as soon as its gradient
+    exists, next to the backward pass's matrix products, which then lose a
+    core (about 2% of an MLP step, ``benchmarks/FINDINGS.md``, section 9).
+    Used on CPUs only: other platforms schedule as they see fit.
+    """
+    return lax.optimization_barrier(leaves)
+
+
+def _fast(*leaves: jax.Array, cpu: bool = False) -> jax.Array:
+    """Whether the one-read check finds every leaf finite.
+
+    A finite float32 total proves every element finite; float16 leaves are
+    checked exactly here too: on a CPU without float16 arithmetic, converting
+    every element for a float32 sum costs 2-3x more than ``all(isfinite)``
+    (``benchmarks/FINDINGS.md``, section 6).
+
+    On a CPU (``cpu=True``) the check waits for every leaf (``_after_all``)
+    and sums large float32 leaves with ``_cpu_sum32``.
+    """
+    if cpu:
+        leaves = _after_all(leaves)
+    half = [x for x in leaves if x.dtype == jnp.float16]
+    rest = [x for x in leaves if x.dtype != jnp.float16]
+    fast = jnp.asarray(True)
+    if rest:
+        sum32 = _cpu_sum32 if cpu else _sum32
+        fast = jnp.isfinite(functools.reduce(jnp.add, [sum32(x) for x in rest]))
+    if half:
+        fast = fast & _exact(half)
+    return fast
 
 
 def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
     """Whether every leaf (times ``inv``, when given) is finite."""
     if not leaves:
         return jnp.asarray(True)
-    leaves = _after_all(leaves)
-    # float16 leaves are checked exactly on the fast path too: on a CPU without
-    # float16 arithmetic, converting every element for the sum costs 2-3x more
-    # than all(isfinite) (benchmarks/FINDINGS.md, section 6).
-    half = [x for x in leaves if x.dtype == jnp.float16]
-    rest = [x for x in leaves if x.dtype != jnp.float16]
-    fast = jnp.asarray(True)
-    if rest:
-        fast = jnp.isfinite(functools.reduce(jnp.add, [_sum32(x) for x in rest]))
-    if half:
-        fast = fast & _exact(half)
+    fast = lax.platform_dependent(*leaves, cpu=functools.partial(_fast, cpu=True), default=_fast)
     if inv is None:
         leaves_to_check = lambda: leaves  # noqa: E731
     else:
