@@ -358,11 +358,14 @@ def test_eight_devices():
     assert jax.device_count() == 8
 
 
-def test_shard_map_axis_name_agreement():
+@pytest.mark.parametrize("shape", [(8, 16), (8 * 128, 256)], ids=["small", "matrix-vector"])
+def test_shard_map_axis_name_agreement(shape):
+    # Per replica, the larger leaf is (128, 256): summed by the CPU's
+    # matrix-vector product, under shard_map's varying-axes checks.
     mesh = Mesh(np.array(jax.devices()), ("data",))
     state = jamp.dynamic_loss_scale(4.0)
-    g = np.ones((8, 16), np.float32)
-    g[5, 3] = np.inf  # only the 6th shard sees it
+    g = np.ones(shape, np.float32)
+    g[shape[0] * 5 // 8, 3] = np.inf  # only the 6th shard sees it
 
     def local(grads):
         _, finite = jamp.unscale_and_check(state, grads, axis_name="data")
@@ -408,3 +411,10 @@ def test_sharded_large_leaf_is_checked_where_it_lies(spec):
     assert not bool(check(jax.device_put(jnp.asarray(g), NamedSharding(mesh, spec))))
     hlo = check.lower(x).compile().as_text()
     assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+def test_vmap_checks_each_large_leaf_alone():
+    g = np.ones((4, 128, 256), np.float32)
+    g[2, 100, 7] = np.nan
+    out = jax.jit(jax.vmap(jamp.all_finite))(jnp.asarray(g))
+    assert out.tolist() == [True, True, False, True]

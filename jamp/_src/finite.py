@@ -77,7 +77,9 @@ def _cpu_sum32(x: jax.Array) -> jax.Array:
     if x.dtype != jnp.float32 or x.size < _DOT_MIN_SIZE or x.shape[-1] < _DOT_MIN_COLS:
         return _sum32(x)
     weights = jnp.full((x.shape[-1],), _DOT_WEIGHT, jnp.float32)
-    return jnp.sum(lax.dot_general(x, weights, (((x.ndim - 1,), (0,)), ((), ()))))
+    # HIGHEST: a user's jax_default_matmul_precision must not round the values.
+    dims = (((x.ndim - 1,), (0,)), ((), ()))
+    return jnp.sum(lax.dot_general(x, weights, dims, precision=lax.Precision.HIGHEST))
 
 
 def _exact(leaves: list[jax.Array]) -> jax.Array:
