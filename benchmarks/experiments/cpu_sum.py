@@ -1,22 +1,29 @@
 """The check's sum on XLA:CPU: plain sums vs jamp's matrix-vector product (FINDINGS 10).
 
 python -m benchmarks.experiments.cpu_sum [MLP|GPT] [rounds]
+python -m benchmarks.experiments.cpu_sum alone [elements]
 
 The same jamp.GradScaler.step and jamp.loss_scaling, traced with the landed
 ``_cpu_sum32`` (a product with a vector of 2**-40 for large float32 leaves) and
 with it patched to a plain float32 sum per leaf; for each, how many
 float32 ``reduce-window`` kernels over gradient-sized inputs XLA:CPU compiled
 (its tiled split of a large sum),
-then the step time, interleaved, as a ratio to plain.
+then the step time, interleaved, as a ratio to plain. ``alone`` times
+``jamp.all_finite`` on a float32 tree passed in as parameters (no tiling
+there), both ways, against a plain read, interleaved over 15 rounds.
 """
 
 import math
 import re
 import sys
+import time
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-from benchmarks import models, steps
+import jamp
+from benchmarks import finite_checks, models, steps, timing
 from benchmarks.experiments.step_variants import run
 from jamp._src import finite as fin
 
@@ -52,7 +59,33 @@ def traced_with(build, cpu_sum32):
     return b
 
 
+def alone(n: int) -> None:
+    tree = finite_checks.make_tree(n, jnp.float32)
+    checks = {
+        # Two function objects, so two traces.
+        "all_finite, matrix-vector (landed)": jax.jit(lambda t: jamp.all_finite(t)),
+        "all_finite, plain sums": jax.jit(lambda t: jamp.all_finite(t)),
+        "read: a sum per leaf": jax.jit(lambda t: [jnp.sum(x) for x in jax.tree.leaves(t)]),
+    }
+    for name, f in checks.items():  # compile each now, the second with plain sums
+        fin._cpu_sum32 = fin._sum32 if "plain sums" in name else landed
+        jax.block_until_ready(f(tree))
+    fin._cpu_sum32 = landed
+    times = {k: [] for k in checks}
+    for order in timing.orders(list(checks), 15):
+        for k in order:
+            for _ in range(3):
+                t = time.perf_counter()
+                jax.block_until_ready(checks[k](tree))
+                times[k].append(time.perf_counter() - t)
+    for k, v in times.items():
+        print(f"{k:40s} {np.median(v) * 1e3:.3f} ms")
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "alone":
+        alone(int(float(sys.argv[2])) if len(sys.argv) > 2 else 10_000_000)
+        sys.exit()
     m = {"MLP": models.mlp, "GPT": models.gpt}[sys.argv[1] if len(sys.argv) > 1 else "MLP"]()
     variants = {
         "plain": steps.plain,
