@@ -418,3 +418,20 @@ def test_vmap_checks_each_large_leaf_alone():
     g[2, 100, 7] = np.nan
     out = jax.jit(jax.vmap(jamp.all_finite))(jnp.asarray(g))
     assert out.tolist() == [True, True, False, True]
+
+
+def test_other_platforms_get_the_plain_sum():
+    # The matrix-vector sum and the barrier are for XLA:CPU only: lowered for a
+    # GPU or TPU, the check is one reduction per leaf. A program exported for
+    # several platforms picks the CPU form when run here, and stays exact.
+    from jax import export
+
+    x = jnp.ones((256, 256))
+    for platform in ("cuda", "rocm", "tpu"):
+        text = export.export(jax.jit(jamp.all_finite), platforms=(platform,))(x).mlir_module()
+        assert "dot_general" not in text and "optimization_barrier" not in text, platform
+    both = export.export(jax.jit(jamp.all_finite), platforms=("cpu", "cuda"))(x)
+    assert "dot_general" in both.mlir_module()
+    bad = np.ones((256, 256), np.float32)
+    bad[3, 4] = np.nan
+    assert bool(both.call(x)) and not bool(both.call(jnp.asarray(bad)))
