@@ -18,10 +18,13 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 
@@ -185,6 +188,7 @@ def bench_steps(
             r.times, b.times, cfg["per_round"]
         )
         row["cpu_ratio"] = timing.ratio_stats(r.cpu, b.cpu, cfg["per_round"])[0]
+        row["faults"] = timing.median(r.faults)
         row["steps"] = len(r.times)
         out.append(row)
     p = out[0]
@@ -197,6 +201,46 @@ def bench_steps(
         )
         row["bytes_ratio"] = row["hlo"]["bytes_accessed"] / p["hlo"]["bytes_accessed"]
     return out
+
+
+# ------------------------------------------------------------------ allocator
+
+# XLA:CPU allocates each call's temporaries afresh, and glibc serves buffers this
+# large with new pages, so every step page-faults through its whole temp arena: a
+# cost proportional to temp memory that a GPU's caching allocator does not have
+# (FINDINGS 11). A child process rerunning the MLP under jemalloc told to keep
+# freed memory shows the steps without it.
+JEMALLOC = (
+    "/usr/lib/x86_64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib/aarch64-linux-gnu/libjemalloc.so.2",
+    "/usr/lib64/libjemalloc.so.2",
+    "/usr/local/lib/libjemalloc.so.2",
+)
+KEEP_FREED = "dirty_decay_ms:-1,muzzy_decay_ms:-1"
+
+
+def caching_allocator_rows(args, log) -> list[dict] | None:
+    """The MLP step rows from a child process run under jemalloc, or None."""
+    lib = next((p for p in JEMALLOC if os.path.exists(p)), None)
+    if lib is None:
+        log("caching allocator: no libjemalloc found (apt install libjemalloc2); section skipped")
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.json")
+        cmd = [sys.executable, "-m", "benchmarks", "--models", "MLP", "--no-finite"]
+        cmd += ["--no-torch", "--no-undonated", "--caching-allocator", "off"]
+        cmd += ["--json", out, "--out", os.path.join(tmp, "RESULTS.md")]
+        cmd += [] if args.mode == "full" else [f"--{args.mode}"]
+        cmd += ["--variants", args.variants] if args.variants else []
+        env = dict(os.environ, LD_PRELOAD=lib, MALLOC_CONF=KEEP_FREED)
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")])
+        log(f"caching allocator: rerunning the MLP under {lib} ({KEEP_FREED})")
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(out):
+            log(f"caching allocator: child failed: {proc.stderr[-2000:]}")
+            return None
+        with open(out) as fh:
+            return json.load(fh)[0]["rows"]
 
 
 # ------------------------------------------------------------------ torch
@@ -358,6 +402,22 @@ def _fmt(x: float, nd: int = 3) -> str:
     return "n/a" if x != x else f"{x:.{nd}f}"
 
 
+def _step_table(rows: list[dict]) -> list[str]:
+    L = [
+        "| variant | median step (ms) | ratio to plain [q1, q3] | CPU-time ratio | "
+        "page faults per step | steps |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        L.append(
+            f"| {r['name']} | {r['ms']:.1f} | {_fmt(r['ratio'])} [{_fmt(r['ratio_q1'], 2)}, "
+            f"{_fmt(r['ratio_q3'], 2)}] | {_fmt(r['cpu_ratio'])} | {r['faults']:.0f} | "
+            f"{r['steps']} |"
+        )
+    L.append("")
+    return L
+
+
 def report(args, cfg, step_results, torch_res, finite_res, elapsed) -> str:
     L: list[str] = []
     L.append("# jamp benchmark results\n")
@@ -413,16 +473,7 @@ def report(args, cfg, step_results, torch_res, finite_res, elapsed) -> str:
                 "`optax.adamw(1e-3)`, "
                 f"float32 parameters and {what} (the loss-scaling overhead is what is measured).\n"
             )
-        L.append(
-            "| variant | median step (ms) | ratio to plain [q1, q3] | CPU-time ratio | steps |"
-        )
-        L.append("| --- | ---: | ---: | ---: | ---: |")
-        for r in rows:
-            L.append(
-                f"| {r['name']} | {r['ms']:.1f} | {_fmt(r['ratio'])} [{_fmt(r['ratio_q1'], 2)}, "
-                f"{_fmt(r['ratio_q3'], 2)}] | {_fmt(r['cpu_ratio'])} | {r['steps']} |"
-            )
-        L.append("")
+        L.extend(_step_table(rows))
         L.append(f"### Compile, traces, transfers, HLO ({model.name})\n")
         L.append(
             "| variant | compile (s) | compile ratio (wall / CPU) | "
@@ -573,11 +624,13 @@ def _targets(step_results, finite_res, guard: int) -> list[str]:
             f"{'' if met else miss} | {'' if met else why} |"
         )
 
-    lim = {"MLP": 1.03, "MLP-undonated": 1.03, "GPT": 1.02}
+    lim = {"MLP": 1.03, "MLP-undonated": 1.03, "MLP-caching-allocator": 1.03, "GPT": 1.02}
     for model, rows in step_results:
         if model.name.endswith("-half"):
             continue
         undonated = model.name.endswith("-undonated")
+        # The same programs as the MLP section's: their compile rows would repeat.
+        same_programs = model.name.endswith("-caching-allocator")
         by = {r["name"]: r for r in rows}
         plain = rows[0]
         peers = [r for r in rows if not r["name"].startswith(("plain", "jamp"))]
@@ -633,7 +686,7 @@ def _targets(step_results, finite_res, guard: int) -> list[str]:
                     else "see the row of that form above"
                 ),
             )
-        for name in [] if undonated else jamps:
+        for name in [] if undonated or same_programs else jamps:
             r = by[name]
             kind = "compile:report" if "report" in name else "compile"
             why = _WHY["compile"] + (
@@ -732,6 +785,14 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument(
         "--variants", default="", help="comma-separated name prefixes to keep (plain always kept)"
     )
+    ap.add_argument(
+        "--caching-allocator",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto (not with --tiny): rerun the MLP steps in a child process under jemalloc "
+        "keeping freed memory, if libjemalloc is installed",
+    )
+    ap.add_argument("--json", default="", help="also write the step rows as JSON to this path")
     args = ap.parse_args(argv)
     args.mode = args.mode or "full"
     args.argv = list(argv if argv is not None else sys.argv[1:])
@@ -791,6 +852,19 @@ def main(argv: list[str] | None = None) -> str:
         log(f"{model.describe}")
         vs = {k: v for k, v in variants.items() if "report_nonfinite" not in k}
         run_model(model, kept(vs), donate=False)
+    if "MLP" in names and args.caching_allocator == "auto" and not tiny:
+        rows = caching_allocator_rows(args, log)
+        if rows:
+            model = builders["MLP"]()
+            model = dataclasses.replace(
+                model,
+                name="MLP-caching-allocator",
+                describe=model.describe + ", under a caching allocator (jemalloc, freed memory "
+                "kept)",
+            )
+            step_results.append((model, rows))
+            for r in rows:
+                log(f"    {r['name']:55s} {r['ms']:8.1f} ms  x{r['ratio']:.3f}")
     if args.half_speedup:
         base = builders["GPT"]() if tiny else models.gpt()
         half = {}
@@ -822,6 +896,10 @@ def main(argv: list[str] | None = None) -> str:
         finite_res = bench_finite(
             cfg["sizes"], (jnp.float32, jnp.float16, jnp.bfloat16), cfg["frounds"], log
         )
+    if args.json:
+        with open(args.json, "w") as fh:
+            dump = [dict(model=m.name, rows=rows) for m, rows in step_results]
+            json.dump(dump, fh, default=float)
     text = report(args, cfg, step_results, torch_res, finite_res, time.perf_counter() - t_start)
     with open(args.out, "w") as fh:
         fh.write(text)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import resource
 import statistics
 import time
 from collections.abc import Callable
@@ -18,6 +19,7 @@ class Runner:
         self.step, self.state, self.batch = step, state, batch
         self.times: list[float] = []  # wall-clock seconds per step
         self.cpu: list[float] = []  # process CPU seconds per step (all threads)
+        self.faults: list[int] = []  # minor page faults of the process per step
 
     def warm(self, n: int = 2) -> None:
         for _ in range(n):
@@ -26,13 +28,16 @@ class Runner:
 
     def run(self, n: int, record: bool = True) -> None:
         for _ in range(n):
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0, t0 = time.process_time(), time.perf_counter()
             self.state = self.step(self.state, self.batch)
             jax.block_until_ready(self.state)
             t1, c1 = time.perf_counter(), time.process_time()
+            f1 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             if record:
                 self.times.append(t1 - t0)
                 self.cpu.append(c1 - c0)
+                self.faults.append(f1 - f0)
 
 
 def orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:

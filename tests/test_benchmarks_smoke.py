@@ -1,5 +1,6 @@
 """Smoke test of the benchmark entry point: tiny sizes, a few steps, no timed assertions."""
 
+import json
 import os
 import subprocess
 import sys
@@ -15,7 +16,8 @@ def test_benchmarks_tiny_writes_every_table(tmp_path):
     # Less LLVM optimisation: compiles dominate a tiny run (timings are not checked).
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--tiny", "--no-torch", "--out", str(out)],
+        [sys.executable, "-m", "benchmarks", "--tiny", "--no-torch", "--out", str(out)]
+        + ["--json", str(tmp_path / "rows.json")],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -51,6 +53,11 @@ def test_benchmarks_tiny_writes_every_table(tmp_path):
     ):
         assert row in text, row
     assert "float32" in text and "float16" in text and "bfloat16" in text
+    assert "| page faults per step |" in text
+    # --json: the step rows of each section (what the caching-allocator child sends back).
+    dump = json.loads((tmp_path / "rows.json").read_text())
+    assert [d["model"] for d in dump] == ["MLP", "GPT", "MLP-undonated"]
+    assert all({"name", "ratio", "faults", "hlo"} <= set(r) for d in dump for r in d["rows"])
     assert "candidate" not in text
     # Every jamp step traces once in 20 steps, with no host transfer.
     jamp_rows = [
