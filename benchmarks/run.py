@@ -554,7 +554,9 @@ _WHY = {
     "step:jamp.loss_scaling": (
         "Optax form: the updates are written at the `cond` boundary and re-read by "
         "`optax.apply_updates` (not fused into Adam's pass), plus the check's read of the "
-        "gradients; XLA bytes accessed {bytes:.3f}x plain (FINDINGS 2)"
+        "gradients; XLA bytes accessed {bytes:.3f}x plain (FINDINGS 2); on a CPU each step "
+        "also page-faults through that larger temp arena (see the page-fault column and the "
+        "caching-allocator section; FINDINGS 11)"
     ),
     "step:jamp.loss_scaling(report_nonfinite=True)": (
         "as `jamp.loss_scaling`, plus: the host callback in the skip branch makes JAX drop its "
@@ -606,8 +608,11 @@ _WHY = {
         "1M elements: ~0.3 ms, dispatch and the per-leaf reductions' fixed cost dominate"
     ),
     "finite": (
-        "float32/bfloat16 at ~1 ms: the row is the same reduction as `read: sum f32` "
-        "(compare the two), so the gap is timing noise of a few short rounds (FINDINGS 1)"
+        "float32: on a CPU jamp sums large float32 leaves by a matrix-vector product, which "
+        "runs up to ~1.4x a plain sum in this table (the other checks' temporaries evict the "
+        "tree between calls) and several times faster than one inside a training step, where "
+        "XLA:CPU tiles the sums (FINDINGS 10); bfloat16 at ~1 ms: the same reduction as "
+        "`read: sum f32`, so the gap is timing noise of a few short rounds (FINDINGS 1)"
     ),
 }
 

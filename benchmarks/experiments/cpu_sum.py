@@ -2,6 +2,7 @@
 
 python -m benchmarks.experiments.cpu_sum [MLP|GPT] [rounds]
 python -m benchmarks.experiments.cpu_sum alone [elements]
+python -m benchmarks.experiments.cpu_sum table [elements]
 
 The same jamp.GradScaler.step and jamp.loss_scaling, traced with the landed
 ``_cpu_sum32`` (a product with a vector of 2**-40 for large float32 leaves) and
@@ -10,7 +11,9 @@ float32 ``reduce-window`` kernels over gradient-sized inputs XLA:CPU compiled
 (its tiled split of a large sum),
 then the step time, interleaved, as a ratio to plain. ``alone`` times
 ``jamp.all_finite`` on a float32 tree passed in as parameters (no tiling
-there), both ways, against a plain read, interleaved over 15 rounds.
+there), both ways, against a plain read, interleaved over 15 rounds. ``table``
+runs the benchmark's finite-check table (every check, shuffled) with an extra
+``jamp.all_finite, plain sums`` row.
 """
 
 import math
@@ -82,7 +85,27 @@ def alone(n: int) -> None:
         print(f"{k:40s} {np.median(v) * 1e3:.3f} ms")
 
 
+def table(n: int) -> None:
+    from benchmarks import run as bench
+
+    def plain_sums(tree):
+        fin._cpu_sum32 = fin._sum32  # while tracing
+        try:
+            return jamp.all_finite(tree)
+        finally:
+            fin._cpu_sum32 = landed
+
+    finite_checks.CHECKS["jamp.all_finite, plain sums"] = plain_sums
+    out = "/tmp/jamp_cpu_sum_table.md"
+    bench.main(["--models", "", "--no-torch", "--finite-sizes", str(n), "--out", out])
+    with open(out) as fh:
+        print("".join(line for line in fh if line.startswith(("| jamp.all_finite", "| read"))))
+
+
 if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "table":
+        table(int(float(sys.argv[2])) if len(sys.argv) > 2 else 10_000_000)
+        sys.exit()
     if len(sys.argv) > 1 and sys.argv[1] == "alone":
         alone(int(float(sys.argv[2])) if len(sys.argv) > 2 else 10_000_000)
         sys.exit()
