@@ -435,3 +435,18 @@ def test_other_platforms_get_the_plain_sum():
     bad = np.ones((256, 256), np.float32)
     bad[3, 4] = np.nan
     assert bool(both.call(x)) and not bool(both.call(jnp.asarray(bad)))
+
+
+@pytest.mark.parametrize("scale", [2.0**-1, 1.0, 2.0**10])
+@pytest.mark.parametrize("fill", [1e38, 2e38, 3e38])
+def test_large_leaves_unscaling_overflow_is_exact(scale, fill):
+    # Large float32 leaves (the CPU's matrix-vector sum) near float32's
+    # largest: with a scale below 1 only the exact pass can tell whether
+    # unscaling overflows; with a scale >= 1 it cannot.
+    x = np.full((128, 256), fill, np.float32)
+    x[::2] *= -1
+    with np.errstate(over="ignore"):
+        expected = bool(np.isfinite(x * np.float32(1 / scale)).all())
+    _, finite = jax.jit(jamp.unscale_and_check)(jamp.static_loss_scale(scale), jnp.asarray(x))
+    assert bool(finite) == expected
+    assert expected == (scale >= 1 or fill < 2e38)
