@@ -55,16 +55,12 @@ def match_varying(tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like)
 
 
-def cond_or_keep(
-    pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any], shapes: Any = None
-) -> Any:
+def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
     """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
 
-    ``keep`` is called with ``apply``'s output shapes; ``shapes`` is
-    ``jax.eval_shape(apply)``, when the caller has it already.
+    ``keep`` is called with ``apply``'s output shapes (``jax.eval_shape(apply)``).
     """
-    if shapes is None:
-        shapes = jax.eval_shape(apply)
+    shapes = jax.eval_shape(apply)
     return lax.cond(pred, apply, lambda: match_varying(keep(shapes), shapes))
 
 
