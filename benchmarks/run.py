@@ -336,18 +336,10 @@ def bench_finite(sizes, dtypes, rounds: int, log) -> list[dict]:
                 jf[k] = jax.jit(f)
                 jax.block_until_ready(jf[k](tree))
             ok = sound[jnp.dtype(dt).name]
-            times = {k: [] for k in jf}
-            names = list(jf)
             reps = 3
-            for order in timing.orders(names, rounds, seed=len(results)):
-                for k in order:
-                    jax.block_until_ready(
-                        jf[k](tree)
-                    )  # untimed: absorbs the predecessor's after-effects
-                    for _ in range(reps):
-                        t0 = time.perf_counter()
-                        jax.block_until_ready(jf[k](tree))
-                        times[k].append(time.perf_counter() - t0)
+            times = timing.time_calls(
+                jf, (tree,), rounds, reps=reps, seed=len(results), settle=True
+            )
             med = {k: timing.median(v) for k, v in times.items()}
             floor_name = min(finite_checks.READS, key=lambda k: med[k])
             # Per-round ratio to the floor read, median over rounds.

@@ -62,6 +62,31 @@ def interleave(runners: dict[str, Runner], rounds: int, per_round: int) -> None:
             runners[name].run(per_round)
 
 
+def time_calls(
+    fns: dict[str, Callable],
+    args: tuple,
+    rounds: int,
+    reps: int = 3,
+    seed: int = 0,
+    settle: bool = False,
+) -> dict[str, list[float]]:
+    """Wall seconds of ``reps`` calls of each ``fns[k](*args)`` per round, interleaved.
+
+    Each round runs the functions in a fresh seeded shuffle (``orders``); with
+    ``settle``, one untimed call first absorbs the predecessor's after-effects.
+    """
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for order in orders(list(fns), rounds, seed=seed):
+        for k in order:
+            if settle:
+                jax.block_until_ready(fns[k](*args))
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                jax.block_until_ready(fns[k](*args))
+                times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

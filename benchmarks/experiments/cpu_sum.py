@@ -19,7 +19,6 @@ runs the benchmark's finite-check table (every check, shuffled) with an extra
 import math
 import re
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -74,14 +73,7 @@ def alone(n: int) -> None:
         fin._cpu_sum32 = fin._sum32 if "plain sums" in name else landed
         jax.block_until_ready(f(tree))
     fin._cpu_sum32 = landed
-    times = {k: [] for k in checks}
-    for order in timing.orders(list(checks), 15):
-        for k in order:
-            for _ in range(3):
-                t = time.perf_counter()
-                jax.block_until_ready(checks[k](tree))
-                times[k].append(time.perf_counter() - t)
-    for k, v in times.items():
+    for k, v in timing.time_calls(checks, (tree,), 15).items():
         print(f"{k:40s} {np.median(v) * 1e3:.3f} ms")
 
 

@@ -3,12 +3,12 @@
 python -m benchmarks.experiments.f16_check
 """
 
-import time
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
+from benchmarks import timing
 
 x = jnp.asarray(np.random.default_rng(0).standard_normal(10_000_000).astype(np.float16))
 checks = {
@@ -22,11 +22,6 @@ checks = {
 jitted = {k: jax.jit(f) for k, f in checks.items()}
 for f in jitted.values():
     jax.block_until_ready(f(x))
-times: dict = {k: [] for k in jitted}
-for r in range(15):
-    for k in np.random.default_rng(r).permutation(list(jitted)):
-        t = time.perf_counter()
-        jax.block_until_ready(jitted[k](x))
-        times[k].append(time.perf_counter() - t)
+times = timing.time_calls(jitted, (x,), 15, reps=1)
 for k in jitted:
     print(f"{k:30s} {np.median(times[k]) * 1e3:.2f} ms")
