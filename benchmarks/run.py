@@ -609,6 +609,16 @@ _WHY = {
 }
 
 
+def _judge(ratio: float, limit: float, best_peer: float) -> tuple[bool, bool, str]:
+    """Whether a step ratio is over ``limit``, not ahead of the best peer, and by how much."""
+    over, behind = ratio > limit, ratio >= best_peer
+    miss = "; ".join(
+        ([f"+{ratio - limit:.3f} over {limit}x"] if over else [])
+        + ([f"{ratio - best_peer:+.3f} vs best peer"] if behind else [])
+    )
+    return over, behind, miss
+
+
 def _targets(step_results, finite_res, guard: int) -> list[str]:
     out = [
         "| target | measured | met | miss by | why (when missed) |",
@@ -633,14 +643,10 @@ def _targets(step_results, finite_res, guard: int) -> list[str]:
         peers = [r for r in rows if not r["name"].startswith(("plain", "jamp"))]
         best_peer = min((r["ratio"] for r in peers), default=float("nan"))
         jamps = [n for n in by if n.startswith("jamp")]
+        L = lim.get(model.name, 1.03)
         for name in [] if undonated else jamps:
             r = by[name]
-            L = lim.get(model.name, 1.03)
-            over, behind = r["ratio"] > L, r["ratio"] >= best_peer
-            miss = "; ".join(
-                ([f"+{r['ratio'] - L:.3f} over {L}x"] if over else [])
-                + ([f"{r['ratio'] - best_peer:+.3f} vs best peer"] if behind else [])
-            )
+            over, behind, miss = _judge(r["ratio"], L, best_peer)
             bp = min(peers, key=lambda p: p["ratio"]) if peers else None
             peer_why = ""
             if behind and bp is not None:
@@ -665,17 +671,13 @@ def _targets(step_results, finite_res, guard: int) -> list[str]:
         forms = [by[n] for n in jamps if "report" not in n]
         if forms:
             best = min(forms, key=lambda r: r["ratio"])
-            L = lim.get(model.name, 1.03)
-            over, behind = best["ratio"] > L, best["ratio"] >= best_peer
+            over, behind, miss = _judge(best["ratio"], L, best_peer)
             row(
                 f"{model.name}: jamp's fastest form <= {L}x plain and ahead of every peer "
                 f"(best peer {_fmt(best_peer)}x)",
                 f"`{best['name']}` {_fmt(best['ratio'])}x (CPU {_fmt(best['cpu_ratio'])}x)",
                 not over and not behind,
-                "; ".join(
-                    ([f"+{best['ratio'] - L:.3f} over {L}x"] if over else [])
-                    + ([f"{best['ratio'] - best_peer:+.3f} vs best peer"] if behind else [])
-                ),
+                miss,
                 (
                     f"without donation: XLA bytes accessed {best['bytes_ratio']:.3f}x plain (the "
                     "check's read of the gradients, and the select's pass over the state)"
@@ -825,13 +827,16 @@ def main(argv: list[str] | None = None) -> str:
             return vs
         return {k: v for i, (k, v) in enumerate(vs.items()) if i == 0 or k in cfg["gpt"]}
 
-    def run_model(model: models.Model, vs: dict, donate: bool = True) -> None:
-        step_results.append((model, bench_steps(model, vs, cfg, log, donate=donate)))
-        for r in step_results[-1][1]:
+    def add_rows(model: models.Model, rows: list[dict]) -> None:
+        step_results.append((model, rows))
+        for r in rows:
             log(
                 f"    {r['name']:55s} {r['ms']:8.1f} ms  x{r['ratio']:.3f}"
                 f"  cpu x{r['cpu_ratio']:.3f}"
             )
+
+    def run_model(model: models.Model, vs: dict, donate: bool = True) -> None:
+        add_rows(model, bench_steps(model, vs, cfg, log, donate=donate))
 
     for name in names:
         model = builders[name]()
@@ -859,9 +864,7 @@ def main(argv: list[str] | None = None) -> str:
                 describe=model.describe + ", under a caching allocator (jemalloc, freed memory "
                 "kept)",
             )
-            step_results.append((model, rows))
-            for r in rows:
-                log(f"    {r['name']:55s} {r['ms']:8.1f} ms  x{r['ratio']:.3f}")
+            add_rows(model, rows)
     if args.half_speedup:
         base = builders["GPT"]() if tiny else models.gpt()
         half = {}
