@@ -175,71 +175,135 @@ def test_unscale_and_check_disabled_still_checks():
     assert not bool(finite)
 
 
-def test_clean_path_is_one_sum_per_leaf():
-    # Outside the fallback branch: one float32 sum per leaf, no per-element
-    # is-finite (which would write a boolean array) and no unscaled copy.
-    state = jamp.dynamic_loss_scale()
-    g = {"a": jnp.ones((256, 256)), "b": jnp.ones((1000,), jnp.bfloat16)}
-    jaxpr = jax.make_jaxpr(check_unscaled)(state, g).jaxpr
-    # The platform switch (the one-read check, in its CPU form and the others')
-    # is the first cond; the exact fallback is the other.
+def _cpu_jaxpr(fn, *args):
+    """The CPU branch of the platform switch in ``fn``'s jaxpr, and the other one."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
     prims = [e.primitive.name for e in jaxpr.eqns]
-    assert prims.count("platform_index") == 1 and prims.count("cond") == 2, prims
-    for e in jaxpr.eqns:
-        if e.primitive.name in ("is_finite", "mul"):
+    assert prims.count("platform_index") == 1 and prims.count("cond") == 1, prims
+    (switch,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    return [b.jaxpr for b in switch.params["branches"]]
+
+
+def test_clean_path_reads_each_leaf_once():
+    # Outside the exact branch: no unscaled copy, and no per-element flags but
+    # those of float16 leaves. On a CPU, one product per large float32 leaf,
+    # one vector for the small leaves and rows, one sum for the other leaves.
+    state = jamp.dynamic_loss_scale()
+    g = {
+        "rows": jnp.ones((256, 256)),
+        "small": jnp.ones((1000,), jnp.bfloat16),
+        "other": jnp.ones((100_000, 3)),
+        "half": jnp.ones((200, 200), jnp.float16),
+    }
+    cpu, other = _cpu_jaxpr(check_unscaled, state, g)
+    top = [e.primitive.name for e in cpu.eqns]
+    # On a CPU the check waits for every gradient first.
+    assert top[0] == "optimization_barrier" and top.count("dot_general") == 1, top
+    assert top.count("concatenate") == 1 and top.count("reduce_sum") == 1, top
+    for e in cpu.eqns:
+        if e.primitive.name == "is_finite":
+            (v,) = e.invars
+            # the scalar sum, the vector of 256 rows and 1000 small values, float16 flags
+            assert v.aval.shape in ((), (1256,), (200, 200)), v.aval
+        if e.primitive.name == "mul":
             assert all(v.aval.ndim == 0 for v in e.invars), e
-    switch, cond = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
-    cpu, other = [[x.primitive.name for x in b.jaxpr.eqns] for b in switch.params["branches"]]
-    # On a CPU the check waits for every gradient, and the large float32 leaf
-    # is summed by a matrix-vector product; elsewhere, one sum per leaf.
-    assert cpu[0] == "optimization_barrier" and cpu.count("dot_general") == 1, cpu
-    assert cpu.count("reduce_sum") == 2 and "is_finite" in cpu, cpu
-    assert "dot_general" not in other and other.count("reduce_sum") == 2, other
-    for branch in (cpu, other):
-        assert branch.count("is_finite") == 1  # of the scalar total
+    (cond,) = [e for e in cpu.eqns if e.primitive.name == "cond"]
     exact = [x.primitive.name for b in cond.params["branches"] for x in b.jaxpr.eqns]
-    assert "is_finite" in exact and "mul" in exact  # the exact pass, on unscaled values
+    # the exact branch: max |x| of the large float32 and float16 leaves, unscaled
+    # small values and other leaves checked element by element
+    assert exact.count("abs") == 2 and "is_finite" in exact and "mul" in exact, exact
+    prims = [e.primitive.name for e in other.eqns]
+    assert "dot_general" not in prims and prims.count("reduce_sum") == 3, prims
+    for e in other.eqns:
+        if e.primitive.name == "is_finite":
+            assert e.invars[0].aval.shape in ((), (200, 200)), e
 
 
-def _cpu_fast(*leaves):
-    return jax.jit(functools.partial(fin._fast, cpu=True))(*leaves)
+def test_cpu_leaf_kinds():
+    kind = lambda shape, dtype=jnp.float32: fin._cpu_kind(jax.ShapeDtypeStruct(shape, dtype))  # noqa: E731
+    assert kind((127, 128)) == kind((10,), jnp.complex64) == kind((), jnp.float16) == "small"
+    assert kind((128, 128)) == kind((100_003,)) == kind((4, 2**23)) == "rows"
+    assert kind((100_000, 3)) == kind((2, 2**23 + 1)) == kind((256, 256), jnp.bfloat16) == "other"
+    assert kind((256, 256), jnp.complex64) == "other"
+    assert kind((128, 128), jnp.float16) == "half"
 
 
-@pytest.mark.parametrize("shape", [(128, 128), (3, 40, 1024), (100_003,), (784, 2048)])
+def _cpu_all_finite(*leaves):
+    return jax.jit(functools.partial(fin._cpu_finite, has_inv=False))(*leaves)
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (3, 40, 1024), (100_003,), (784, 2048), (5000,)])
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
-def test_cpu_matrix_vector_sum_is_exact(shape, bad):
-    # The CPU form of the one-read check is exact for float32 leaves large
-    # enough to be summed by a matrix-vector product: any inf or NaN, first,
-    # middle or last, is found, and finite values up to float32's largest
-    # never overflow the weighted sum (so the fallback is not needed).
-    assert fin._cpu_sum32(jnp.ones(shape)).shape == ()
+def test_cpu_check_is_exact_in_one_read(shape, bad):
+    # For large float32 leaves (the product's rows) and small ones (gathered),
+    # the CPU's one read is exact: any inf or NaN, first, middle or last, is
+    # found, and finite values up to float32's largest never overflow, so
+    # all_finite needs no exact branch at all.
+    (cpu, _) = _cpu_jaxpr(jamp.all_finite, jnp.ones(shape))
+    assert "cond" not in [e.primitive.name for e in cpu.eqns]
     big = np.full(shape, np.finfo(np.float32).max, np.float32)
     big.reshape(-1)[::2] *= -1
-    assert bool(_cpu_fast(jnp.asarray(big)))
-    assert bool(_cpu_fast(jnp.asarray(np.abs(big))))
-    assert not bool(_cpu_fast(jnp.asarray(big), jnp.full((10,), np.nan)))
+    assert bool(_cpu_all_finite(jnp.asarray(big)))
+    assert bool(_cpu_all_finite(jnp.asarray(np.abs(big)), jnp.ones(7)))
+    assert not bool(_cpu_all_finite(jnp.asarray(big), jnp.full((10,), np.nan)))
     n = int(np.prod(shape))
     for where in (0, n // 2 + 1, n - 1):
         x = np.ones(shape, np.float32)
         x.reshape(-1)[where] = bad
-        assert not bool(_cpu_fast(jnp.asarray(x))), where
+        assert not bool(_cpu_all_finite(jnp.asarray(x))), where
+        assert not bool(_cpu_all_finite(jnp.ones(3), jnp.asarray(x))), where
         assert not bool(jax.jit(jamp.all_finite)({"x": jnp.asarray(x)}))
         assert not bool(fin._fast(jnp.asarray(x)))  # the other platforms' form
     assert bool(jax.jit(jamp.all_finite)(jnp.ones(shape)))
 
 
-def test_cpu_matrix_vector_sum_only_where_it_pays():
-    # Small leaves, narrow last dimensions and other dtypes keep the plain sum.
-    for x in (
-        jnp.ones((127, 128)),
-        jnp.ones((100_000, 3)),
-        jnp.ones((256, 256), jnp.bfloat16),
-        jnp.ones((256, 256), jnp.complex64),
-    ):
-        prims = [e.primitive.name for e in jax.make_jaxpr(fin._cpu_sum32)(x).jaxpr.eqns]
-        assert "dot_general" not in prims, (x.shape, x.dtype)
-    prims = [e.primitive.name for e in jax.make_jaxpr(fin._cpu_sum32)(jnp.ones((128, 128))).eqns]
-    assert "dot_general" in prims
+def test_cpu_rows_at_their_longest_cannot_overflow():
+    # A row of 2**23 float32 maxima: the weighted sum stays far from overflow.
+    x = jnp.full((1, 2**23), np.finfo(np.float32).max)
+    assert bool(_cpu_all_finite(x))
+    assert not bool(_cpu_all_finite(x.at[0, -1].set(jnp.inf)))
+
+
+# One leaf of each kind the CPU check sorts leaves into, and the values that
+# overflow once unscaled at a scale of 2**-10.
+_KINDS = {
+    "rows": ((64, 512), np.float32, 3e38),
+    "small32": ((30,), np.float32, 3e38),
+    "small16": ((3, 5), np.float16, 60000.0),
+    "smallbf16": ((7,), ml_dtypes.bfloat16, 3e38),
+    "smallc64": ((4,), np.complex64, 3e38),
+    "half": ((200, 100), np.float16, 60000.0),
+    "narrow": ((20_000, 2), np.float32, 3e38),
+    "bigbf16": ((128, 128), ml_dtypes.bfloat16, 3e38),
+}
+
+
+@pytest.mark.parametrize("scale", [2.0**-10, 1.0, 2.0**10])
+@pytest.mark.parametrize("hit", list(_KINDS))
+@pytest.mark.parametrize("bad", ["big", np.inf, np.nan])
+def test_check_is_exact_on_every_kind_of_leaf(scale, hit, bad):
+    rng = np.random.default_rng(0)
+    leaves = {k: rng.normal(size=s).astype(d) for k, (s, d, _) in _KINDS.items()}
+    shape, _, big = _KINDS[hit]
+    x = leaves[hit]
+    x.reshape(-1)[int(np.prod(shape)) // 2] = big if bad == "big" else bad
+    state = jamp.static_loss_scale(scale)
+
+    def expected():
+        with np.errstate(over="ignore", invalid="ignore"):
+            inv = np.float32(1 / scale)
+            return all(
+                np.isfinite(
+                    v * inv
+                    if v.dtype == np.complex64
+                    else (v.astype(np.float32) * inv).astype(v.dtype)
+                ).all()
+                for v in leaves.values()
+            )
+
+    tree = {k: jnp.asarray(v) for k, v in leaves.items()}
+    assert bool(jax.jit(check_unscaled)(state, tree)) == expected()
+    assert bool(jax.jit(jamp.all_finite)(tree)) == (bad == "big")
 
 
 @pytest.mark.parametrize("scale", [2.0**-10, 1.0, 2.0**10])

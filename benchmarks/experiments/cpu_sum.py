@@ -5,8 +5,9 @@ python -m benchmarks.experiments.cpu_sum alone [elements]
 python -m benchmarks.experiments.cpu_sum table [elements]
 
 The same jamp.GradScaler.step and jamp.loss_scaling, traced with the landed
-``_cpu_sum32`` (a product with a vector of 2**-40 for large float32 leaves) and
-with it patched to a plain float32 sum per leaf; for each, how many
+``_rows`` (a product with a vector of 2**-40 for large float32 leaves) and
+with it patched to a plain float32 sum per leaf (not exact: an experiment
+only); for each, how many
 float32 ``reduce-window`` kernels over gradient-sized inputs XLA:CPU compiled
 (its tiled split of a large sum),
 then the step time, interleaved, as a ratio to plain. ``alone`` times
@@ -29,7 +30,12 @@ from benchmarks import finite_checks, models, steps, timing
 from benchmarks.experiments.step_variants import run
 from jamp._src import finite as fin
 
-landed = fin._cpu_sum32
+landed = fin._rows
+
+
+def plain_sum(x):
+    """A large leaf's plain float32 sum, as a one-element part of the gathered vector."""
+    return jnp.sum(x, dtype=jnp.float32)[None]
 
 
 def tiled_float_sums(hlo_text: str) -> int:
@@ -43,18 +49,18 @@ def tiled_float_sums(hlo_text: str) -> int:
     return n
 
 
-def traced_with(build, cpu_sum32):
-    """``build`` with ``fin._cpu_sum32`` replaced while its step is traced."""
+def traced_with(build, rows):
+    """``build`` with ``fin._rows`` replaced while its step is traced."""
 
     def b(model):
         state, step = build(model)
 
         def patched(s, batch):
-            fin._cpu_sum32 = cpu_sum32
+            fin._rows = rows
             try:
                 return step(s, batch)
             finally:
-                fin._cpu_sum32 = landed
+                fin._rows = landed
 
         return state, patched
 
@@ -70,9 +76,9 @@ def alone(n: int) -> None:
         "read: a sum per leaf": jax.jit(lambda t: [jnp.sum(x) for x in jax.tree.leaves(t)]),
     }
     for name, f in checks.items():  # compile each now, the second with plain sums
-        fin._cpu_sum32 = fin._sum32 if "plain sums" in name else landed
+        fin._rows = plain_sum if "plain sums" in name else landed
         jax.block_until_ready(f(tree))
-    fin._cpu_sum32 = landed
+    fin._rows = landed
     for k, v in timing.time_calls(checks, (tree,), 15).items():
         print(f"{k:40s} {np.median(v) * 1e3:.3f} ms")
 
@@ -81,11 +87,11 @@ def table(n: int) -> None:
     from benchmarks import run as bench
 
     def plain_sums(tree):
-        fin._cpu_sum32 = fin._sum32  # while tracing
+        fin._rows = plain_sum  # while tracing
         try:
             return jamp.all_finite(tree)
         finally:
-            fin._cpu_sum32 = landed
+            fin._rows = landed
 
     finite_checks.CHECKS["jamp.all_finite, plain sums"] = plain_sums
     out = "/tmp/jamp_cpu_sum_table.md"
@@ -104,9 +110,9 @@ if __name__ == "__main__":
     m = {"MLP": models.mlp, "GPT": models.gpt}[sys.argv[1] if len(sys.argv) > 1 else "MLP"]()
     variants = {
         "plain": steps.plain,
-        "GradScaler.step, plain sums": traced_with(steps.jamp_grad_scaler, fin._sum32),
+        "GradScaler.step, plain sums": traced_with(steps.jamp_grad_scaler, plain_sum),
         "GradScaler.step, matrix-vector (landed)": steps.jamp_grad_scaler,
-        "loss_scaling, plain sums": traced_with(steps.jamp_loss_scaling, fin._sum32),
+        "loss_scaling, plain sums": traced_with(steps.jamp_loss_scaling, plain_sum),
         "loss_scaling, matrix-vector (landed)": steps.jamp_loss_scaling,
     }
     for name, build in variants.items():

@@ -1,22 +1,26 @@
 """Finite checks fused into the step, and tree selection.
 
-The check reads each gradient once, with the cheapest full reduction XLA has:
-a float32 sum per leaf. A finite total proves every element finite (an inf or
-NaN anywhere makes any sum inf or NaN), and when the loss scale is >= 1,
-unscaling cannot overflow, so the *unscaled* gradients are finite too. Only
-when that fast path fails (a real overflow, a finite sum too large for
-float32, or a scale below 1) does an exact ``all(isfinite)`` pass run, under a
-``lax.cond``, so a clean step pays for one read. A ``max|x|`` check would be
-no cheaper and drops NaN on XLA's CPU backend; ``all(isfinite(x))`` writes a
-boolean array per leaf on the CPU and costs 2-6x the sum
-(``benchmarks/FINDINGS.md``), except for float16 leaves: a CPU without float16
-arithmetic converts every element for the sum, so they take the exact check
-on the fast path too.
+The check reads each gradient once. On GPUs and TPUs that read is the
+cheapest full reduction XLA has, a float32 sum per leaf: a finite total
+proves every element finite (an inf or NaN anywhere makes any sum inf or
+NaN), and when the loss scale is >= 1, unscaling cannot overflow, so the
+*unscaled* gradients are finite too. Only when that fast path fails (a real
+overflow, a finite sum too large for float32, or a scale below 1) does an
+exact ``all(isfinite)`` pass run, under a ``lax.cond``, so a clean step pays
+for one read. A ``max|x|`` check would be no cheaper and drops NaN on XLA's
+CPU backend; ``all(isfinite(x))`` writes a boolean array per leaf on the CPU
+and costs 2-6x the sum (``benchmarks/FINDINGS.md``), except for float16
+leaves: a CPU without float16 arithmetic converts every element for the sum,
+so they take the exact check on the fast path too.
 
-On a CPU, the sum of a large float32 leaf is a matrix-vector product with a
-vector of ``2**-40`` (``_cpu_sum32``): XLA:CPU tiles a large sum of a gradient
-into slow ``reduce-window`` kernels, and the weighted product cannot overflow,
-so it is exact on its own.
+On a CPU (``_cpu_finite``) the one read is exact for almost every leaf: a
+large float32 leaf is reduced to weighted row sums by a matrix-vector product
+(``_rows``), which cannot overflow, and the rows and the small leaves are
+checked element by element as one short vector. XLA:CPU tiles a large sum of
+a gradient into slow ``reduce-window`` kernels and compiles every kernel at a
+near-fixed cost; this form has no tiled sums and few kernels. Its exact
+branch is left with the scale below 1, where ``max|x|`` of each large leaf
+says whether unscaling overflows.
 """
 
 from __future__ import annotations
@@ -51,35 +55,80 @@ def _sum32(x: jax.Array) -> jax.Array:
     return jnp.sum(x, dtype=jnp.float32)
 
 
-# A float32 leaf of at least this many elements, and at least this many in its
-# last dimension, is summed by a matrix-vector product on a CPU (_cpu_sum32).
-_DOT_MIN_SIZE = 2**14
-_DOT_MIN_COLS = 32
-# The vector's entries: finite float32 values times 2**-40 cannot overflow a
-# float32 sum of fewer than 2**40 elements, so only an inf or NaN makes the
-# product non-finite. (A power of two: the products are the values, exactly,
-# bar underflow to zero, which cannot hide an inf or NaN.)
+# The CPU check (_cpu_finite) sorts leaves by size, dtype and shape:
+# - "small" leaves (fewer than _SMALL elements, of a dtype in _GATHERED) are
+#   gathered into one vector per dtype;
+# - "rows": float32 leaves of at least _SMALL elements whose last dimension is
+#   within [_ROWS_MIN_COLS, _ROWS_MAX_COLS] are reduced to one weighted sum per
+#   row by a matrix-vector product (_rows);
+# - "half": other float16 leaves, whose non-finite flags are reduced (_exact);
+# - "other": the rest (bfloat16, narrow float32, complex, float64 ...), summed.
+_SMALL = 2**14
+_ROWS_MIN_COLS = 32
+_ROWS_MAX_COLS = 2**23
+_GATHERED = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
+# The product's weights: finite float32 values times 2**-40 cannot overflow a
+# row's sum of at most 2**23 of them, whatever the order of the additions
+# (their rounding grows the sum by less than 2x), so only an inf or NaN in the
+# row makes its sum non-finite. A power of two: the products are the values,
+# exactly, bar underflow to zero, which cannot hide an inf or NaN.
 _DOT_WEIGHT = 2.0**-40
 
 
-def _cpu_sum32(x: jax.Array) -> jax.Array:
-    """On XLA:CPU, the sum of a large float32 leaf through a matrix-vector product.
+def _cpu_kind(x: jax.Array) -> str:
+    if x.size < _SMALL and x.dtype in _GATHERED:
+        return "small"
+    if x.dtype == jnp.float32 and _ROWS_MIN_COLS <= x.shape[-1] <= _ROWS_MAX_COLS:
+        return "rows"
+    return "half" if x.dtype == jnp.float16 else "other"
+
+
+def _rows(x: jax.Array) -> jax.Array:
+    """One float32 per row of ``x``: non-finite exactly where the row holds an inf or NaN.
 
     XLA:CPU splits a large sum of a computed value (a gradient) into 32x32
     ``reduce-window`` tiles that read memory across rows, several times slower
     than the same sum of a parameter: most of what a loss-scaled MLP step cost
     over a plain one. A product with a vector of ``2**-40`` over the last
     dimension reads the leaf once in the library's matrix kernels on every
-    core (``benchmarks/FINDINGS.md``, section 10), and it is non-finite
-    exactly when the leaf holds an inf or NaN. Contracting the last dimension
-    without a reshape keeps a sharded leaf where it is.
+    core (``benchmarks/FINDINGS.md``, section 10), and compiles to no kernel of
+    its own. Contracting the last dimension without a reshape keeps a sharded
+    leaf where it is.
     """
-    if x.dtype != jnp.float32 or x.size < _DOT_MIN_SIZE or x.shape[-1] < _DOT_MIN_COLS:
-        return _sum32(x)
     weights = jnp.full((x.shape[-1],), _DOT_WEIGHT, jnp.float32)
     # HIGHEST: a user's jax_default_matmul_precision must not round the values.
     dims = (((x.ndim - 1,), (0,)), ((), ()))
-    return jnp.sum(lax.dot_general(x, weights, dims, precision=lax.Precision.HIGHEST))
+    return jnp.ravel(lax.dot_general(x, weights, dims, precision=lax.Precision.HIGHEST))
+
+
+def _gathered(leaves: list[jax.Array], fn: Any) -> list[jax.Array]:
+    """Small leaves as float32 vectors, one per dtype (two for complex), after ``fn``.
+
+    ``fn`` (elementwise) runs once per dtype on the concatenated leaves, so
+    the unscaled values round exactly as each leaf's own would.
+    """
+    parts = []
+    for dtype in sorted({x.dtype for x in leaves}, key=str):
+        v = fn(jnp.concatenate([jnp.ravel(x) for x in leaves if x.dtype == dtype]))
+        if jnp.issubdtype(dtype, jnp.complexfloating):
+            parts += [jnp.real(v), jnp.imag(v)]
+        else:
+            parts.append(v.astype(jnp.float32))
+    return parts
+
+
+def _none_bad(parts: list[jax.Array]) -> jax.Array:
+    """Whether every element of the float32 vectors ``parts`` is finite: one reduction.
+
+    The barrier keeps XLA from splitting the reduction of the concatenation
+    back into one per part; each part costs a compiled kernel (about 7 ms of
+    compile on XLA:CPU, ``benchmarks/FINDINGS.md``, section 12). The vector
+    holds one element per small-leaf element or large-leaf row: kilobytes.
+    """
+    if not parts:
+        return jnp.asarray(True)
+    (vector,) = lax.optimization_barrier((jnp.concatenate(parts),))
+    return jnp.max(jnp.logical_not(jnp.isfinite(vector)).astype(jnp.uint8), initial=0) == 0
 
 
 def _exact(leaves: list[jax.Array]) -> jax.Array:
@@ -91,7 +140,19 @@ def _exact(leaves: list[jax.Array]) -> jax.Array:
     (``benchmarks/FINDINGS.md``, section 10).
     """
     flags = [jnp.max(jnp.logical_not(jnp.isfinite(x)).astype(jnp.uint8), initial=0) for x in leaves]
-    return functools.reduce(jnp.maximum, flags) == 0
+    return functools.reduce(jnp.maximum, flags, jnp.uint8(0)) == 0
+
+
+def _unscaled_max_finite(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
+    """Whether unscaling the finite real ``leaves`` by ``inv`` leaves them finite.
+
+    Unscaling is monotone and odd, so each leaf's largest magnitude overflows
+    first, if any value does. XLA:CPU reads a leaf for ``max(|x|)`` where it
+    lies, in one library kernel, without the gradient-sized temporary an
+    elementwise pass writes.
+    """
+    ok = [jnp.isfinite(ls._unscale_leaf(jnp.max(jnp.abs(x)), inv)) for x in leaves]
+    return functools.reduce(jnp.logical_and, ok, jnp.asarray(True))
 
 
 def _after_all(leaves: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
@@ -105,35 +166,69 @@ def _after_all(leaves: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     return lax.optimization_barrier(leaves)
 
 
-def _fast(*leaves: jax.Array, cpu: bool = False) -> jax.Array:
-    """Whether the one-read check finds every leaf finite.
+def _cpu_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
+    """The CPU check: exact from one read for all but "other" leaves.
+
+    The rows of large float32 leaves (``_rows``), the small leaves and the
+    float16 leaves' flags say exactly whether the leaves hold an inf or NaN;
+    only "other" leaves are summed, so only their sum can overflow from finite
+    values. XLA:CPU compiles each kernel in the check at a near-fixed cost,
+    so the check's kernels are few: a product per large leaf (none compiled),
+    one reduction over every small leaf and row, one per float16 or other
+    leaf. The exact branch runs when the sum of "other" leaves is not finite,
+    when the leaves are not, or when unscaling by ``inv > 1`` could overflow.
+    """
+    leaves, inv = (args[:-1], args[-1]) if has_inv else (args, None)
+    leaves = _after_all(leaves)
+    kinds = [_cpu_kind(x) for x in leaves]
+    small, rows, half, other = (
+        [x for x, k in zip(leaves, kinds, strict=True) if k == kind]
+        for kind in ("small", "rows", "half", "other")
+    )
+    raw = _none_bad([_rows(x) for x in rows] + _gathered(small, lambda v: v)) & _exact(half)
+    if inv is None and not other:
+        return raw
+    fast = raw
+    if other:
+        fast = fast & jnp.isfinite(functools.reduce(jnp.add, [_sum32(x) for x in other]))
+    if inv is None:
+        return lax.cond(fast, lambda: fast, lambda: raw & _exact(other))
+    fast = fast & (inv <= 1)
+
+    def exact() -> jax.Array:
+        unscale = lambda x: ls._unscale_leaf(x, inv)  # noqa: E731
+        return (
+            raw
+            & _none_bad(_gathered(small, unscale))
+            & _unscaled_max_finite(rows + half, inv)
+            & _exact([unscale(x) for x in other])
+        )
+
+    return lax.cond(fast, lambda: fast, exact)
+
+
+def _fast(*leaves: jax.Array) -> jax.Array:
+    """Whether the one-read check finds every leaf finite (platforms other than CPU).
 
     A finite float32 total proves every element finite; float16 leaves are
     checked exactly here too: on a CPU without float16 arithmetic, converting
     every element for a float32 sum costs 2-3x more than ``all(isfinite)``
     (``benchmarks/FINDINGS.md``, section 6).
-
-    On a CPU (``cpu=True``) the check waits for every leaf (``_after_all``)
-    and sums large float32 leaves with ``_cpu_sum32``.
     """
-    if cpu:
-        leaves = _after_all(leaves)
     half = [x for x in leaves if x.dtype == jnp.float16]
     rest = [x for x in leaves if x.dtype != jnp.float16]
     fast = jnp.asarray(True)
     if rest:
-        sum32 = _cpu_sum32 if cpu else _sum32
-        fast = jnp.isfinite(functools.reduce(jnp.add, [sum32(x) for x in rest]))
+        fast = jnp.isfinite(functools.reduce(jnp.add, [_sum32(x) for x in rest]))
     if half:
         fast = fast & _exact(half)
     return fast
 
 
-def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
-    """Whether every leaf (times ``inv``, when given) is finite."""
-    if not leaves:
-        return jnp.asarray(True)
-    fast = lax.platform_dependent(*leaves, cpu=functools.partial(_fast, cpu=True), default=_fast)
+def _default_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
+    """The check on other platforms: a float32 sum per leaf, and an exact branch."""
+    leaves, inv = (list(args[:-1]), args[-1]) if has_inv else (list(args), None)
+    fast = _fast(*leaves)
     if inv is None:
         leaves_to_check = lambda: leaves  # noqa: E731
     else:
@@ -143,6 +238,19 @@ def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
     # Both branches derive from the same leaves, so under shard_map they vary
     # over the same axes.
     return lax.cond(fast, lambda: fast, lambda: _exact(leaves_to_check()))
+
+
+def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
+    """Whether every leaf (times ``inv``, when given) is finite."""
+    if not leaves:
+        return jnp.asarray(True)
+    has_inv = inv is not None
+    args = (*leaves, inv) if has_inv else tuple(leaves)
+    return lax.platform_dependent(
+        *args,
+        cpu=functools.partial(_cpu_finite, has_inv=has_inv),
+        default=functools.partial(_default_finite, has_inv=has_inv),
+    )
 
 
 def _agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
