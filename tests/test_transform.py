@@ -84,6 +84,23 @@ def test_nonfinite_step_is_skipped_and_inner_state_frozen(wrap, bad, skip):
     assert any(np.any(np.asarray(x)) for x in jax.tree_util.tree_leaves(u))
 
 
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_skipped_updates_are_zeros_of_the_inner_updates_dtype(skip):
+    # An inner transformation whose updates differ in dtype from the
+    # gradients: a skipped step still returns zeros, typed like its updates.
+    to_half = optax.GradientTransformation(
+        lambda p: optax.EmptyState(),
+        lambda u, s, p=None: (jax.tree_util.tree_map(lambda g: g.astype(jnp.float16), u), s),
+    )
+    tx = jamp.loss_scaling(optax.chain(optax.sgd(0.1), to_half), skip=skip)
+    p = {"w": jnp.ones((3,))}
+    state = tx.init(p)
+    u, _ = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan, 2.0])}, state, p)
+    assert u["w"].dtype == jnp.float16 and not np.any(np.asarray(u["w"]))
+    u, _ = jax.jit(tx.update)({"w": jnp.ones((3,))}, state, p)
+    assert u["w"].dtype == jnp.float16 and np.all(np.asarray(u["w"]) != 0)
+
+
 @pytest.mark.standard_promotion
 @pytest.mark.parametrize("skip", ["cond", "select"])
 def test_updates_equal_plain_optimizer_on_unscaled_grads(skip):

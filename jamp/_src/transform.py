@@ -101,6 +101,16 @@ def _zeros(shapes: Any) -> Any:
     return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
+def _same_or_zeros(tree: Any, shapes: Any) -> Any:
+    """``tree`` where it matches ``shapes`` leaf for leaf, else zeros of ``shapes``."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(shapes) and all(
+        getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype
+        for a, b in zip(leaves, jax.tree_util.tree_leaves(shapes), strict=True)
+    )
+    return tree if same else _zeros(shapes)
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: ls.LossScaleState | None = None,
@@ -200,9 +210,18 @@ def loss_scaling(
             return inner.update(grads, state.inner_state, params, **extra_args)
 
         def keep(shapes: Any) -> tuple[Any, Any]:
-            return _zeros(shapes[0]), state.inner_state
+            if skip == "select":
+                return _zeros(shapes[0]), state.inner_state
+            # Zeroed below, where the select fuses into the caller's
+            # apply_updates: zeros made here would cost a compiled kernel per
+            # leaf, and the branch's output a second gradient-sized buffer.
+            return _same_or_zeros(updates, shapes[0]), state.inner_state
 
         new_updates, new_inner = apply_or_keep(finite, apply, keep, skip=skip)
+        if skip == "cond":
+            new_updates = jax.tree_util.tree_map(
+                lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)), new_updates
+            )
         if report_nonfinite:
             # Counted only on skipped steps, on the unscaled values, a chunk at
             # a time (no unscaled copy of the gradients).
