@@ -143,15 +143,26 @@ def _exact(leaves: list[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.maximum, flags, jnp.uint8(0)) == 0
 
 
+def _extremes(x: jax.Array) -> list[jax.Array]:
+    """The values of ``x`` whose unscaling overflows first: ``max(|x|)``, or its max and min.
+
+    XLA:CPU reads a float32 leaf for ``max(|x|)`` where it lies, in one
+    library kernel, with no temporary. For float16 it would write ``|x|``
+    first, so a float16 leaf takes its max and its min: two kernels, no
+    temporary.
+    """
+    if x.dtype == jnp.float32:
+        return [jnp.max(jnp.abs(x))]
+    return [jnp.max(x), jnp.min(x)]
+
+
 def _unscaled_max_finite(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
     """Whether unscaling the finite real ``leaves`` by ``inv`` leaves them finite.
 
     Unscaling is monotone and odd, so each leaf's largest magnitude overflows
-    first, if any value does. XLA:CPU reads a leaf for ``max(|x|)`` where it
-    lies, in one library kernel, without the gradient-sized temporary an
-    elementwise pass writes.
+    first, if any value does; no elementwise pass over the leaf is needed.
     """
-    ok = [jnp.isfinite(ls._unscale_leaf(jnp.max(jnp.abs(x)), inv)) for x in leaves]
+    ok = [jnp.isfinite(ls._unscale_leaf(v, inv)) for x in leaves for v in _extremes(x)]
     return functools.reduce(jnp.logical_and, ok, jnp.asarray(True))
 
 
