@@ -547,8 +547,8 @@ _WHY = {
         "Optax form: the updates are written at the `cond` boundary and re-read by "
         "`optax.apply_updates` (not fused into Adam's pass), plus the check's read of the "
         "gradients; XLA bytes accessed {bytes:.3f}x plain (FINDINGS 2); on a CPU each step "
-        "also page-faults through that larger temp arena (see the page-fault column and the "
-        "caching-allocator section; FINDINGS 11)"
+        "also page-faults through its temp arena, larger than plain's (see the page-fault "
+        "column and the caching-allocator section; FINDINGS 11, 12)"
     ),
     "step:jamp.loss_scaling(report_nonfinite=True)": (
         "as `jamp.loss_scaling`, plus: the host callback in the skip branch makes JAX drop its "
@@ -582,10 +582,12 @@ _WHY = {
         "unscale: XLA bytes {peer_bytes:.3f}x vs jamp's {bytes:.3f}x (FINDINGS 2)"
     ),
     "compile": (
-        "the check (one reduction or matrix-vector product per leaf, and the exact pass's "
-        "reduction per leaf in its `cond` branch) and the skip (`cond` branches or selects; {fus} "
-        "fusions vs {pfus} plain) add a near-fixed ~0.2-0.3 s of compile, large next to "
-        "plain's {pc:.2f} s (one compile per variant in --quick: noisy)"
+        "XLA:CPU compiles each kernel at a near-fixed 7-13 ms (FINDINGS 12); the check adds a "
+        "few (a product per large leaf, which compiles to none; one reduction over every small "
+        "leaf and row; `max|x|` per large leaf in its exact branch), the skip the rest ({fus} "
+        "fusions vs {pfus} plain; in the Optax form `optax.apply_updates` is a kernel per leaf "
+        "of its own, outside the `cond`), next to plain's {pc:.2f} s (one compile per variant "
+        "in --quick: noisy)"
     ),
     "compile:report": (
         "the skip branch also holds `log_nonfinite`'s per-leaf counts ({fus} fusions)"
@@ -600,11 +602,12 @@ _WHY = {
         "1M elements: ~0.3 ms, dispatch and the per-leaf reductions' fixed cost dominate"
     ),
     "finite": (
-        "float32: on a CPU jamp sums large float32 leaves by a matrix-vector product, which "
-        "runs up to ~1.4x a plain sum in this table (the other checks' temporaries evict the "
-        "tree between calls) and several times faster than one inside a training step, where "
-        "XLA:CPU tiles the sums (FINDINGS 10); bfloat16 at ~1 ms: the same reduction as "
-        "`read: sum f32`, so the gap is timing noise of a few short rounds (FINDINGS 1)"
+        "float32: on a CPU jamp reduces large float32 leaves to row sums by a matrix-vector "
+        "product, which runs up to ~1.4x a plain sum in this table (the other checks' "
+        "temporaries evict the tree between calls) and several times faster than one inside "
+        "a training step, where XLA:CPU tiles the sums (FINDINGS 10); bfloat16 at ~1 ms: the "
+        "same reduction as `read: sum f32`, so the gap is timing noise of a few short rounds "
+        "(FINDINGS 1)"
     ),
 }
 
