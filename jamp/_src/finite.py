@@ -101,33 +101,31 @@ def _rows(x: jax.Array) -> jax.Array:
     return jnp.ravel(lax.dot_general(x, weights, dims, precision=lax.Precision.HIGHEST))
 
 
-def _gathered(leaves: list[jax.Array], fn: Any) -> list[jax.Array]:
-    """Small leaves as float32 vectors, one per dtype (two for complex), after ``fn``.
+def _gathered(leaves: list[jax.Array]) -> list[jax.Array]:
+    """The small leaves as vectors: one per dtype, a complex one as its real and imaginary parts.
 
-    ``fn`` (elementwise) runs once per dtype on the concatenated leaves, so
-    the unscaled values round exactly as each leaf's own would.
+    Unscaling a complex leaf multiplies each part by the same float32 factor,
+    so the parts overflow as float32 values would.
     """
     parts = []
     for dtype in sorted({x.dtype for x in leaves}, key=str):
-        v = fn(jnp.concatenate([jnp.ravel(x) for x in leaves if x.dtype == dtype]))
-        if jnp.issubdtype(dtype, jnp.complexfloating):
-            parts += [jnp.real(v), jnp.imag(v)]
-        else:
-            parts.append(v.astype(jnp.float32))
+        v = jnp.concatenate([jnp.ravel(x) for x in leaves if x.dtype == dtype])
+        complex_ = jnp.issubdtype(dtype, jnp.complexfloating)
+        parts += [jnp.real(v), jnp.imag(v)] if complex_ else [v]
     return parts
 
 
 def _none_bad(parts: list[jax.Array]) -> jax.Array:
     """Whether every element of the float32 vectors ``parts`` is finite: one reduction.
 
-    The barrier keeps XLA from splitting the reduction of the concatenation
-    back into one per part; each part costs a compiled kernel (about 7 ms of
-    compile on XLA:CPU, ``benchmarks/FINDINGS.md``, section 12). The vector
-    holds one element per small-leaf element or large-leaf row: kilobytes.
+    One reduction of their concatenation, where a reduction per part would
+    cost a compiled kernel or three each (7-13 ms of compile apiece on
+    XLA:CPU, ``benchmarks/FINDINGS.md``, section 12). The vector holds one
+    element per small-leaf element or large-leaf row: kilobytes.
     """
     if not parts:
         return jnp.asarray(True)
-    (vector,) = lax.optimization_barrier((jnp.concatenate(parts),))
+    vector = jnp.concatenate(parts)
     return jnp.max(jnp.logical_not(jnp.isfinite(vector)).astype(jnp.uint8), initial=0) == 0
 
 
@@ -151,9 +149,10 @@ def _extremes(x: jax.Array) -> list[jax.Array]:
     first, so a float16 leaf takes its max and its min: two kernels, no
     temporary.
     """
-    if x.dtype == jnp.float32:
-        return [jnp.max(jnp.abs(x))]
-    return [jnp.max(x), jnp.min(x)]
+    # initial=0: an empty vector of small leaves has nothing to overflow.
+    if x.dtype != jnp.float16:
+        return [jnp.max(jnp.abs(x), initial=0)]
+    return [jnp.max(x, initial=0), jnp.min(x, initial=0)]
 
 
 def _unscaled_max_finite(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
@@ -187,7 +186,9 @@ def _cpu_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
     so the check's kernels are few: a product per large leaf (none compiled),
     one reduction over every small leaf and row, one per float16 or other
     leaf. The exact branch runs when the sum of "other" leaves is not finite,
-    when the leaves are not, or when unscaling by ``inv > 1`` could overflow.
+    when the leaves are not, or when unscaling by ``inv > 1`` could overflow;
+    it takes the largest magnitude of each large leaf and of each dtype's
+    small leaves, and checks "other" leaves element by element.
     """
     leaves, inv = (args[:-1], args[-1]) if has_inv else (args, None)
     leaves = _after_all(leaves)
@@ -196,7 +197,9 @@ def _cpu_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
         [x for x, k in zip(leaves, kinds, strict=True) if k == kind]
         for kind in ("small", "rows", "half", "other")
     )
-    raw = _none_bad([_rows(x) for x in rows] + _gathered(small, lambda v: v)) & _exact(half)
+    gathered = _gathered(small)
+    vector = [_rows(x) for x in rows] + [v.astype(jnp.float32) for v in gathered]
+    raw = _none_bad(vector) & _exact(half)
     if inv is None and not other:
         return raw
     fast = raw
@@ -207,12 +210,10 @@ def _cpu_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
     fast = fast & (inv <= 1)
 
     def exact() -> jax.Array:
-        unscale = lambda x: ls._unscale_leaf(x, inv)  # noqa: E731
         return (
             raw
-            & _none_bad(_gathered(small, unscale))
-            & _unscaled_max_finite(rows + half, inv)
-            & _exact([unscale(x) for x in other])
+            & _unscaled_max_finite(rows + half + gathered, inv)
+            & _exact([ls._unscale_leaf(x, inv) for x in other])
         )
 
     return lax.cond(fast, lambda: fast, exact)
