@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import time
+from collections.abc import Callable
 from typing import Any
 
 
@@ -31,3 +33,22 @@ def stats(compiled: Any) -> dict[str, float]:
         "temp_bytes": _temp_bytes(compiled),
         "flops": float(ca.get("flops", float("nan"))),
     }
+
+
+def compile_times(lower: dict[str, Callable[[int], Any]], rounds: int) -> dict[str, list[float]]:
+    """CPU seconds of ``compile()`` for each ``lower[name](round)``, interleaved over rounds.
+
+    Prints each one's fusions and temp memory, from the first round.
+    """
+    times: dict[str, list[float]] = {name: [] for name in lower}
+    for rnd in range(rounds):
+        for name, make in lower.items():
+            lowered = make(rnd)
+            t = time.process_time()
+            compiled = lowered.compile()
+            times[name].append(time.process_time() - t)
+            if rnd == 0:
+                st = stats(compiled)
+                temp = st["temp_bytes"] / 1e6
+                print(f"{name:42s} fusions {st['fusions_total']:4.0f}, temp {temp:.2f} MB")
+    return times

@@ -14,7 +14,6 @@ sound). Prints fusions, temp memory, and the median CPU seconds of
 import functools
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -73,16 +72,12 @@ if __name__ == "__main__":
     name = sys.argv[1] if len(sys.argv) > 1 else "MLP"
     leaves = jax.tree.leaves({"MLP": models.mlp, "GPT": models.gpt}[name]().params)
     inv = jnp.float32(2.0**-16)
-    times = {k: [] for k in VARIANTS}
-    for rep in range(int(sys.argv[2]) if len(sys.argv) > 2 else 5):
-        for k, f in VARIANTS.items():
-            lowered = jax.jit(fresh(f, f"check_{rep}_{len(k)}")).lower(leaves, inv)
-            t = time.process_time()
-            compiled = lowered.compile()
-            times[k].append(time.process_time() - t)
-            if rep == 0:
-                st = hlo.stats(compiled)
-                temp = st["temp_bytes"] / 1e6
-                print(f"{k:38s} fusions {st['fusions_total']:4.0f}, temp {temp:.2f} MB")
+    times = hlo.compile_times(
+        {
+            k: lambda rnd, k=k, f=f: jax.jit(fresh(f, f"check_{rnd}_{len(k)}")).lower(leaves, inv)
+            for k, f in VARIANTS.items()
+        },
+        int(sys.argv[2]) if len(sys.argv) > 2 else 5,
+    )
     for k, ts in times.items():
         print(f"{k:38s} {statistics.median(ts) * 1e3:6.0f} ms CPU")

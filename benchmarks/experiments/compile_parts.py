@@ -5,7 +5,6 @@ python -m benchmarks.experiments.compile_parts [MLP|GPT] [repeats]
 
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -65,19 +64,16 @@ if __name__ == "__main__":
         ),
         "jamp.loss_scaling": steps.jamp_loss_scaling,
     }
-    times: dict = {k: [] for k in variants}
-    for rep in range(int(sys.argv[2]) if len(sys.argv) > 2 else 5):
-        for name, build in variants.items():
-            state, step = build(m)
-            jitted, leaves = steps.make_flat_jit(step, state)
-            lowered = jitted.lower(leaves, m.batch)
-            t = time.process_time()
-            compiled = lowered.compile()
-            times[name].append(time.process_time() - t)
-            if rep == 0:
-                st = hlo.stats(compiled)
-                temp = st["temp_bytes"] / 1e6
-                print(f"{name:42s} fusions {st['fusions_total']:.0f}, temp {temp:.1f} MB")
+
+    def lower(build):
+        state, step = build(m)
+        jitted, leaves = steps.make_flat_jit(step, state)
+        return jitted.lower(leaves, m.batch)
+
+    times = hlo.compile_times(
+        {name: lambda _, b=build: lower(b) for name, build in variants.items()},
+        int(sys.argv[2]) if len(sys.argv) > 2 else 5,
+    )
     base = statistics.median(times["plain"])
     for name, ts in times.items():
         print(f"{name:42s} {statistics.median(ts):.3f} s CPU, {statistics.median(ts) / base:.2f}x")
