@@ -538,3 +538,19 @@ def test_large_leaves_unscaling_overflow_is_exact(scale, fill):
     _, finite = jax.jit(jamp.unscale_and_check)(jamp.static_loss_scale(scale), jnp.asarray(x))
     assert bool(finite) == expected
     assert expected == (scale >= 1 or fill < 2e38)
+
+
+def test_float64_leaves_are_checked_exactly():
+    # float64 leaves are summed in float32 on the first read, where 1e300
+    # overflows; the exact branch then decides, in float64.
+    with jax.enable_x64(True):
+        big = jnp.full((200, 100), 1e300, jnp.float64)
+        small = jnp.array([1e300, -1e300, 1.0], jnp.float64)
+        check = jax.jit(jamp.all_finite)
+        assert bool(check([big, small, jnp.ones((300, 300))]))
+        assert not bool(check([big.at[7, 9].set(jnp.nan), small]))
+        assert not bool(check([big, small.at[2].set(-jnp.inf)]))
+        state = jamp.static_loss_scale(2.0**-10)
+        unscaled = jax.jit(check_unscaled)
+        assert bool(unscaled(state, [big, small]))
+        assert not bool(unscaled(state, [big.at[0, 0].set(1e308), small]))
