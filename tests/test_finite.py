@@ -1,7 +1,5 @@
 """all_finite, unscale_and_check, select_tree: golden unscale cases and multi-device agreement."""
 
-import functools
-
 import _golden
 import hypothesis.extra.numpy as hnp
 import jax
@@ -234,7 +232,7 @@ def test_cpu_leaf_kinds():
 
 
 def _cpu_all_finite(*leaves):
-    return jax.jit(functools.partial(fin._cpu_finite, has_inv=False))(*leaves)
+    return jax.jit(fin._cpu_finite)(*leaves)
 
 
 @pytest.mark.parametrize("shape", [(128, 128), (3, 40, 1024), (100_003,), (784, 2048), (5000,)])

@@ -115,20 +115,6 @@ def _gathered(leaves: list[jax.Array]) -> list[jax.Array]:
     return parts
 
 
-def _none_bad(parts: list[jax.Array]) -> jax.Array:
-    """Whether every element of the float32 vectors ``parts`` is finite: one reduction.
-
-    One reduction of their concatenation, where a reduction per part would
-    cost a compiled kernel or three each (7-13 ms of compile apiece on
-    XLA:CPU, ``benchmarks/FINDINGS.md``, section 12). The vector holds one
-    element per small-leaf element or large-leaf row: kilobytes.
-    """
-    if not parts:
-        return jnp.asarray(True)
-    vector = jnp.concatenate(parts)
-    return jnp.max(jnp.logical_not(jnp.isfinite(vector)).astype(jnp.uint8), initial=0) == 0
-
-
 def _exact(leaves: list[jax.Array]) -> jax.Array:
     """Whether every element of every leaf is finite: one pass per leaf.
 
@@ -176,7 +162,7 @@ def _after_all(leaves: tuple[jax.Array, ...]) -> tuple[jax.Array, ...]:
     return lax.optimization_barrier(leaves)
 
 
-def _cpu_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
+def _cpu_finite(*leaves: jax.Array, inv: jax.Array | None = None) -> jax.Array:
     """The CPU check: exact from one read for all but "other" leaves.
 
     The rows of large float32 leaves (``_rows``), the small leaves and the
@@ -190,7 +176,6 @@ def _cpu_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
     it takes the largest magnitude of each large leaf and of each dtype's
     small leaves, and checks "other" leaves element by element.
     """
-    leaves, inv = (args[:-1], args[-1]) if has_inv else (args, None)
     leaves = _after_all(leaves)
     kinds = [_cpu_kind(x) for x in leaves]
     small, rows, half, other = (
@@ -198,8 +183,13 @@ def _cpu_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
         for kind in ("small", "rows", "half", "other")
     )
     gathered = _gathered(small)
-    vector = [_rows(x) for x in rows] + [v.astype(jnp.float32) for v in gathered]
-    raw = _none_bad(vector) & _exact(half)
+    # The rows and small leaves' values, as one vector with one reduction of
+    # its flags, where a reduction per part would cost a compiled kernel or
+    # three each (7-13 ms of compile apiece on XLA:CPU, FINDINGS section 12).
+    # It holds one element per small-leaf element or large-leaf row: kilobytes.
+    parts = [_rows(x) for x in rows] + [v.astype(jnp.float32) for v in gathered]
+    vector = [jnp.concatenate(parts)] if parts else []
+    raw = _exact(vector + half)
     if inv is None and not other:
         return raw
     fast = raw
@@ -237,9 +227,8 @@ def _fast(*leaves: jax.Array) -> jax.Array:
     return fast
 
 
-def _default_finite(*args: jax.Array, has_inv: bool) -> jax.Array:
+def _default_finite(*leaves: jax.Array, inv: jax.Array | None = None) -> jax.Array:
     """The check on other platforms: a float32 sum per leaf, and an exact branch."""
-    leaves, inv = (list(args[:-1]), args[-1]) if has_inv else (list(args), None)
     fast = _fast(*leaves)
     if inv is None:
         leaves_to_check = lambda: leaves  # noqa: E731
@@ -256,12 +245,10 @@ def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
     """Whether every leaf (times ``inv``, when given) is finite."""
     if not leaves:
         return jnp.asarray(True)
-    has_inv = inv is not None
-    args = (*leaves, inv) if has_inv else tuple(leaves)
     return lax.platform_dependent(
-        *args,
-        cpu=functools.partial(_cpu_finite, has_inv=has_inv),
-        default=functools.partial(_default_finite, has_inv=has_inv),
+        *leaves,
+        cpu=functools.partial(_cpu_finite, inv=inv),
+        default=functools.partial(_default_finite, inv=inv),
     )
 
 
