@@ -26,9 +26,7 @@ from jamp._src import loss_scale as ls
 
 def _per_leaf_sum(x):
     if x.dtype == jnp.float32 and x.size >= 2**14 and x.shape[-1] >= 32:
-        w = jnp.full((x.shape[-1],), 2.0**-40, jnp.float32)
-        dims = (((x.ndim - 1,), (0,)), ((), ()))
-        return jnp.sum(lax.dot_general(x, w, dims, precision=lax.Precision.HIGHEST))
+        return jnp.sum(fin._rows(x))  # the replaced form summed the product's rows
     return fin._sum32(x)
 
 

@@ -6,22 +6,18 @@ One leaf (rows of 1,000) per dtype; median ms of 40 calls, each jitted alone.
 """
 
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
+
 
 def bench(f, x, n=40):
     f = jax.jit(f)
     jax.block_until_ready(f(x))
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        jax.block_until_ready(f(x))
-        ts.append(time.perf_counter() - t)
-    return np.median(ts) * 1e3
+    return np.median(timing.time_calls({"f": f}, (x,), n, reps=1)["f"]) * 1e3
 
 
 def flags(x, dtype):
