@@ -509,9 +509,10 @@ def report(args, cfg, step_results, torch_res, finite_res, elapsed) -> str:
             "computes nothing a check needs; XLA cannot read all bytes faster than its fastest "
             "full reduction). `sound` = flags NaN/inf in a large leaf and passes a finite tree "
             "whose sum overflows, for every dtype. `jamp.all_finite` is jamp's current check "
-            "(a float32 sum per leaf, on a CPU a matrix-vector product with `2**-40` weights for "
-            "large float32 leaves; float16 leaves and the exact fallback under `lax.cond` reduce "
-            "per-element non-finite flags); the "
+            "(on a CPU: large float32 leaves reduced to row sums by a matrix-vector product "
+            "with `2**-40` weights, those rows and the small leaves checked element by element "
+            "as one vector, float16 leaves by their non-finite flags, and an exact fallback under "
+            "`lax.cond` only for a scale below 1 or a non-finite sum of other leaves); the "
             "`unscale_and_check flag` row is the check jamp's training steps run "
             "(`check_unscaled`: the unscaled values checked from one read of the scaled tree).\n"
         )
