@@ -4,6 +4,7 @@ Loss scaling with immutable state and pure functions, an Optax transformation
 that mirrors ``torch.amp.GradScaler``, and op-level ``autocast``.
 """
 
+from jamp._src import flax_support as _flax_support
 from jamp._src.autocast import (
     AutocastReport,
     autocast,
@@ -32,6 +33,8 @@ from jamp._src.transform import (
     multi_steps,
     value_and_grad,
 )
+
+_flax_support.register()
 
 __version__ = "0.1.0"
 

@@ -444,3 +444,79 @@ def test_replay_trajectory_with_optimizer(name, path, skip):
     # Nothing is ever lost to NaN, even where torch's parameters became NaN.
     if ctor["enabled"]:
         assert all(np.isfinite(np.asarray(p)).all() for p in params.values())
+
+
+# ---------------------------------------------------------------- what a porting user gets wrong
+
+
+def test_torch_device_argument_gets_a_clear_error():
+    with pytest.raises(TypeError, match=r"`init_scale`.*'cuda'.*device"):
+        jamp.GradScaler("cuda")
+
+
+def test_step_rejects_an_optimizer_factory():
+    scaler = jamp.GradScaler()
+    params = {"w": jnp.ones(2)}
+    with pytest.raises(TypeError, match=r"`tx`.*sgd.*call it"):
+        scaler.step(scaler.init(), optax.sgd, params, optax.sgd(0.1).init(params), params)
+
+
+def test_methods_given_an_optimizer_state_point_to_get_loss_scale():
+    scaler = jamp.GradScaler()
+    opt_state = jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    for call in (
+        lambda: scaler.get_scale(opt_state),
+        lambda: scaler.update(opt_state, jnp.bool_(False)),
+        lambda: scaler.state_dict(opt_state),
+        lambda: scaler.set_growth_interval(opt_state, 10),
+    ):
+        with pytest.raises(TypeError, match=r"LossScaleState.*jamp\.get_loss_scale\(opt_state\)"):
+            call()
+    with pytest.raises(TypeError, match=r"`GradScaler.scale` expected `state`.*dict"):
+        scaler.scale({"w": 1.0}, jnp.float32(1.0))
+
+
+def test_lowering_the_growth_interval_below_the_tracker_grows_on_the_next_finite_step():
+    scaler = jamp.GradScaler(init_scale=8.0, growth_interval=10)
+    state = scaler.init()
+    for _ in range(6):
+        state = scaler.update(state, jnp.bool_(False))
+    assert int(state.growth_tracker) == 6
+    state = scaler.set_growth_interval(state, 4)  # torch: the tracker would never equal 4 again
+    assert int(state.growth_tracker) == 3
+    state = scaler.update(state, jnp.bool_(False))
+    assert (float(state.scale), int(state.growth_tracker)) == (16.0, 0)
+    # A tracker below the new interval is kept.
+    state = scaler.update(state, jnp.bool_(False))
+    assert int(scaler.set_growth_interval(state, 3).growth_tracker) == 1
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_update_new_scale_under_jit_never_takes_a_nonfinite_or_nonpositive_scale(jit):
+    scaler = jamp.GradScaler(init_scale=8.0)
+    state = scaler.init()
+    update = jax.jit(scaler.update) if jit else scaler.update
+    for bad in (np.nan, np.inf, -np.inf, 0.0, -1.0):
+        if jit:
+            assert float(update(state, new_scale=jnp.float32(bad)).scale) == 8.0, bad
+        else:
+            with pytest.raises(ValueError, match="new_scale"):
+                update(state, new_scale=jnp.float32(bad))
+    assert float(update(state, new_scale=jnp.float32(128.0)).scale) == 128.0
+    with pytest.raises(ValueError, match="`new_scale` to be a scalar"):
+        update(state, new_scale=jnp.ones(3, jnp.float32))
+    if jit:  # outside [min_scale, max_scale]: clamped, as it cannot raise
+        assert float(update(state, new_scale=jnp.float32(1e38)).scale) == state.max_scale
+
+
+@pytest.mark.parametrize("to_array", [np.asarray, jnp.asarray], ids=["numpy", "jax"])
+def test_load_state_dict_takes_zero_d_arrays(to_array):
+    """What Orbax or np.load hand back for a saved state_dict."""
+    scaler = jamp.GradScaler(init_scale=64.0, growth_interval=3)
+    state = scaler.update(scaler.init(), jnp.bool_(False))
+    saved = scaler.state_dict(state)
+    loaded = scaler.load_state_dict({k: to_array(v) for k, v in saved.items()})
+    assert scaler.state_dict(loaded) == saved
+    assert loaded.growth_tracker.dtype == jnp.int32 and loaded.scale.dtype == jnp.float32
+    with pytest.raises(ValueError, match="_growth_tracker"):
+        scaler.load_state_dict({**saved, "_growth_tracker": to_array(1.5)})

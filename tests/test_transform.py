@@ -561,3 +561,107 @@ def test_orbax_round_trip_continues_identically(tmp_path):
         p, s = step(p, s, x)
         p2, s2 = step(p2, s2, x)
     assert_trees_equal((p, s), (p2, s2))
+
+
+@pytest.mark.standard_promotion
+def test_flax_msgpack_round_trip_continues_identically():
+    """flax.serialization.to_bytes / from_bytes, the Linen checkpoint path."""
+    from flax import serialization
+    from flax.training import train_state
+
+    tx = jamp.loss_scaling(
+        optax.adam(1e-2), jamp.dynamic_loss_scale(2.0**10, growth_interval=2, min_scale=1.0)
+    )
+
+    @jax.jit
+    def step(ts, x):
+        ls = jamp.get_loss_scale(ts)
+        grads = jax.grad(lambda p: jamp.scale(ls, loss_fn(p, x)))(ts.params)
+        return ts.apply_gradients(grads=grads)
+
+    xs = [X, X.at[0, 1].set(jnp.inf), X * 0.5, X, X.at[1, 0].set(jnp.nan), X * 3.0, X]
+    ts = train_state.TrainState.create(apply_fn=None, params=params0(), tx=tx)
+    for x in xs[:3]:
+        ts = step(ts, x)
+    saved = serialization.to_state_dict(ts)["opt_state"]["loss_scale"]
+    assert set(saved) == {"scale", "growth_tracker", "overflow_streak"}
+    blob = serialization.to_bytes(ts)
+    target = train_state.TrainState.create(apply_fn=None, params=params0(), tx=tx)
+    ts2 = serialization.from_bytes(target, blob)
+    restored = jamp.get_loss_scale(ts2)
+    assert restored.min_scale == 1.0 and restored.growth_interval == 2  # the target's config
+    assert_trees_equal(jax.tree_util.tree_leaves(ts2), jax.tree_util.tree_leaves(ts))
+    for x in xs[3:]:
+        ts, ts2 = step(ts, x), step(ts2, x)
+    assert_trees_equal(jax.tree_util.tree_leaves(ts2), jax.tree_util.tree_leaves(ts))
+    assert int(ts2.opt_state.skipped_steps) == 2
+
+
+def test_flax_state_dict_of_a_loss_scale_state_names_a_missing_key():
+    from flax import serialization
+
+    state = jamp.dynamic_loss_scale(8.0)
+    d = serialization.to_state_dict(state)
+    assert float(serialization.from_state_dict(state, {**d, "scale": np.float32(4.0)}).scale) == 4.0
+    with pytest.raises(ValueError, match="overflow_streak"):
+        serialization.from_state_dict(state, {k: d[k] for k in ("scale", "growth_tracker")})
+
+
+# ---------------------------------------------------------------- finding the state
+
+
+def test_get_loss_scale_and_metrics_find_a_train_state_field():
+    """The flax ImageNet layout: a TrainState field beside a plain optimizer."""
+    from flax.training import train_state
+
+    class TrainState(train_state.TrainState):
+        loss_scale: jamp.LossScaleState
+
+    ts = TrainState.create(
+        apply_fn=None, params=params0(), tx=optax.sgd(0.1), loss_scale=jamp.dynamic_loss_scale(8.0)
+    )
+    assert float(jamp.get_loss_scale(ts).scale) == 8.0
+    assert sorted(jamp.metrics(ts)) == ["growth_tracker", "loss_scale"]
+    # A loss-scaling optimizer state still comes first.
+    ts = TrainState.create(
+        apply_fn=None,
+        params=params0(),
+        tx=jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(4.0)),
+        loss_scale=jamp.dynamic_loss_scale(8.0),
+    )
+    assert float(jamp.get_loss_scale(ts).scale) == 4.0
+    assert "skipped_steps" in jamp.metrics(ts)
+
+
+# ---------------------------------------------------------------- multi_steps
+
+
+@pytest.mark.parametrize(
+    "args,exc,match",
+    [
+        ((optax.sgd, 2), TypeError, r"`inner`.*sgd.*call it"),
+        ((optax.sgd(0.1), 0), ValueError, r"every_k_schedule=0"),
+        ((optax.sgd(0.1), -2), ValueError, r"every_k_schedule=-2"),
+        ((optax.sgd(0.1), 2.5), TypeError, r"`every_k_schedule`.*2\.5"),
+        ((optax.sgd(0.1), True), TypeError, r"`every_k_schedule`.*True"),
+    ],
+)
+def test_multi_steps_argument_errors(args, exc, match):
+    with pytest.raises(exc, match=match):
+        jamp.multi_steps(*args)
+
+
+@pytest.mark.standard_promotion  # optax.MultiSteps multiplies int32 by float32 inside optax
+def test_multi_steps_has_updated_as_optax_multisteps():
+    tx = jamp.multi_steps(jamp.loss_scaling(optax.sgd(0.1)), lambda step: 3)
+    reference = optax.MultiSteps(jamp.loss_scaling(optax.sgd(0.1)), 3)
+    p = params0()
+    s, r = tx.init(p), reference.init(p)
+    flags = []
+    for i in range(7):
+        g = jax.tree_util.tree_map(lambda x, i=i: jnp.full_like(x, float(i)), p)
+        s = tx.update(g, s, p)[1]
+        r = reference.update(g, r, p)[1]
+        flags.append(bool(tx.has_updated(s)))
+        assert flags[-1] == bool(reference.has_updated(r))
+    assert flags == [False, False, True, False, False, True, False]

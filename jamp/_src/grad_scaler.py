@@ -31,6 +31,35 @@ from jamp._src import transform
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
+def _check_state(state: Any, method: str) -> ls.LossScaleState:
+    """``state`` if it is a loss-scale state, else a TypeError that says where one comes from."""
+    if isinstance(state, ls.LossScaleState):
+        return state
+    hint = ""
+    if isinstance(state, transform.LossScalingState) or transform.holds_loss_scale(state):
+        hint = (
+            "; this looks like a jamp.loss_scaling optimizer state: its loss-scale state is "
+            "jamp.get_loss_scale(opt_state)"
+        )
+    raise TypeError(
+        f"`GradScaler.{method}` expected `state` to be the scaler's LossScaleState (from "
+        f"scaler.init() or scaler.load_state_dict), got {type(state).__name__} instead{hint}."
+    )
+
+
+def _python_scalar(value: Any) -> Any:
+    """A 0-d NumPy/JAX array (a dict restored by Orbax or ``np.load``) as a Python number."""
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
+        if isinstance(value, jax.core.Tracer):
+            return value
+        arr = np.asarray(value)
+        if arr.dtype.kind in "iu":
+            return int(arr)
+        if arr.dtype.kind == "f":
+            return float(arr)
+    return value
+
+
 def _found_inf_flag(found_inf: Any) -> jax.Array:
     """One boolean scalar from a flag or a list of flags (one per optimizer)."""
     if isinstance(found_inf, (list, tuple)):
@@ -90,6 +119,12 @@ class GradScaler:
         # GradScaler is configuration, not a pytree, so validating here is safe.
         if not isinstance(self.enabled, bool):
             raise TypeError(f"Expected `enabled` to be a bool, got {self.enabled!r} instead.")
+        if isinstance(self.init_scale, str):
+            raise TypeError(
+                f"Expected `init_scale` to be a real number, got {self.init_scale!r} instead; "
+                "torch.amp.GradScaler's first argument is the device, jamp.GradScaler has none "
+                "(JAX places arrays itself): drop it, or pass init_scale=... by name."
+            )
         transform.check_skip(self.skip)
         if self.enabled:
             self.init()
@@ -109,21 +144,24 @@ class GradScaler:
 
     def get_scale(self, state: ls.LossScaleState) -> jax.Array:
         """The scale, a float32 device array (1.0 when disabled). No host sync."""
-        return state.scale
+        return _check_state(state, "get_scale").scale
 
     def get_growth_tracker(self, state: ls.LossScaleState) -> jax.Array:
-        return state.growth_tracker
+        return _check_state(state, "get_growth_tracker").growth_tracker
 
     def get_growth_factor(self, state: ls.LossScaleState) -> float:
-        return state.growth_factor
+        return _check_state(state, "get_growth_factor").growth_factor
 
     def get_backoff_factor(self, state: ls.LossScaleState) -> float:
-        return state.backoff_factor
+        return _check_state(state, "get_backoff_factor").backoff_factor
 
     def get_growth_interval(self, state: ls.LossScaleState) -> int:
-        return state.growth_interval
+        return _check_state(state, "get_growth_interval").growth_interval
 
-    def _reconfigure(self, state: ls.LossScaleState, **changes: Any) -> ls.LossScaleState:
+    def _reconfigure(
+        self, state: ls.LossScaleState, method: str, **changes: Any
+    ) -> ls.LossScaleState:
+        _check_state(state, method)
         if not state.is_dynamic:
             return state
         config = dict(
@@ -139,8 +177,14 @@ class GradScaler:
             hysteresis=state.hysteresis,
             **config,
         )
+        # A tracker already at or past a lowered interval would never equal it
+        # again (torch's rule grows on equality): the scale would stop growing
+        # for good, as torch's does. Held one short, it grows on the next
+        # finite step instead.
+        tracker = jnp.minimum(state.growth_tracker, jnp.int32(checked.growth_interval - 1))
         return dataclasses.replace(
             state,
+            growth_tracker=tracker,
             growth_factor=checked.growth_factor,
             backoff_factor=checked.backoff_factor,
             growth_interval=checked.growth_interval,
@@ -148,26 +192,33 @@ class GradScaler:
 
     def set_growth_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
         """A state with a new growth factor (static: changing it recompiles)."""
-        return self._reconfigure(state, growth_factor=new_factor)
+        return self._reconfigure(state, "set_growth_factor", growth_factor=new_factor)
 
     def set_backoff_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
-        return self._reconfigure(state, backoff_factor=new_factor)
+        return self._reconfigure(state, "set_backoff_factor", backoff_factor=new_factor)
 
     def set_growth_interval(self, state: ls.LossScaleState, new_interval: int) -> ls.LossScaleState:
-        return self._reconfigure(state, growth_interval=new_interval)
+        """A state with a new growth interval (static: changing it recompiles).
+
+        Unlike PyTorch, a growth tracker already at or past the new interval is
+        held one short of it, so the scale grows on the next finite step;
+        PyTorch's tracker would never equal the interval again, and its scale
+        would stop growing until the next inf.
+        """
+        return self._reconfigure(state, "set_growth_interval", growth_interval=new_interval)
 
     # ------------------------------------------------------------ the loop
 
     def scale(self, state: ls.LossScaleState, outputs: Any) -> Any:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
-        return ls.scale(state, outputs)
+        return ls.scale(_check_state(state, "scale"), outputs)
 
     def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, jax.Array]:
         """``(unscaled_grads, found_inf)``, torch's ``unscale_``: clip after this.
 
         Pass ``found_inf`` on to :meth:`step` so it does not unscale twice.
         """
-        grads, finite = fin.unscale_and_check(state, grads)
+        grads, finite = fin.unscale_and_check(_check_state(state, "unscale"), grads)
         return grads, jnp.logical_not(finite)
 
     def step(
@@ -193,6 +244,13 @@ class GradScaler:
         Returns:
           ``(params, opt_state, found_inf)``; pass ``found_inf`` to :meth:`update`.
         """
+        _check_state(state, "step")
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
+            raise TypeError(
+                "Expected `tx` to be an optax.GradientTransformation, got "
+                f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
+            )
         if not self.enabled:
             updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)
@@ -225,16 +283,25 @@ class GradScaler:
             set.
           new_scale: set the scale to this value instead (a float or a
             scalar array); like PyTorch, the growth tracker is left unchanged.
+            A value that is not positive and finite raises ``ValueError``;
+            under ``jit``, where it cannot be read, such a value leaves the
+            scale as it was (PyTorch would take a NaN and skip every step
+            after), and one outside ``[min_scale, max_scale]`` is clamped.
         """
+        _check_state(state, "update")
         if not self.enabled:
             return state
         if new_scale is not None:
             if isinstance(new_scale, jax.core.Tracer):
-                value = jnp.clip(
-                    jnp.asarray(new_scale, jnp.float32).reshape(()),
-                    jnp.float32(state.min_scale),
-                    jnp.float32(state.max_scale),
-                )
+                if jnp.shape(new_scale) != ():
+                    raise ValueError(
+                        "Expected `new_scale` to be a scalar, got an array of shape "
+                        f"{jnp.shape(new_scale)} instead."
+                    )
+                v = jnp.asarray(new_scale, jnp.float32)
+                lo, hi = jnp.float32(state.min_scale), jnp.float32(state.max_scale)
+                usable = jnp.isfinite(v) & (v > 0)
+                value = jnp.where(usable, jnp.clip(v, lo, hi), state.scale)
             else:
                 checked = ls._check_scale("new_scale", new_scale, state.min_scale, state.max_scale)
                 value = jnp.asarray(checked, jnp.float32)
@@ -264,6 +331,7 @@ class GradScaler:
 
         Reads two scalars from the device (a sync): call it when checkpointing.
         """
+        _check_state(state, "state_dict")
         if not self.enabled:
             return {}
         return {
@@ -297,6 +365,8 @@ class GradScaler:
             raise ValueError(
                 f"Expected `state_dict` to have the keys {list(_TORCH_KEYS)}, missing {missing}."
             )
+        # Orbax and np.load hand back 0-d arrays where torch saved numbers.
+        state_dict = {k: _python_scalar(state_dict[k]) for k in _TORCH_KEYS}
         tracker = state_dict["_growth_tracker"]
         if not ls.is_integer(tracker) or not 0 <= tracker <= ls.INT32_MAX:
             raise ValueError(

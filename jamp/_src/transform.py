@@ -111,6 +111,19 @@ def _same_or_zeros(tree: Any, shapes: Any) -> Any:
     return tree if same else _zeros(shapes)
 
 
+def _check_inner(inner: Any) -> optax.GradientTransformation:
+    """``inner`` as a GradientTransformation, or a TypeError naming the argument."""
+    if isinstance(inner, optax.MultiSteps):
+        inner = inner.gradient_transformation()
+    if not isinstance(inner, optax.GradientTransformation):
+        hint = " (call it: optax.adam(1e-3), not optax.adam)" if callable(inner) else ""
+        raise TypeError(
+            f"Expected `inner` to be an optax.GradientTransformation, got "
+            f"{getattr(inner, '__name__', type(inner).__name__)} instead{hint}."
+        )
+    return inner
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: ls.LossScaleState | None = None,
@@ -165,13 +178,7 @@ def loss_scaling(
       >>> updates["w"]
       Array([-0.2, -0.2], dtype=float32)
     """
-    if isinstance(inner, optax.MultiSteps):
-        inner = inner.gradient_transformation()
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            f"Expected `inner` to be an optax.GradientTransformation, got "
-            f"{type(inner).__name__} instead."
-        )
+    inner = _check_inner(inner)
     if loss_scale is None:
         loss_scale = ls.dynamic_loss_scale()
     elif not isinstance(loss_scale, ls.LossScaleState):
@@ -248,9 +255,17 @@ def loss_scaling(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
+class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
+    """What :func:`multi_steps` returns: a transformation with ``has_updated``."""
+
+    def has_updated(self, state: optax.MultiStepsState) -> jax.Array:
+        """Whether the last ``update`` emitted an accumulated step (``optax.MultiSteps``'s)."""
+        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+
+
 def multi_steps(
     inner: optax.GradientTransformation, every_k_schedule: Any, **kwargs: Any
-) -> optax.GradientTransformationExtraArgs:
+) -> MultiStepsTransformation:
     """``optax.MultiSteps(inner, every_k_schedule, **kwargs)`` that survives an overflow.
 
     Gradient accumulation over a loss-scaled optimizer with the scale constant
@@ -269,7 +284,23 @@ def multi_steps(
     checks every micro-batch and drops only the one that overflowed; the scale
     may then change between micro-steps, which is harmless since what is
     accumulated is already unscaled.
+
+    Keep ``should_skip_update_fn`` unset here: a skip before ``loss_scaling``
+    (``optax.skip_not_finite``) hides every overflow from it, so the scale
+    never backs off and every later step is skipped too.
+
+    The result is an Optax transformation with ``optax.MultiSteps``'s
+    ``has_updated(state)``.
     """
+    inner = _check_inner(inner)
+    k = every_k_schedule
+    if not callable(k) and not (isinstance(k, int) and not isinstance(k, bool)):
+        raise TypeError(
+            "Expected `every_k_schedule` to be an int >= 1 or a schedule (a function of the "
+            f"step count), got {k!r} instead."
+        )
+    if not callable(k) and k < 1:
+        raise ValueError(f"Expected `every_k_schedule` >= 1, got every_k_schedule={k} instead.")
     ms = optax.MultiSteps(inner, every_k_schedule, **kwargs).gradient_transformation()
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
@@ -281,7 +312,7 @@ def multi_steps(
         acc = cond_or_keep(new_state.mini_step == 0, zeros, lambda _: new_state.acc_grads)
         return new_updates, new_state._replace(acc_grads=acc)
 
-    return optax.GradientTransformationExtraArgs(ms.init, update_fn)
+    return MultiStepsTransformation(ms.init, update_fn)
 
 
 # --------------------------------------------------------------------------
@@ -301,24 +332,35 @@ def _unwrapped(tree: Any) -> Any:
     )
 
 
-def _find(tree: Any, kind: type) -> list[tuple[Any, Any]]:
-    found = []
-    if hasattr(tree, "opt_state") and not isinstance(tree, tuple):
-        tree = tree.opt_state  # flax TrainState, nnx.Optimizer
+def _find_in(tree: Any, kind: type) -> list[tuple[Any, Any]]:
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
-    for path, leaf in leaves:
-        if isinstance(leaf, kind):
-            found.append((path, leaf))
-    return found
+    return [(path, leaf) for path, leaf in leaves if isinstance(leaf, kind)]
+
+
+def _find(tree: Any, kind: type) -> list[tuple[Any, Any]]:
+    """Every ``kind`` in ``tree``; for an object with an ``opt_state`` (flax
+    TrainState, nnx.Optimizer), those in its ``opt_state``, else those in the
+    whole object (a TrainState with a ``loss_scale`` field of its own)."""
+    if hasattr(tree, "opt_state") and not isinstance(tree, tuple):
+        found = _find_in(tree.opt_state, kind)
+        if found:
+            return found
+    return _find_in(tree, kind)
+
+
+def holds_loss_scale(tree: Any) -> bool:
+    """Whether ``tree`` holds a loss-scale state anywhere :func:`get_loss_scale` looks."""
+    return bool(_find(tree, ls.LossScaleState))
 
 
 def get_loss_scale(opt_state: Any) -> ls.LossScaleState:
     """The :class:`jamp.LossScaleState` inside any optimizer state.
 
     Looks through any nesting of Optax states (``chain``, ``named_chain``,
-    ``MultiSteps``, ``inject_hyperparams``, ...), a Flax ``TrainState`` (or its
-    ``opt_state``) and an ``nnx.Optimizer`` (or its ``opt_state``, whose NNX
-    variables are unwrapped).
+    ``MultiSteps``, ``inject_hyperparams``, ...), a Flax ``TrainState`` (its
+    ``opt_state``, else its other fields, such as a ``loss_scale`` field kept
+    beside :func:`value_and_grad`) and an ``nnx.Optimizer`` (or its
+    ``opt_state``, whose NNX variables are unwrapped).
 
     Args:
       opt_state: an optimizer state, or an object with an ``opt_state``.
@@ -331,7 +373,7 @@ def get_loss_scale(opt_state: Any) -> ls.LossScaleState:
 
     Examples:
       >>> import jax.numpy as jnp, optax, jamp
-      >>> tx = optax.chain(optax.clip(1.0), jamp.loss_scaling(optax.adam(1e-3)))
+      >>> tx = jamp.loss_scaling(optax.chain(optax.clip(1.0), optax.adam(1e-3)))
       >>> float(jamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
       65536.0
     """
