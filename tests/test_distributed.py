@@ -586,3 +586,168 @@ def test_shard_map_state_carried_through_scan_per_replica(skip):
     new_w, finite = f(w, state, jnp.asarray(xs))
     np.testing.assert_array_equal(np.asarray(finite), np.tile([True, False, True], (8, 1)))
     assert len({np.asarray(r).tobytes() for r in np.asarray(new_w)}) == 1  # replicas agree
+
+
+# ------------------------------------------- 3. explicit sharding (AxisType.Explicit)
+
+
+def explicit_tree():
+    """One leaf of every kind the CPU check sorts by, each sharded its own way."""
+    rng = np.random.default_rng(7)
+
+    def u(shape, dtype):
+        return rng.uniform(-1.0, 1.0, shape).astype(dtype)
+
+    leaves = {
+        "rows_both": (u((256, 128), np.float32), P("a", "b")),
+        "rows_cols": (u((128, 256), np.float32), P(None, "b")),
+        "rows_3d": (u((4, 64, 64), np.float32), P(None, "b", None)),
+        "small": (u((64,), np.float32), P("b")),
+        "small_bf16": (u((32, 8), jnp.bfloat16), P()),
+        "half": (u((128, 256), np.float16), P("a", None)),
+        "narrow": (u((4096, 8), np.float32), P("b", None)),
+        "big_bf16": (u((256, 128), jnp.bfloat16), P("a")),
+    }
+    return {k: v for k, (v, _) in leaves.items()}, {k: s for k, (_, s) in leaves.items()}
+
+
+def test_explicit_sharding_mode_checks_exactly_and_skips():
+    """Under jax.set_mesh with explicit axes, shardings are part of the types, so
+    the check may not join or flatten differently sharded parts: a fault in one
+    shard of any kind of leaf is found, raw and unscaled, and the step skips."""
+    from jax.sharding import AxisType
+
+    from jamp._src import finite as fin
+
+    mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
+    values, specs = explicit_tree()
+    half_state = jamp.dynamic_loss_scale(0.5)  # unscaling doubles: overflow without inf
+    with jax.set_mesh(mesh):
+
+        def put_tree(vals):
+            return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in vals.items()}
+
+        check = jax.jit(jamp.all_finite)
+        check_unscaled = jax.jit(lambda g: jamp.unscale_and_check(half_state, g)[1])
+        default_branch = jax.jit(lambda g: fin._default_finite(*jax.tree.leaves(g)))
+        assert bool(check(put_tree(values))) and bool(check_unscaled(put_tree(values)))
+        assert bool(default_branch(put_tree(values)))
+        for name, v in values.items():
+            idx = tuple(d - 1 for d in v.shape)  # the last shard along every sharded axis
+            huge = float(jnp.finfo(v.dtype).max) * 0.75
+            for fault in (np.inf, -np.inf, np.nan, huge):
+                bad = dict(values)
+                bad[name] = v.copy()
+                bad[name][idx] = fault
+                tree = put_tree(bad)
+                raw_ok = bool(np.isfinite(fault))
+                assert bool(check(tree)) == raw_ok, (name, fault)
+                assert bool(default_branch(tree)) == raw_ok, (name, fault)
+                assert not bool(check_unscaled(tree)), (name, fault)
+
+        tx = jamp.loss_scaling(optax.sgd(0.1, momentum=0.9), jamp.dynamic_loss_scale(INIT_SCALE))
+        params = put_tree(values)
+        opt_state = tx.init(params)
+
+        @jax.jit
+        def step(params, opt_state, grads):
+            updates, opt_state = tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        grads = dict(values)
+        grads["rows_3d"] = grads["rows_3d"].copy()
+        grads["rows_3d"][3, 63, 63] = np.nan
+        new_params, new_state = step(params, opt_state, put_tree(grads))
+        assert not bool(new_state.last_finite)
+        assert tree_same_bits(host(new_params), host(params))
+        assert tree_same_bits(host(new_state.inner_state), host(opt_state.inner_state))
+        for k, p in new_params.items():
+            assert p.sharding.is_equivalent_to(NamedSharding(mesh, specs[k]), p.ndim), k
+        new_params, new_state = step(params, opt_state, put_tree(values))
+        assert bool(new_state.last_finite)
+        assert not np.array_equal(np.asarray(new_params["half"]), np.asarray(params["half"]))
+
+
+# ------------------------------------------- 4. GradScaler over a mapped axis, axis_name errors
+
+
+@pytest.mark.parametrize("path", ["step", "unscale then step"])
+@pytest.mark.parametrize("axis_name", [None, "data"])
+def test_grad_scaler_axis_name_every_replica_skips_when_one_overflows(path, axis_name):
+    """Each replica's gradients are its own (not averaged), and only BAD_DEV's
+    overflow: with axis_name every replica finds the inf and backs off."""
+    mesh = mesh8()
+    scaler = jamp.GradScaler(init_scale=INIT_SCALE, axis_name=axis_name)
+    tx = optax.sgd(1e-2, momentum=0.9)
+
+    def per_replica(params, x, y):
+        state = scaler.init()
+        grads = jax.grad(lambda p: scaler.scale(state, dense_loss(p, x, y)))(params)
+        opt_state = tx.init(params)
+        if path == "step":
+            new_params, _, found_inf = scaler.step(state, tx, grads, opt_state, params)
+        else:
+            grads, found_inf = scaler.unscale(state, grads)
+            new_params, _, found_inf = scaler.step(
+                state, tx, grads, opt_state, params, found_inf=found_inf
+            )
+        state = scaler.update(state, found_inf)
+        out = (found_inf, state.scale, new_params["w1"])
+        return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
+
+    mapped = jax.jit(
+        jax.shard_map(
+            per_replica,
+            mesh=mesh,
+            in_specs=(P(), P("data"), P("data")),
+            out_specs=P("data"),
+            check_vma=False,
+        )
+    )
+    params = dense_params()
+    found_inf, scales, w1 = mapped(params, *batch(2, bad=True))
+    bad = np.array([axis_name is not None or r == BAD_DEV for r in range(N_DEV)])
+    np.testing.assert_array_equal(np.asarray(found_inf), bad)
+    np.testing.assert_array_equal(np.asarray(scales), np.where(bad, INIT_SCALE / 2, INIT_SCALE))
+    for r in range(N_DEV):
+        assert same_bits(np.asarray(w1)[r], params["w1"]) == bad[r], r
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda a: jamp.loss_scaling(optax.sgd(0.1), axis_name=a),
+        lambda a: jamp.value_and_grad(jnp.sum, axis_name=a),
+        lambda a: jamp.GradScaler(axis_name=a),
+        lambda a: jamp.all_finite({"w": jnp.ones(2)}, axis_name=a),
+        lambda a: jamp.unscale_and_check(jamp.dynamic_loss_scale(), jnp.ones(2), axis_name=a),
+    ],
+    ids=["loss_scaling", "value_and_grad", "GradScaler", "all_finite", "unscale_and_check"],
+)
+@pytest.mark.parametrize("bad", [3.5, 0, ["data"], ("data", 1), (), {"data"}])
+def test_axis_name_of_the_wrong_type_is_refused_where_it_is_given(build, bad):
+    with pytest.raises(TypeError, match=r"`axis_name`.*shard_map/pmap axis"):
+        build(bad)
+
+
+def test_an_unbound_axis_name_is_a_clear_error():
+    g = {"w": jnp.ones(2)}
+    with pytest.raises(ValueError, match=r"`axis_name`.*'data' is not.*plain jit"):
+        jax.jit(lambda g: jamp.all_finite(g, axis_name="data"))(g)
+
+    def typo(x):
+        return jamp.all_finite(x, axis_name=("data", "dtaa"))[None]
+
+    with pytest.raises(ValueError, match=r"'dtaa' is not"):
+        jax.shard_map(typo, mesh=mesh8(), in_specs=P("data"), out_specs=P("data"))(jnp.ones(8))
+
+
+def test_axis_name_given_per_step_is_refused():
+    params = {"w": jnp.ones(2)}
+    tx = jamp.loss_scaling(optax.sgd(0.1))
+    with pytest.raises(TypeError, match=r"jamp\.loss_scaling\(\.\.\., axis_name="):
+        tx.update(params, tx.init(params), params, axis_name="data")
+    scaler = jamp.GradScaler()
+    sgd = optax.sgd(0.1)
+    with pytest.raises(TypeError, match=r"jamp\.GradScaler\(\.\.\., axis_name="):
+        scaler.step(scaler.init(), sgd, params, sgd.init(params), params, axis_name="data")

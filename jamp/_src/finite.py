@@ -35,7 +35,19 @@ from jax import lax
 
 from jamp._src import loss_scale as ls
 
-AxisName = Any  # a hashable axis name, or a tuple of them
+AxisName = Any  # an axis name (a str), or a tuple of them
+
+
+def check_axis_name(axis_name: Any) -> Any:
+    """``axis_name`` if it is ``None``, a str or a non-empty tuple of str, else a TypeError."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
+        return axis_name
+    raise TypeError(
+        "Expected `axis_name` to be the name of a shard_map/pmap axis (a str) or a tuple of "
+        f"them, got {axis_name!r} instead."
+    )
 
 
 def _float_leaves(tree: Any, fn: str) -> list[Any]:
@@ -83,6 +95,19 @@ def _cpu_kind(x: jax.Array) -> str:
     return "half" if x.dtype == jnp.float16 else "other"
 
 
+def _unsharded(x: jax.Array) -> jax.Array:
+    """``x`` replicated, if its type carries a sharding (JAX's explicit sharding mode).
+
+    There, joining or flattening parts sharded differently is a type error, so
+    the short parts of the CPU check (rows, small leaves) are gathered first:
+    under the default (auto) mode XLA gathers them just the same.
+    """
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is None or all(p is None for p in spec):
+        return x
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+
+
 def _rows(x: jax.Array) -> jax.Array:
     """One float32 per row of ``x``: non-finite exactly where the row holds an inf or NaN.
 
@@ -98,7 +123,8 @@ def _rows(x: jax.Array) -> jax.Array:
     weights = jnp.full((x.shape[-1],), _DOT_WEIGHT, jnp.float32)
     # HIGHEST: a user's jax_default_matmul_precision must not round the values.
     dims = (((x.ndim - 1,), (0,)), ((), ()))
-    return jnp.ravel(lax.dot_general(x, weights, dims, precision=lax.Precision.HIGHEST))
+    rows = lax.dot_general(x, weights, dims, precision=lax.Precision.HIGHEST)
+    return jnp.ravel(_unsharded(rows))
 
 
 def _gathered(leaves: list[jax.Array]) -> list[jax.Array]:
@@ -109,7 +135,7 @@ def _gathered(leaves: list[jax.Array]) -> list[jax.Array]:
     """
     parts = []
     for dtype in sorted({x.dtype for x in leaves}, key=str):
-        v = jnp.concatenate([jnp.ravel(x) for x in leaves if x.dtype == dtype])
+        v = jnp.concatenate([jnp.ravel(_unsharded(x)) for x in leaves if x.dtype == dtype])
         complex_ = jnp.issubdtype(dtype, jnp.complexfloating)
         parts += [jnp.real(v), jnp.imag(v)] if complex_ else [v]
     return parts
@@ -252,9 +278,19 @@ def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
     )
 
 
-def _agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
+def agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
+    """``finite`` on every replica of ``axis_name`` (the AND over them), when given."""
     if axis_name is None:
         return finite
+    for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
+        try:
+            lax.axis_size(name)
+        except NameError:
+            raise ValueError(
+                f"Expected `axis_name` to name axes bound here, but {name!r} is not: call this "
+                "inside a shard_map or pmap over that axis. Under plain jit with sharded arrays "
+                "the check is already global: pass no axis_name."
+            ) from None
     bad = jnp.logical_not(finite).astype(jnp.int32)
     return lax.pmax(bad, axis_name) == 0
 
@@ -285,7 +321,8 @@ def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
       >>> bool(jamp.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
-    return _agree(_finite(_float_leaves(tree, "all_finite")), axis_name)
+    check_axis_name(axis_name)
+    return agree(_finite(_float_leaves(tree, "all_finite")), axis_name)
 
 
 def check_unscaled(
@@ -298,7 +335,8 @@ def check_unscaled(
     into the optimizer's own pass.
     """
     inv = ls.inverse_scale(state) if state.enabled else None
-    return _agree(_finite(_float_leaves(grads, "unscale_and_check"), inv), axis_name)
+    check_axis_name(axis_name)
+    return agree(_finite(_float_leaves(grads, "unscale_and_check"), inv), axis_name)
 
 
 def unscale_and_check(

@@ -93,6 +93,10 @@ class GradScaler:
         in PyTorch (and skips validation, as PyTorch does).
       skip: how :meth:`step` drops a non-finite step (not in PyTorch):
         ``"cond"`` (default) or ``"select"``; see :func:`jamp.loss_scaling`.
+      axis_name: a ``shard_map``/``pmap`` axis name (or tuple of them) over
+        which :meth:`unscale` and :meth:`step` agree on ``found_inf``, so every
+        replica skips together (not in PyTorch, whose DDP all-reduces the
+        gradients first). Not needed under plain ``jit`` with sharded arrays.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -114,6 +118,7 @@ class GradScaler:
     growth_interval: int = 2000
     enabled: bool = True
     skip: str = "cond"
+    axis_name: Any = None
 
     def __post_init__(self) -> None:
         # GradScaler is configuration, not a pytree, so validating here is safe.
@@ -126,6 +131,7 @@ class GradScaler:
                 "(JAX places arrays itself): drop it, or pass init_scale=... by name."
             )
         transform.check_skip(self.skip)
+        fin.check_axis_name(self.axis_name)
         if self.enabled:
             self.init()
 
@@ -218,7 +224,9 @@ class GradScaler:
 
         Pass ``found_inf`` on to :meth:`step` so it does not unscale twice.
         """
-        grads, finite = fin.unscale_and_check(_check_state(state, "unscale"), grads)
+        grads, finite = fin.unscale_and_check(
+            _check_state(state, "unscale"), grads, axis_name=self.axis_name
+        )
         return grads, jnp.logical_not(finite)
 
     def step(
@@ -251,14 +259,19 @@ class GradScaler:
                 "Expected `tx` to be an optax.GradientTransformation, got "
                 f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
             )
+        if "axis_name" in extra_args:
+            raise TypeError(
+                "`GradScaler.step` got `axis_name`, which it would pass on to `tx` and ignore: "
+                "give it to jamp.GradScaler(..., axis_name=...)."
+            )
         if not self.enabled:
             updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)
         if found_inf is None:
-            finite = fin.check_unscaled(state, grads)
+            finite = fin.check_unscaled(state, grads, axis_name=self.axis_name)
             unscaled = lambda: ls.unscale(state, grads)  # noqa: E731
         else:  # grads already unscaled by scaler.unscale
-            finite = jnp.logical_not(_found_inf_flag(found_inf))
+            finite = fin.agree(jnp.logical_not(_found_inf_flag(found_inf)), self.axis_name)
             unscaled = lambda: grads  # noqa: E731
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
@@ -321,7 +334,7 @@ class GradScaler:
         When disabled, the transformation scales by 1 but still skips
         non-finite steps (PyTorch would apply them).
         """
-        return transform.loss_scaling(inner, self.init(), skip=self.skip)
+        return transform.loss_scaling(inner, self.init(), skip=self.skip, axis_name=self.axis_name)
 
     # ------------------------------------------------------------ checkpoints
 

@@ -191,6 +191,7 @@ def loss_scaling(
             f"Expected `report_nonfinite` to be a bool, got {report_nonfinite!r} instead."
         )
     check_skip(skip)
+    fin.check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:
@@ -208,6 +209,11 @@ def loss_scaling(
             raise TypeError(
                 "Expected `state` to be the LossScalingState from this transformation's init, "
                 f"got {type(state).__name__} instead."
+            )
+        if "axis_name" in extra_args:
+            raise TypeError(
+                "`update` got `axis_name`, which Optax would pass on to the inner "
+                "transformation and ignore: give it to jamp.loss_scaling(..., axis_name=...)."
             )
         finite = fin.check_unscaled(state.loss_scale, updates, axis_name=axis_name)
 
@@ -463,6 +469,7 @@ def value_and_grad(
     """
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
+    fin.check_axis_name(axis_name)
     if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
         raise ValueError(
             f"Expected `max_retries` to be an int >= 0, got max_retries={max_retries!r} instead."
