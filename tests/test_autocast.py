@@ -12,9 +12,12 @@ from flax import nnx
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 from jax.extend import core as jex_core
+from jax.interpreters import mlir
 
 import jamp
+from jamp._src.autocast import RULES
 
 F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
 HALF = (F16, BF16)
@@ -365,6 +368,207 @@ def test_cross_entropy_mean_and_variance_run_in_float32():
 
 
 # --------------------------------------------------------------------------
+# masks, pooling, attention logits, softmax, float32-only primitives
+
+
+def _padded_attention():
+    model = nn.MultiHeadDotProductAttention(num_heads=2, qkv_features=16)
+    x = randn(7, 2, 5, 16)
+    pad = jnp.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
+    mask = nn.make_attention_mask(pad, pad)  # the padding queries' rows are fully masked
+    return model, init_params(model, x), x, mask
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_padding_mask_in_flax_attention_stays_finite_and_matches_float32(dtype):
+    # Flax fills masked logits with jnp.finfo(float32).min; cast to a half dtype
+    # that literal used to become -inf, and fully masked rows NaN.
+    model, params, x, mask = _padded_attention()
+
+    def loss(p, x):
+        out = model.apply(p, x, mask=mask)
+        return jnp.sum(jnp.sin(out)), out
+
+    f = jamp.autocast(loss, dtype)
+    assert_autocast_jaxpr(jax.make_jaxpr(f)(params, x), dtype, min_dots=6)
+    (_, got), got_g = jax.jit(jax.value_and_grad(f, has_aux=True))(params, x)
+    (_, want), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, x)
+    leaves = jax.tree_util.tree_leaves((got, got_g))
+    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in leaves)
+    assert_close_tree(got, want, 20 * EPS[dtype])
+    # Relative to the whole gradient: the key bias's is zero in exact arithmetic.
+    flat = lambda t: jnp.concatenate([g.ravel() for g in jax.tree_util.tree_leaves(t)])  # noqa: E731
+    assert rel_err(flat(got_g), flat(want_g)) < 40 * EPS[dtype]
+
+
+def test_fully_masked_row_in_dot_product_attention_float16():
+    q = randn(8, 1, 4, 2, 8)
+    keep_q, keep_k = jnp.array([True, True, False, False]), jnp.array([True, True, True, False])
+    mask = jnp.broadcast_to(keep_q[:, None] & keep_k[None, :], (1, 2, 4, 4))  # queries 2, 3
+
+    def loss(q):
+        out = jax.nn.dot_product_attention(q, q, q, mask=mask)
+        return jnp.sum(jnp.sin(out)), out
+
+    (_, got), got_g = jax.jit(jax.value_and_grad(jamp.autocast(loss, F16), has_aux=True))(q)
+    (_, want), want_g = jax.jit(jax.value_and_grad(loss, has_aux=True))(q)
+    assert bool(jnp.all(jnp.isfinite(got))) and bool(jnp.all(jnp.isfinite(got_g)))
+    assert_close_tree((got, got_g), (want, want_g), 20 * EPS[F16])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_constants_saturate_while_infinities_and_activations_overflow(dtype):
+    mask = jnp.array([[True, True, False], [False, False, False]])
+    overflow = {F16: 1e5, BF16: 3.4e38}[dtype]  # finite in float32, not in dtype
+
+    def f(x, w, big):
+        s = x @ w
+        filled = jax.nn.softmax(jnp.where(mask, s, jnp.finfo(jnp.float32).min))
+        minus_inf = jax.nn.softmax(jnp.where(mask[:1], s[:1], -jnp.inf))
+        return filled, minus_inf, x @ big
+
+    x, w = jnp.ones((2, 3)), jnp.eye(3)
+    big = jnp.array([[overflow], [0.0], [0.0]])
+    want = jax.jit(f)(x, w, big)
+    assert bool(jnp.all(jnp.isfinite(want[2])))
+    # Under jit the fill is a traced constant; eagerly, a concrete one.
+    for g in (jax.jit(jamp.autocast(f, dtype)), jamp.autocast(f, dtype)):
+        filled, minus_inf, activation = g(x, w, big)
+        np.testing.assert_allclose(filled, want[0], rtol=4 * EPS[dtype])  # [1/2, 1/2, 0], 1/3
+        assert float(minus_inf[0, 2]) == 0.0  # an infinite fill stays infinite
+        assert bool(jnp.all(jnp.isinf(activation)))  # what loss scaling must see
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_window_sums_and_cumulative_sums_accumulate_in_float32(dtype):
+    img = 1.0 + jnp.asarray(np.random.default_rng(0).uniform(size=(1, 64, 64, 2)), jnp.float32)
+    kernel = jnp.eye(2)[None, None]
+
+    def pools(img, kernel):
+        y = lax.conv_general_dilated(
+            img, kernel, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
+        )
+        mean = nn.pooling.pool(y, 0.0, lax.add, (64, 64), (64, 64), "VALID") / 4096.0
+        return mean, jnp.cumsum(y.reshape(-1, 2), axis=0)[-1]  # fmt: skip
+
+    f = jamp.autocast(pools, dtype)
+    jaxpr = jax.make_jaxpr(f)(img, kernel)
+    assert_autocast_jaxpr(jaxpr, dtype)
+    for eqn in eqns_named(jaxpr, "reduce_window_sum", "cumsum"):
+        assert in_dtypes(eqn) == [F32]
+    # Only the rounding of the conv output to dtype remains: the mean of 4096
+    # values of about 1.5 is 1.5 to a few dtype roundings, not 0.5 or 0.125.
+    assert_close_tree(jax.jit(f)(img, kernel), jax.jit(pools)(img, kernel), 2 * EPS[dtype])
+
+
+def test_a_wider_preferred_element_type_is_kept():
+    a, b = randn(0, 16, 256), randn(1, 256, 8)
+
+    def explicit(a, b):  # bf16 x bf16 -> f32, on purpose
+        return jnp.matmul(a.astype(jnp.bfloat16), b.astype(jnp.bfloat16),
+                          preferred_element_type=jnp.float32)  # fmt: skip
+
+    f = jamp.autocast(explicit)
+    assert _dot_dtypes(f, a, b) == [F32]
+    np.testing.assert_array_equal(jax.jit(f)(a, b), jax.jit(explicit)(a, b))
+    # jnp's own preferred_element_type (the inputs' dtype) still follows autocast.
+    assert _dot_dtypes(jamp.autocast(jnp.matmul), a, b) == [BF16]
+
+    # jax.nn.dot_product_attention on bfloat16 inputs: float32 logits, as without
+    # autocast. (JAX's own dtype logic there needs standard promotion.)
+    q, k, v = (randn(i, 1, 8, 2, 16).astype(jnp.bfloat16) for i in range(3))
+    dpa = jax.nn.dot_product_attention
+    with jax.numpy_dtype_promotion("standard"):
+        assert _dot_dtypes(jamp.autocast(dpa), q, k, v) == [F32, BF16]
+        assert _dot_dtypes(dpa, q, k, v) == [F32, BF16]
+        got, want = jax.jit(jamp.autocast(dpa))(q, k, v), jax.jit(dpa)(q, k, v)
+    np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2 * EPS[BF16])
+
+
+F32_ONLY = {
+    "complex": lambda h: jnp.abs(lax.complex(h, 2.0 * h)),
+    "conj": lambda h: jnp.real(lax.conj(h)),
+    "fft": lambda h: jnp.abs(jnp.fft.rfft(h)),
+    "qr": lambda h: jnp.abs(jnp.linalg.qr(h)[1]),
+    "cholesky": lambda h: jnp.linalg.cholesky(h @ h.T + 4.0 * jnp.eye(4)),
+    "eigh": lambda h: jnp.linalg.eigh(h + h.T)[0],
+    "svd": lambda h: jnp.linalg.svd(h, compute_uv=False),
+    "solve": lambda h: jnp.linalg.solve(h + 4.0 * jnp.eye(4), h),
+    "triangular_solve": lambda h: jax.scipy.linalg.solve_triangular(
+        jnp.tril(h) + 4.0 * jnp.eye(4), h, lower=True),
+    "slogdet": lambda h: jnp.linalg.slogdet(h + 4.0 * jnp.eye(4))[1],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", list(F32_ONLY))
+def test_primitives_that_accept_only_float32_run_in_float32(op):
+    def f(x, w):
+        return F32_ONLY[op](x @ w)  # the matmul output arrives in float16
+
+    x, w = randn(0, 4, 4), randn(1, 4, 4, scale=0.5)
+    report = jamp.autocast_report(f, x, w, dtype=F16)
+    assert report.unknown == ()
+    jaxpr = jax.make_jaxpr(jamp.autocast(f, F16))(x, w)
+    assert in_dtypes(eqns_named(jaxpr, "dot_general")[0]) == [F16, F16]
+    for eqn in walk(jaxpr):
+        if RULES.get(eqn.primitive.name) == "float32":
+            assert not set(in_dtypes(eqn)) & set(HALF), eqn
+    got, want = jax.jit(jamp.autocast(f, F16))(x, w), jax.jit(f)(x, w)
+    assert got.dtype == want.dtype
+    assert_close_tree(got, want, 20 * EPS[F16])
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_softmax_family_computes_in_float32_from_its_half_inputs(dtype):
+    # torch's recipe: the low-precision logits upcast, then max, x - max, exp,
+    # sum and log in float32. reduce_max is exact in any dtype; x - max is not.
+    # Eager, op by op: under jit XLA may keep the logits in excess precision.
+    x, w = randn(0, 4, 16), randn(1, 16, 256, scale=3.0)
+    logits = jnp.matmul(x.astype(dtype), w.astype(dtype)).astype(jnp.float32)
+    for fn in (jax.nn.softmax, jax.nn.log_softmax, jax.nn.logsumexp):
+        got = jamp.autocast(lambda x, w: fn(x @ w), dtype)(x, w)  # noqa: B023
+        want = fn(logits)
+        assert got.dtype == F32
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=fn.__name__)
+        jaxpr = jax.make_jaxpr(jamp.autocast(lambda x, w: fn(x @ w), dtype))(x, w)  # noqa: B023
+        assert all(in_dtypes(e) == [F32, F32] for e in eqns_named(jaxpr, "sub"))
+
+
+def test_stack_and_checkpoint_name_keep_the_autocast_dtype():
+    w, x = randn(0, 8, 8, scale=0.3), randn(1, 4, 8)
+
+    def f(w, x):
+        h = checkpoint_name(x @ w, "proj")  # a tag for the remat policy below
+        return jnp.sum(jnp.stack([h, jnp.tanh(h)]) @ w)
+
+    g = jax.checkpoint(f, policy=jax.checkpoint_policies.save_only_these_names("proj"))
+    jaxpr = jax.make_jaxpr(jamp.autocast(g))(w, x)
+    for eqn in eqns_named(jaxpr, "name", "stack", "tanh"):
+        assert set(in_dtypes(eqn)) == {BF16}, eqn
+    # The saved residual is the bfloat16 activation, not a float32 copy.
+    _, pullback = jax.vjp(jamp.autocast(g), w, x)
+    saved = sorted(str(r.dtype) for r in jax.tree_util.tree_leaves(pullback) if r.shape == (4, 8))
+    assert saved == ["bfloat16", "float32"]  # the named residual, and the argument x
+    got, want = jax.jit(jax.grad(jamp.autocast(g)))(w, x), jax.jit(jax.grad(g))(w, x)
+    assert_close_tree(got, want, 20 * EPS[BF16])
+
+
+def test_primitives_found_in_review_are_in_the_table():
+    edges = jnp.linspace(0.0, 1.0, 5)
+
+    def f(x):
+        h = x @ x
+        jax.debug.print("{}", h[0, 0])
+        return (jnp.searchsorted(edges, h), jnp.linalg.solve(h + 4.0 * jnp.eye(4), h),
+                jnp.linalg.slogdet(h + 4.0 * jnp.eye(4))[1])  # fmt: skip
+
+    report = jamp.autocast_report(f, randn(0, 4, 4))
+    names = {row[0] for row in report.rows}
+    assert {"le_to", "debug_print", "custom_linear_solve", "platform_index"} <= names
+    assert report.unknown == ()
+
+
+# --------------------------------------------------------------------------
 # training with loss scaling
 
 
@@ -500,6 +704,42 @@ def test_nnx_module():
     assert grads.l1.kernel[...].dtype == F32
 
 
+def test_nnx_state_updates_need_split_and_merge():
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(3, 4, rngs=rngs)
+            self.bn = nnx.BatchNorm(4, rngs=rngs)
+
+        def __call__(self, x):
+            return self.bn(self.lin(x))
+
+    x = randn(0, 8, 3) + 1.0
+    ref = Net(nnx.Rngs(0))
+    nnx.jit(lambda m, x: m(x))(ref, x)
+    assert np.any(ref.bn.mean[...])
+    # A module passed straight in is read, not written back (as with jax.jit).
+    direct = Net(nnx.Rngs(0))
+    jax.jit(jamp.autocast(lambda m, x: m(x)))(direct, x)
+    assert not np.any(direct.bn.mean[...])
+
+    @nnx.jit
+    def forward(model, x):  # the pattern docs/autocast.md gives
+        graphdef, state = nnx.split(model)
+
+        def pure(state, x):
+            module = nnx.merge(graphdef, state)
+            return module(x), nnx.state(module)
+
+        y, state = jamp.autocast(pure)(state, x)
+        nnx.update(model, state)
+        return y
+
+    model = Net(nnx.Rngs(0))
+    assert forward(model, x).dtype == F32
+    assert_close_tree(model.bn.mean[...], ref.bn.mean[...], 20 * EPS[BF16])
+    assert_close_tree(model.bn.var[...], ref.bn.var[...], 20 * EPS[BF16])
+
+
 # --------------------------------------------------------------------------
 # policy, disabled regions, nesting
 
@@ -553,23 +793,88 @@ def test_nested_autocast_innermost_wins():
 # report and errors
 
 
+def _unknown_primitive():
+    """A primitive autocast's table cannot know, as a third-party library defines one."""
+    prim = jex_core.Primitive("jamp_test_sin")
+    prim.def_impl(jnp.sin)
+    prim.def_abstract_eval(lambda x: jax.core.ShapedArray(x.shape, x.dtype))
+    mlir.register_lowering(prim, mlir.lower_fun(jnp.sin, multiple_results=False))
+    return prim
+
+
+UNKNOWN = _unknown_primitive()
+
+
 def test_report_counts_dtypes_and_unknown_primitives():
     def f(x):
         y = jax.nn.softmax(x @ x)
-        return jnp.abs(jnp.fft.rfft(y)), jnp.cumsum(y)
+        return UNKNOWN.bind(y @ x), jnp.cumsum(y), jnp.abs(jnp.fft.rfft(y))
 
     report = jamp.autocast_report(f, jnp.ones((4, 4)), dtype=jnp.float16)
-    assert report.counts["dot_general"] == {"float16": 1}
+    assert report.counts["dot_general"] == {"float16": 2}
     assert report.counts["exp"] == {"float32": 1}
     assert report.counts["cumsum"] == {"float32": 1}
-    assert report.unknown == ("fft",)
+    assert report.counts["fft"] == {"float32": 1}
+    assert report.unknown == ("jamp_test_sin",)
     text = str(report)
-    assert "dot_general" in text and "float16" in text and "unknown" in text and "fft" in text
-    # The unknown primitive ran as traced and the function still works.
+    assert "dot_general" in text and "float16" in text and "unknown" in text
+    assert "jamp_test_sin" in text
+    # The unknown primitive ran as traced (float32) and the function still works.
+    jaxpr = jax.make_jaxpr(jamp.autocast(f, jnp.float16))(jnp.ones((4, 4)))
+    assert in_dtypes(eqns_named(jaxpr, "jamp_test_sin")[0]) == [F32]
     out = jamp.autocast(f, jnp.float16)(jnp.ones((4, 4)))
     assert tree_dtypes(out) == tree_dtypes(f(jnp.ones((4, 4))))
     shaped = jamp.autocast_report(f, jax.ShapeDtypeStruct((4, 4), jnp.float32))
-    assert shaped.counts["dot_general"] == {"bfloat16": 1}
+    assert shaped.counts["dot_general"] == {"bfloat16": 2}
+
+
+def test_report_keywords_belong_to_the_report():
+    def f(x, dtype=jnp.float32):
+        return (x @ x).astype(dtype)
+
+    x = jnp.ones((2, 2))
+    # dtype= is the autocast dtype; f keeps its default.
+    report = jamp.autocast_report(f, x, dtype=jnp.float16)
+    assert report.dtype == F16 and report.counts["dot_general"] == {"float16": 1}
+    # f's own dtype argument: bound with functools.partial.
+    bound = jamp.autocast_report(functools.partial(f, dtype=jnp.int32), x, dtype=jnp.float16)
+    assert bound.counts["convert_element_type"] == {"int32": 1}
+    assert bound.counts["dot_general"] == {"float16": 1}
+
+    def needs_dtype(x, *, dtype, policy):
+        return (x @ x).astype(dtype) * len(policy)
+
+    with pytest.raises(TypeError, match=r"argument `dtype` of `fun`.*functools.partial"):
+        jamp.autocast_report(needs_dtype, x, dtype=jnp.float16, policy="p")
+    with pytest.raises(TypeError, match=r"argument `policy` of `fun`.*functools.partial"):
+        jamp.autocast_report(needs_dtype, x, policy="mixed_float16")
+    ok = jamp.autocast_report(
+        functools.partial(needs_dtype, dtype=jnp.float32, policy="p"), x, dtype="f16"
+    )
+    assert ok.counts["dot_general"] == {"float16": 1}
+
+
+def _dot_dtypes(fn, *args):
+    return [
+        jnp.dtype(e.outvars[0].aval.dtype)
+        for e in eqns_named(jax.make_jaxpr(fn)(*args), "dot_general")
+    ]
+
+
+def test_dtype_default_and_policy_agreement():
+    x = jnp.ones((2, 2))
+    f = jnp.matmul
+    assert _dot_dtypes(jamp.autocast(f), x, x) == [BF16]
+    assert _dot_dtypes(jamp.autocast(f, None), x, x) == [BF16]
+    assert _dot_dtypes(jamp.autocast(f, dtype=jnp.bfloat16), x, x) == [BF16]
+    assert _dot_dtypes(jamp.autocast(f, "half"), x, x) == [jamp.half_dtype()]
+    assert _dot_dtypes(jamp.autocast(f, policy="mixed_float16"), x, x) == [F16]
+    assert _dot_dtypes(jamp.autocast(f, "f16", policy="mixed_float16"), x, x) == [F16]
+    # An explicit bfloat16 is not mistaken for the default.
+    with pytest.raises(ValueError, match=r"policy's compute dtype float16, got bfloat16"):
+        jamp.autocast(f, jnp.bfloat16, policy="mixed_float16")
+    with pytest.raises(ValueError, match=r"policy's compute dtype float16, got bfloat16"):
+        jamp.autocast_report(f, x, x, dtype=jnp.bfloat16, policy="mixed_float16")
 
 
 def test_errors():
@@ -577,7 +882,7 @@ def test_errors():
         TypeError, match=r"Expected a floating dtype for `dtype`.*got int32 instead"
     ):
         jamp.autocast(jnp.sin, jnp.int32)
-    with pytest.raises(TypeError, match=r"Expected a floating dtype for `dtype`.*got 'foo'"):
+    with pytest.raises(ValueError, match=r"Expected a dtype name for `dtype`.*got 'foo'"):
         jamp.autocast(jnp.sin, "foo")
     with pytest.raises(
         ValueError, match=r"Expected a policy string .*'mixed_float16'.*got 'mixed'"
@@ -587,12 +892,27 @@ def test_errors():
         jamp.autocast(jnp.sin, policy="q=f16")
     with pytest.raises(TypeError, match=r"Expected a jamp.Policy or a policy string"):
         jamp.autocast(jnp.sin, policy=3)
-    with pytest.raises(ValueError, match=r"policy's compute dtype float32, got float16"):
-        jamp.autocast(jnp.sin, jnp.float16, policy="full")
     with pytest.raises(TypeError, match=r"Expected a callable for `fun`"):
         jamp.autocast(3)
     with pytest.raises(TypeError, match=r"Expected a bool for `enabled`"):
         jamp.autocast(jnp.sin, enabled="yes")
+
+
+@pytest.mark.parametrize(
+    "dtype", [jnp.float32, "float32", "full", jnp.float64, "f64", jnp.float8_e4m3fn,
+              "float8_e5m2"], ids=str,
+)  # fmt: skip
+def test_dtype_must_be_float16_or_bfloat16(dtype):
+    with pytest.raises(ValueError, match=r"`dtype`"):
+        jamp.autocast(jnp.sin, dtype)
+    with pytest.raises(ValueError, match=r"`dtype`"):
+        jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=dtype)
+
+
+@pytest.mark.parametrize("policy", ["full", "f64", "p=f32,c=f32,o=bf16"])
+def test_policy_compute_dtype_must_be_float16_or_bfloat16(policy):
+    with pytest.raises(ValueError, match=r"float16 or bfloat16 for the compute dtype of `policy`"):
+        jamp.autocast(jnp.sin, policy=policy)
 
 
 @settings(max_examples=12, deadline=None)

@@ -106,9 +106,14 @@ def test_get_policy_passes_a_policy_through_and_half_dtype():
          r"Expected a policy key, one of \['c', 'compute', 'o', 'output', 'p', 'param', "
          r"'params'\].*got 'q' instead"),
         ("c=f8", ValueError,
-         r"Expected a dtype name for compute_dtype in policy 'c=f8', one of \[.*'bf16'.*\], "
-         r"got 'f8' instead"),
-        ("c=int32", ValueError, r"Expected a dtype name for compute_dtype.*got 'int32' instead"),
+         r"Expected a dtype name for compute_dtype in policy 'c=f8', one of \[.*'bf16'.*\] "
+         r"\(or a dtype such as jnp.bfloat16\), got 'f8' instead"),
+        ("c=int32", TypeError,
+         r"Expected a floating dtype for compute_dtype in policy 'c=int32'.*got int32 instead"),
+        ("o=float8_e5m2", ValueError,
+         r"Expected one of float16, bfloat16, float32, float64 for output_dtype in policy "
+         r"'o=float8_e5m2', got float8_e5m2 instead"),
+        ("p", ValueError, r"Expected a policy string .*got 'p' instead"),  # not NumPy's code
         ("bf16,o=f32", ValueError, r"Expected 'key=dtype' parts.*got 'bf16' instead"),
         ("c=f16,c=bf16", ValueError, r"at most once.*got compute twice instead"),
         ("", ValueError, r"Expected a non-empty policy string"),
@@ -128,22 +133,53 @@ def test_get_policy_errors(spec, error, match):
         ({"compute_dtype": jnp.bool_},
          r"Expected a floating dtype for `compute_dtype`.*got bool instead"),
         ({"output_dtype": jnp.complex64}, r"`output_dtype`.*got complex64 instead"),
-        ({"compute_dtype": "foo"},
-         r"Expected a floating dtype for `compute_dtype`.*got 'foo' instead"),
         ({"compute_dtype": None}, r"`compute_dtype`.*got None \(type NoneType\) instead"),
+        ({"compute_dtype": "foo"},
+         r"Expected a dtype name for `compute_dtype`.*got 'foo' instead"),
+        ({"param_dtype": jnp.float8_e4m3fn},
+         r"Expected one of float16, bfloat16, float32, float64 for `param_dtype`.*float8_e4m3fn"),
     ],
 )  # fmt: skip
 def test_policy_constructor_validates(kwargs, match):
     args = {"param_dtype": F32, "compute_dtype": BF16, "output_dtype": F32, **kwargs}
-    with pytest.raises(TypeError, match=match):
+    error = ValueError if "one of" in match or "name" in match else TypeError
+    with pytest.raises(error, match=match):
         jamp.Policy(**args)
 
 
 def test_parse_dtype():
     assert jamp.parse_dtype("BF16") == BF16
+    assert jamp.parse_dtype(" float64 ") == F64
     assert jamp.parse_dtype(jnp.float16) == F16
     with pytest.raises(TypeError, match=r"Expected a floating dtype for `dtype`.*got int32"):
         jamp.parse_dtype(jnp.int32)
+
+
+# One rule everywhere: not a dtype, or a non-floating dtype -> TypeError; a
+# name that is no dtype, or an unsupported floating dtype -> ValueError.
+SAME_ERROR = [
+    ("fp8", ValueError), ("f4", ValueError), ("float8_e5m2", ValueError),
+    (jnp.float8_e4m3fn, ValueError), ("int32", TypeError), (jnp.int8, TypeError),
+    ("complex64", TypeError), ("bool", TypeError),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("bad, error", SAME_ERROR, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_the_same_bad_dtype_raises_the_same_error_everywhere(bad, error):
+    name = bad if isinstance(bad, str) else jnp.dtype(bad).name
+    calls = [
+        lambda: jamp.parse_dtype(bad),
+        lambda: jamp.Policy(F32, bad, F32),
+        lambda: jamp.get_policy(jamp.Policy(F32, F16, F32)).with_output_dtype(bad),
+        lambda: jamp.autocast(jnp.sin, bad),
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=bad),
+    ]
+    if isinstance(bad, str):
+        calls += [lambda: jamp.get_policy(f"c={bad}"), lambda: jamp.get_policy(bad)]
+    for call in calls:
+        with pytest.raises(error, match=name) as info:
+            call()
+        assert type(info.value) is error
 
 
 dtypes = st.sampled_from([F16, BF16, F32])

@@ -9,24 +9,35 @@ torch.autocast's CUDA op lists:
 rule              what happens to the floating inputs of the primitive
 ================  ==========================================================
 ``lower``         cast to the low-precision ``dtype`` (float16/bfloat16); the
-                  output stays in that dtype (``preferred_element_type`` too).
-                  Matrix products and convolutions.
+                  output stays in that dtype (``preferred_element_type`` too,
+                  unless the program asked for one wider than the traced
+                  inputs, e.g. ``bf16 x bf16 -> f32``). Matrix products and
+                  convolutions.
 ``float32``       cast to float32 (float64 is left alone). exp, log, pow,
-                  rsqrt, sums, cumulative sums, division, ... so softmax,
-                  log-softmax, logsumexp, norms, variance and losses run in
-                  float32.
+                  rsqrt, sums, window sums, cumulative sums, division, ...
+                  so softmax, log-softmax, logsumexp, norms, variance,
+                  pooling and losses run in float32; also FFTs, linear
+                  algebra, ``complex`` and ``conj``, which accept only
+                  float32/float64.
 ``promote``       cast to the widest floating dtype among the inputs (torch's
                   "promote" list). Python scalars and constants (literals)
                   follow the other inputs instead of widening them, as they
-                  do in ``jnp``.
-``keep``          left as they arrive (data movement with independent inputs).
+                  do in ``jnp``. An ``add``/``sub``/``mul``/``square`` whose
+                  result feeds a ``float32`` primitive runs in float32 (so
+                  ``x - max(x)`` in softmax is computed as in float32).
+``keep``          left as they arrive (data movement with independent inputs,
+                  ``checkpoint_name``, debug printing).
 ``as traced``     cast back to the dtypes they had when ``fun`` was traced
                   (float32 for a float32 model): primitives whose meaning
                   depends on the dtype, e.g. ``bitcast_convert_type``, and
                   every primitive the table does not know.
 ================  ==========================================================
 
-Integer, boolean, complex and key inputs are never touched. Sub-computations
+Integer, boolean, complex and key inputs are never touched. A constant (a
+value known when ``fun`` is traced) that autocast narrows is first saturated
+to the finite range of the narrower dtype, so a ``jnp.finfo(jnp.float32).min``
+mask fill stays finite; values that depend on the arguments are cast as they
+are, so their overflow still reaches loss scaling. Sub-computations
 (``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``scan``,
 ``while``, ``cond``, ``remat``) are interpreted recursively with the same rules;
 loop carries and the outputs of ``cond`` keep the dtypes they were traced with,
@@ -47,6 +58,7 @@ import collections
 import contextlib
 import dataclasses
 import functools
+import inspect
 import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -57,7 +69,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from jamp._src.policy import Policy, get_policy, parse_dtype
+from jamp._src.policy import Policy, get_policy
+from jamp._src.policy import _parse as _parse_dtype
 
 try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
     from jax._src import source_info_util as _source_info_util
@@ -89,20 +102,28 @@ _LOWER_PRECISION = (
 
 _FLOAT32 = (
     # torch: exp, expm1, log, log1p, log2, log10, pow, reciprocal, rsqrt, ...
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "sqrt", "rsqrt", "cbrt",
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "sqrt", "rsqrt", "cbrt", "reciprocal",
     # torch: acos, asin, cosh, sinh, tan (and the inverse hyperbolics).
     "tan", "acos", "asin", "cosh", "sinh", "acosh", "asinh", "atanh",
     # torch: softplus, erfinv; sigmoid-like and special functions.
     "logistic", "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma",
     "igamma", "igammac", "igamma_grad_a", "random_gamma_grad", "zeta",
     "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
-    # torch: sum, prod, cumsum, cumprod, logsumexp (dtype= overloads) ...
-    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp",
+    # torch: sum, prod, cumsum, cumprod, logsumexp (dtype= overloads) ... and
+    # avg_pool's window sums (torch accumulates those in float32 too).
+    "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
     # ... and the divisions of softmax, layer_norm, group_norm, mean, mse_loss.
     "div",
     # integer_pow: float32 for exponents < 0 or > 2, promote for 0, 1, 2
     # (see _integer_pow_rule).
     "integer_pow",
+    # torch: fft_*, linalg_* (qr, svd, eigh, cholesky, solve, ...), geqrf,
+    # triangular_solve. These primitives accept float32/float64 (or complex)
+    # only, as do complex and conj (a complex number is built from float32).
+    "fft", "complex", "conj",
+    "cholesky", "cholesky_update", "eig", "eigh", "hessenberg", "householder_product",
+    "lu", "lu_pivots_to_permutation", "qr", "geqrf", "geqp3", "ormqr", "schur", "svd",
+    "symmetric_product", "triangular_solve", "tridiagonal", "tridiagonal_solve",
 )
 
 _PROMOTE = (
@@ -112,14 +133,16 @@ _PROMOTE = (
     "add", "add_any", "sub", "mul", "neg", "abs", "sign", "max", "min", "rem",
     "square", "tanh", "sin", "cos", "atan", "atan2", "floor", "ceil", "round",
     "is_finite", "nextafter", "clamp", "select_n", "reduce_precision",
-    "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor",
+    "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "lt_to", "le_to",
+    "and", "or", "not", "xor",
     "shift_left", "shift_right_logical", "shift_right_arithmetic",
-    "population_count", "clz", "real", "imag", "conj", "complex",
+    "population_count", "clz", "real", "imag",
     "reduce_max", "reduce_min", "reduce_and", "reduce_or", "reduce_xor",
-    "argmax", "argmin", "cummax", "cummin", "reduce_window_sum",
+    "argmax", "argmin", "cummax", "cummin",
     "reduce_window_max", "reduce_window_min", "select_and_gather_add",
     "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "rev",
     "slice", "dynamic_slice", "dynamic_update_slice", "gather", "concatenate",
+    "stack", "unstack", "tile", "roll",
     "pad", "split", "sort", "top_k", "iota", "copy", "copy_p", "stop_gradient",
     "zeros_like", "sharding_constraint", "mesh_cast",
     "random_bits", "random_seed", "random_wrap", "random_unwrap", "random_split",
@@ -129,13 +152,17 @@ _PROMOTE = (
 _KEEP = (
     # Independent inputs passed through: never mix their dtypes.
     "device_put", "optimization_barrier", "pvary",
+    # checkpoint_name tags a value for a remat policy: the saved residual keeps
+    # the dtype autocast computed it in. Debug printing shows what is computed.
+    "name", "debug_print", "debug_callback", "platform_index",
 )
 
 _AS_TRACED = (
-    # The dtype is part of the meaning, or the primitive carries a jaxpr typed
-    # for the traced dtypes.
+    # The dtype is part of the meaning, or the primitive carries a jaxpr or
+    # result types fixed for the traced dtypes.
     "bitcast_convert_type", "reduce", "reduce_window", "select_and_scatter",
     "select_and_scatter_add", "rng_bit_generator", "rng_uniform",
+    "custom_linear_solve", "pure_callback", "io_callback", "ffi_call",
     # scatter carries an update jaxpr typed for the traced dtype (torch lists
     # scatter_add and index_put under "promote"; here they run as traced).
     "scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter_sub",
@@ -162,11 +189,22 @@ _INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote; larger or negative: float3
 # float64 is never cast (as in torch); these are the dtypes autocast may change.
 _ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
 _FLOAT32_DTYPE = np.dtype(jnp.float32)
+_DEFAULT = np.dtype(jnp.bfloat16)  # autocast's dtype when neither dtype nor policy is given
 
 # The name scope that marks a region the interpreter evaluates as traced.
 _SCOPE_DISABLED = "jamp_autocast_disabled"
 _SCOPE_AUTOCAST = "jamp_autocast"
 _MARKER = "jamp_autocast"  # a substring of both
+
+# Where a value comes from (see _eval_jaxpr). Ordered: an output has the
+# smallest kind of its inputs.
+_TRACED = 0  # depends on the function's arguments: activations, parameters
+_CONST = 1  # known when the function is traced: a concrete constant, or computed from those
+_LITERAL = 2  # computed from literals only (Python scalars): also follows under promote
+
+# Promote-rule arithmetic that rounds. When its result feeds a float32-rule
+# primitive (x - max(x) feeding exp in softmax), it runs in float32.
+_ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "square", "integer_pow"})
 
 
 # ---------------------------------------------------------------------------
@@ -251,6 +289,44 @@ def _cast(x: Any, dtype: Any) -> Any:
     return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
+def _narrows(src: Any, dst: Any) -> bool:
+    """Whether casting floating ``src`` to ``dst`` can overflow to inf."""
+    return _is_float(src) and _is_float(dst) and jnp.finfo(dst).max < jnp.finfo(src).max
+
+
+def _saturate(x: Any, dtype: Any) -> Any:
+    """``x`` with its finite values clipped to ``dtype``'s finite range.
+
+    Infinities and NaN are kept. A concrete value (a literal, a constant
+    array) is checked and clipped at trace time, and returned as it is when
+    nothing needs clipping; a traced one gets a clamp that XLA folds.
+    """
+    big = np.asarray(jnp.finfo(dtype).max, dtype=x.dtype)  # exact in the wider dtype
+    if not isinstance(x, jax.core.Tracer):
+        a = np.asarray(x)
+        over = np.isfinite(a) & (np.abs(a) > big)
+        if not over.any():
+            return x
+        return np.where(over, np.sign(a) * big, a).astype(a.dtype)
+    return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
+
+
+def _cast_input(x: Any, dtype: Any, kind: int) -> Any:
+    """The cast autocast inserts before a primitive.
+
+    A constant (``kind`` at least ``_CONST``) cast to a narrower dtype is
+    saturated first, so a finite fill such as ``jnp.finfo(jnp.float32).min``
+    stays finite (the most negative bfloat16/float16) instead of becoming
+    -inf; values that depend on the function's arguments are cast as they
+    are, so their overflow still reaches loss scaling.
+    """
+    if x.dtype == dtype:
+        return x
+    if kind >= _CONST and _narrows(x.dtype, dtype):
+        x = _saturate(x, dtype)
+    return lax.convert_element_type(x, dtype)
+
+
 def _strong_cast(x: Any, dtype: Any) -> Any:
     """A cast that also drops weak typing (loop carries must type-check)."""
     return lax.convert_element_type(x, dtype)
@@ -320,58 +396,86 @@ def _record(ctx: _Context, eqn: Any, rule: str, vals: Sequence[Any], outs: Seque
 
 
 def _eval_jaxpr(
-    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], weak: Sequence[bool], ctx: _Context
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Sequence[int], ctx: _Context
 ) -> tuple[list, list]:
-    """Evaluates ``jaxpr`` with the rules; returns outputs and their weak flags.
+    """Evaluates ``jaxpr`` with the rules; returns outputs and their kinds.
 
-    A value is *weak* when it comes from literals only (Python scalars baked
-    into the jaxpr): under ``promote`` it follows the other inputs instead of
-    widening them, as a Python scalar does in ``jnp``.
+    Every value carries a *kind* (``_TRACED``, ``_CONST`` or ``_LITERAL``):
+    whether it depends on the function's arguments, is known when the
+    function is traced, or comes from literals only (Python scalars baked into
+    the jaxpr). Under ``promote`` a literal value follows the other inputs
+    instead of widening them, as a Python scalar does in ``jnp``; a constant
+    is saturated when autocast narrows it (see :func:`_cast_input`).
     """
-    env: dict[Any, tuple[Any, bool]] = {}
+    env: dict[Any, tuple[Any, int]] = {}
 
-    def read(v: Any) -> tuple[Any, bool]:
+    def read(v: Any) -> tuple[Any, int]:
         if isinstance(v, jex_core.Literal):
             val = v.val
             if not hasattr(val, "dtype"):
                 val = np.asarray(val, dtype=v.aval.dtype)
-            return val, True
+            return val, _LITERAL
         return env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = (x, False)
-    for v, x, w in zip(jaxpr.invars, args, weak, strict=True):
-        env[v] = (x, bool(w))
+        env[v] = (x, _TRACED if isinstance(x, jax.core.Tracer) else _CONST)
+    for v, x, k in zip(jaxpr.invars, args, kinds, strict=True):
+        env[v] = (x, int(k))
+    to_float32 = _float32_operands(jaxpr)
     for eqn in jaxpr.eqns:
         read_in = [read(v) for v in eqn.invars]
         invals = [x for x, _ in read_in]
-        inweak = [w for _, w in read_in]
+        inkinds = [k for _, k in read_in]
         sub = ctx
         if not ctx.as_traced and _MARKER in str(eqn.source_info.name_stack):
             sub = dataclasses.replace(ctx, as_traced=True)
-        outs, outweak = _eval_eqn(eqn, invals, inweak, sub)
-        for v, x, w in zip(eqn.outvars, outs, outweak, strict=True):
-            env[v] = (x, w)
+        feeds_float32 = any(v in to_float32 for v in eqn.outvars)
+        outs, outkinds = _eval_eqn(eqn, invals, inkinds, sub, feeds_float32)
+        for v, x, k in zip(eqn.outvars, outs, outkinds, strict=True):
+            env[v] = (x, k)
     outs = [read(v) for v in jaxpr.outvars]
-    return [x for x, _ in outs], [w for _, w in outs]
+    return [x for x, _ in outs], [k for _, k in outs]
 
 
 def _eval_closed(
-    closed: Any, args: Sequence[Any], weak: Sequence[bool], ctx: _Context
+    closed: Any, args: Sequence[Any], kinds: Sequence[int], ctx: _Context
 ) -> tuple[list, list]:
     if isinstance(closed, jex_core.ClosedJaxpr):
-        return _eval_jaxpr(closed.jaxpr, closed.consts, args, weak, ctx)
-    return _eval_jaxpr(closed, (), args, weak, ctx)
+        return _eval_jaxpr(closed.jaxpr, closed.consts, args, kinds, ctx)
+    return _eval_jaxpr(closed, (), args, kinds, ctx)
 
 
-def _as_traced(eqn: Any, invals: Sequence[Any], ctx: _Context, rule: str) -> tuple[list, list]:
+def _rule_of(eqn: Any) -> str | None:
+    name = eqn.primitive.name
+    if name == "integer_pow":
+        return _integer_pow_rule(eqn)
+    return RULES.get(name)
+
+
+def _float32_operands(jaxpr: Any) -> set:
+    """The variables of ``jaxpr`` that some float32-rule primitive consumes."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if _rule_of(eqn) == FLOAT32:
+            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return found
+
+
+def _const_kind(kinds: Sequence[int]) -> int:
+    """The kind of an output computed from inputs of ``kinds``, never literal."""
+    return _CONST if all(k >= _CONST for k in kinds) else _TRACED
+
+
+def _as_traced(
+    eqn: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: _Context, rule: str
+) -> tuple[list, list]:
     vals = [
         _cast(x, v.aval.dtype) if _is_float(x.dtype) and _is_float(v.aval.dtype) else x
         for x, v in zip(invals, eqn.invars, strict=True)
     ]
     outs = _bind(eqn, vals)
     _record(ctx, eqn, rule, vals, outs)
-    return outs, [False] * len(outs)
+    return outs, [_const_kind(kinds)] * len(outs)
 
 
 def _integer_pow_rule(eqn: Any) -> str:
@@ -379,63 +483,83 @@ def _integer_pow_rule(eqn: Any) -> str:
     return PROMOTE if 0 <= y <= _INTEGER_POW_MAX_LOW else FLOAT32
 
 
-def _eval_eqn(eqn: Any, invals: list, inweak: list, ctx: _Context) -> tuple[list, list]:
+def _lower_params(eqn: Any, float_in: Sequence[int], ctx: _Context) -> Mapping[str, Any]:
+    """``preferred_element_type`` in ``dtype``, unless the program asked for a wider one.
+
+    A ``preferred_element_type`` wider than the dot's traced floating inputs
+    (``bf16 x bf16 -> f32``, as ``jax.nn.dot_product_attention`` writes its
+    logits) was chosen on purpose and is kept; one equal to the inputs'
+    dtype (what ``jnp.matmul`` fills in) follows the inputs to ``dtype``.
+    """
+    params = eqn.params
+    pet = params.get("preferred_element_type")
+    if pet is None or not _is_float(pet):
+        return params
+    traced = max(np.dtype(eqn.invars[i].aval.dtype).itemsize for i in float_in)
+    if np.dtype(pet).itemsize > traced:
+        return params
+    return {**params, "preferred_element_type": ctx.dtype}
+
+
+def _eval_eqn(
+    eqn: Any, invals: list, kinds: list, ctx: _Context, feeds_float32: bool = False
+) -> tuple[list, list]:
     name = eqn.primitive.name
     if ctx.as_traced:
-        return _as_traced(eqn, invals, ctx, "disabled")
+        return _as_traced(eqn, invals, kinds, ctx, "disabled")
     handler = _HIGHER_ORDER.get(name)
     if handler is not None:
         if ctx.recorder is not None:
             ctx.recorder.add(name, "recurse", "-")
-        return handler(eqn, invals, inweak, ctx)
+        return handler(eqn, invals, kinds, ctx)
     if name == "convert_element_type":
-        return _convert_element_type(eqn, invals, inweak, ctx)
-    rule = RULES.get(name)
+        return _convert_element_type(eqn, invals, kinds, ctx)
+    rule = _rule_of(eqn)
     if rule is None:
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
-        return _as_traced(eqn, invals, ctx, "unknown")
-    if name == "integer_pow":
-        rule = _integer_pow_rule(eqn)
+        return _as_traced(eqn, invals, kinds, ctx, "unknown")
     if rule == AS_TRACED:
-        return _as_traced(eqn, invals, ctx, rule)
+        return _as_traced(eqn, invals, kinds, ctx, rule)
 
     float_in = [i for i, x in enumerate(invals) if _is_float(x.dtype)]
     params = eqn.params
     vals = list(invals)
     if rule == LOWER and float_in and all(np.dtype(invals[i].dtype) in _ELIGIBLE for i in float_in):
         for i in float_in:
-            vals[i] = _cast(vals[i], ctx.dtype)
-        if params.get("preferred_element_type") is not None and _is_float(
-            params["preferred_element_type"]
-        ):
-            params = {**params, "preferred_element_type": ctx.dtype}
+            vals[i] = _cast_input(vals[i], ctx.dtype, kinds[i])
+        params = _lower_params(eqn, float_in, ctx)
     elif rule == FLOAT32:
         for i in float_in:
             if np.dtype(vals[i].dtype) in _ELIGIBLE:
                 vals[i] = _cast(vals[i], _FLOAT32_DTYPE)
     elif rule in (PROMOTE, LOWER) and float_in:  # LOWER with float64: promote
-        strong = [i for i in float_in if not inweak[i]] or float_in
+        strong = [i for i in float_in if kinds[i] != _LITERAL] or float_in
         target = _widest([invals[i].dtype for i in strong])
+        if feeds_float32 and name in _ARITHMETIC:
+            # The operand of exp/log/sum/div...: computed in float32 from its
+            # half-precision inputs, as torch upcasts softmax's input before
+            # subtracting the max (see the module docstring).
+            target = _widest([target, _FLOAT32_DTYPE])
         for i in float_in:
-            vals[i] = _cast(vals[i], target)
+            vals[i] = _cast_input(vals[i], target, kinds[i])
     outs = _bind(eqn, vals, params)
     _record(ctx, eqn, rule, vals, outs)
-    weak_out = bool(invals) and all(inweak)
-    return outs, [weak_out] * len(outs)
+    kind = min(kinds) if kinds else _CONST
+    return outs, [kind] * len(outs)
 
 
-def _convert_element_type(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _convert_element_type(eqn: Any, invals: list, kinds: list, ctx: _Context):
     (x,) = invals
     new_dtype = eqn.params["new_dtype"]
     if eqn.invars[0].aval.dtype == new_dtype and _is_float(new_dtype):
         # A no-op in the traced program (at most a weak-type change): keep the
         # autocast dtype instead of undoing it.
         _record(ctx, eqn, "no-op cast", [x], [x])
-        return [x], [inweak[0]]
+        return [x], [kinds[0]]
     outs = _bind(eqn, [x])  # the user's own cast: honoured
     _record(ctx, eqn, "cast", outs, outs)
-    return outs, [inweak[0]]
+    return outs, [kinds[0]]
 
 
 # ---------------------------------------------------------------------------
@@ -443,25 +567,25 @@ def _convert_element_type(eqn: Any, invals: list, inweak: list, ctx: _Context):
 # ---------------------------------------------------------------------------
 
 
-def _call(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _call(eqn: Any, invals: list, kinds: list, ctx: _Context):
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return _eval_closed(closed, invals, inweak, ctx)
+    return _eval_closed(closed, invals, kinds, ctx)
 
 
-def _remat(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _remat(eqn: Any, invals: list, kinds: list, ctx: _Context):
     params = eqn.params
 
     def body(*xs: Any) -> list:
-        return _eval_closed(params["jaxpr"], xs, inweak, ctx)[0]
+        return _eval_closed(params["jaxpr"], xs, kinds, ctx)[0]
 
     fn = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )
     outs = fn(*invals)
-    return list(outs), [False] * len(outs)
+    return list(outs), [_TRACED] * len(outs)
 
 
-def _scan(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _scan(eqn: Any, invals: list, kinds: list, ctx: _Context):
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts = invals[:n_consts]
@@ -471,10 +595,10 @@ def _scan(eqn: Any, invals: list, inweak: list, ctx: _Context):
         for x, d in zip(invals[n_consts : n_consts + n_carry], carry_dtypes, strict=True)
     ]
     xs = invals[n_consts + n_carry :]
-    weak = [*inweak[:n_consts], *([False] * n_carry), *inweak[n_consts + n_carry :]]
+    body_kinds = [*kinds[:n_consts], *([_TRACED] * n_carry), *kinds[n_consts + n_carry :]]
 
     def body(carry: list, x: list) -> tuple[list, list]:
-        outs, _ = _eval_closed(p["jaxpr"], [*consts, *carry, *x], weak, ctx)
+        outs, _ = _eval_closed(p["jaxpr"], [*consts, *carry, *x], body_kinds, ctx)
         new_carry = [_strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
         return new_carry, outs[n_carry:]
 
@@ -482,55 +606,55 @@ def _scan(eqn: Any, invals: list, inweak: list, ctx: _Context):
         body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1)
     )
     outs = [*carry, *ys]
-    return outs, [False] * len(outs)
+    return outs, [_TRACED] * len(outs)
 
 
-def _while(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _while(eqn: Any, invals: list, kinds: list, ctx: _Context):
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
     carry_dtypes = [v.aval.dtype for v in eqn.invars[nc + nb :]]
     init = [_strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
     n_carry = len(init)
-    cond_weak = [*inweak[:nc], *([False] * n_carry)]
-    body_weak = [*inweak[nc : nc + nb], *([False] * n_carry)]
+    cond_kinds = [*kinds[:nc], *([_TRACED] * n_carry)]
+    body_kinds = [*kinds[nc : nc + nb], *([_TRACED] * n_carry)]
 
     def cond_fun(carry: list) -> Any:
-        return _eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_weak, ctx)[0][0]
+        return _eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds, ctx)[0][0]
 
     def body_fun(carry: list) -> list:
-        outs, _ = _eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_weak, ctx)
+        outs, _ = _eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_kinds, ctx)
         return [_strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
 
     outs = lax.while_loop(cond_fun, body_fun, init)
-    return list(outs), [False] * len(outs)
+    return list(outs), [_TRACED] * len(outs)
 
 
-def _cond(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _cond(eqn: Any, invals: list, kinds: list, ctx: _Context):
     index, ops = invals[0], invals[1:]
     out_dtypes = [v.aval.dtype for v in eqn.outvars]
 
     def branch(closed: Any, *xs: Any) -> list:
-        outs, _ = _eval_closed(closed, xs, inweak[1:], ctx)
+        outs, _ = _eval_closed(closed, xs, kinds[1:], ctx)
         return [_strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
 
     fns = [functools.partial(branch, b) for b in eqn.params["branches"]]
     outs = lax.switch(index, fns, *ops)
-    return list(outs), [False] * len(outs)
+    return list(outs), [_TRACED] * len(outs)
 
 
-def _custom_primal(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _custom_primal(eqn: Any, invals: list, kinds: list, ctx: _Context):
     """The body under the rules, as a closed jaxpr, plus its output dtypes."""
 
     def primal(*xs: Any) -> list:
-        return _eval_closed(eqn.params["call_jaxpr"], xs, inweak, ctx)[0]
+        return _eval_closed(eqn.params["call_jaxpr"], xs, kinds, ctx)[0]
 
     traced = jax.make_jaxpr(primal)(*invals)
     body = jex_core.jaxpr_as_fun(traced)
     return (lambda *xs: tuple(body(*xs))), [a.dtype for a in traced.out_avals]
 
 
-def _custom_jvp(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _custom_jvp(eqn: Any, invals: list, kinds: list, ctx: _Context):
     """custom_jvp: the body and the jvp rule both evaluated with the rules.
 
     The primal runs the body under the rules. The jvp rule is JAX's jvp of the
@@ -543,7 +667,7 @@ def _custom_jvp(eqn: Any, invals: list, inweak: list, ctx: _Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     n, m = len(in_avals), len(out_avals)
-    primal, out_dtypes = _custom_primal(eqn, invals, inweak, ctx)
+    primal, out_dtypes = _custom_primal(eqn, invals, kinds, ctx)
     fun = jax.custom_jvp(primal)
 
     def original_jvp(*args: Any) -> list:
@@ -561,8 +685,9 @@ def _custom_jvp(eqn: Any, invals: list, inweak: list, ctx: _Context):
             *map(_sds, in_avals), *(_sds(in_avals[i]) for i in diff_in)
         )
         args = [*primals, *(tangents[i] for i in diff_in)]
-        weak = [*inweak, *(inweak[i] for i in diff_in)]
-        outs, _ = _eval_closed(traced, args, weak, ctx)
+        # A tangent is never a constant; a literal's (zero) tangent follows.
+        tangent_kinds = [kinds[i] if kinds[i] == _LITERAL else _TRACED for i in diff_in]
+        outs, _ = _eval_closed(traced, args, [*kinds, *tangent_kinds], ctx)
         p_out = tuple(_cast(x, d) for x, d in zip(outs[:m], out_dtypes, strict=True))
         t_iter = iter(outs[m:])
         t_out = tuple(
@@ -572,10 +697,10 @@ def _custom_jvp(eqn: Any, invals: list, inweak: list, ctx: _Context):
         return p_out, t_out
 
     outs = fun(*invals)
-    return list(outs), [False] * len(outs)
+    return list(outs), [_TRACED] * len(outs)
 
 
-def _custom_vjp(eqn: Any, invals: list, inweak: list, ctx: _Context):
+def _custom_vjp(eqn: Any, invals: list, kinds: list, ctx: _Context):
     """custom_vjp: body, forward and backward passes all evaluated with the rules.
 
     The forward pass is ``jax.vjp`` of the original call (so the user's ``fwd``
@@ -589,7 +714,7 @@ def _custom_vjp(eqn: Any, invals: list, inweak: list, ctx: _Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     in_dtypes = [x.dtype for x in invals]
-    primal, out_dtypes = _custom_primal(eqn, invals, inweak, ctx)
+    primal, out_dtypes = _custom_primal(eqn, invals, kinds, ctx)
     fun = jax.custom_vjp(primal)
 
     def original_vjp(*primals: Any) -> tuple:
@@ -598,7 +723,7 @@ def _custom_vjp(eqn: Any, invals: list, inweak: list, ctx: _Context):
     def fwd(*xs: Any) -> tuple[tuple, Any]:
         traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*map(_sds, in_avals))
         leaves, tree = jax.tree_util.tree_flatten(shapes)
-        outs, _ = _eval_closed(traced, xs, inweak, ctx)
+        outs, _ = _eval_closed(traced, xs, kinds, ctx)
         outs = [_cast(x, s.dtype) for x, s in zip(outs, leaves, strict=True)]
         p_out, pullback = jax.tree_util.tree_unflatten(tree, outs)
         return tuple(_cast(x, d) for x, d in zip(p_out, out_dtypes, strict=True)), pullback
@@ -621,7 +746,7 @@ def _custom_vjp(eqn: Any, invals: list, inweak: list, ctx: _Context):
             *(_sds(out_avals[j]) for j in diff_out),
         )
         args = [*res, *(cts[j] for j in diff_out)]
-        outs, _ = _eval_closed(traced, args, [False] * len(args), ctx)
+        outs, _ = _eval_closed(traced, args, [_TRACED] * len(args), ctx)
         it = iter(outs)
         return tuple(
             _cast(next(it), in_dtypes[i]) if i in diff_in else _float0_zeros(a)
@@ -630,7 +755,7 @@ def _custom_vjp(eqn: Any, invals: list, inweak: list, ctx: _Context):
 
     fun.defvjp(fwd, bwd)
     outs = fun(*invals)
-    return list(outs), [False] * len(outs)
+    return list(outs), [_TRACED] * len(outs)
 
 
 _HIGHER_ORDER: dict[str, Callable[..., tuple[list, list]]] = {
@@ -684,23 +809,39 @@ def _check_fun(fun: Any, name: str) -> None:
         )
 
 
+_HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
+
+
+def _low_dtype(value: Any, what: str) -> np.dtype:
+    dtype = _parse_dtype(value, what)
+    if dtype not in _HALF:
+        raise ValueError(
+            f"Expected float16 or bfloat16 for {what} of jamp.autocast (its low-precision "
+            f"dtype), got {dtype.name} instead. To run a function as written, use "
+            "enabled=False or call it directly."
+        )
+    return dtype
+
+
 def _resolve(dtype: Any, policy: Any) -> tuple[np.dtype, Policy | None]:
-    low = parse_dtype(dtype, "dtype")
+    """The low-precision dtype and the policy; ``dtype=None`` means "not given"."""
     if policy is None:
-        return low, None
+        return (_DEFAULT if dtype is None else _low_dtype(dtype, "`dtype`")), None
     if not isinstance(policy, (Policy, str)):
         raise TypeError(
             "Expected a jamp.Policy or a policy string such as 'p=f32,c=bf16,o=f32' for "
             f"`policy`, got {policy!r} (type {type(policy).__name__}) instead."
         )
+    low = None if dtype is None else _low_dtype(dtype, "`dtype`")
     policy = get_policy(policy)
-    if low != np.dtype(jnp.bfloat16) and low != policy.compute_dtype:
+    compute = _low_dtype(policy.compute_dtype, "the compute dtype of `policy`")
+    if low is not None and low != compute:
         raise ValueError(
-            f"Expected `dtype` to be left at its default or to equal the policy's compute "
-            f"dtype {policy.compute_dtype.name}, got {low.name} instead: with a policy, "
-            "its compute_dtype is the low-precision dtype."
+            f"Expected `dtype` to be left out or to equal the policy's compute dtype "
+            f"{compute.name}, got {low.name} instead: with a policy, its compute_dtype is "
+            "the low-precision dtype."
         )
-    return policy.compute_dtype, policy
+    return compute, policy
 
 
 def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: _Recorder | None):
@@ -717,7 +858,7 @@ def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: _Re
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         with jax.named_scope(_SCOPE_AUTOCAST):
-            outs, _ = _eval_closed(closed, dynamic, [False] * len(dynamic), ctx)
+            outs, _ = _eval_closed(closed, dynamic, [_TRACED] * len(dynamic), ctx)
             final = []
             for x, shape in zip(outs, out_leaves, strict=True):
                 target = shape.dtype
@@ -731,7 +872,7 @@ def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: _Re
 
 def autocast(
     fun: Callable,
-    dtype: Any = jnp.bfloat16,
+    dtype: Any = None,
     *,
     policy: Policy | str | None = None,
     enabled: bool = True,
@@ -744,12 +885,17 @@ def autocast(
     ``jamp/_src/autocast.py``, explained in ``docs/autocast.md``):
 
     * ``dot_general`` and ``conv_general_dilated`` (every matmul, einsum,
-      Dense and Conv layer) run in ``dtype``, output included;
-    * exp, log, pow, rsqrt, sums, cumulative sums, divisions, ... run in
-      float32, so softmax, log-softmax, logsumexp, layer/group norm, mean,
-      variance and losses are computed in float32;
+      Dense and Conv layer) run in ``dtype``, output included (a
+      ``preferred_element_type`` wider than the traced inputs is kept);
+    * exp, log, pow, rsqrt, sums (window sums too), cumulative sums,
+      divisions, FFTs and linear algebra run in float32, and so does the
+      add/sub/mul producing their operand (``x - max(x)`` in softmax), so
+      softmax, log-softmax, logsumexp, layer/group norm, mean, variance and
+      losses are computed in float32 from their (possibly ``dtype``) inputs;
     * every other floating primitive runs in the widest floating dtype of its
-      inputs; integers are never touched;
+      inputs; integers are never touched; constants that autocast narrows
+      (a ``jnp.finfo(jnp.float32).min`` mask fill) saturate to ``dtype``'s
+      finite range instead of becoming infinite;
     * primitives the table does not know run as traced (float32 for a float32
       program); :func:`autocast_report` lists them.
 
@@ -767,13 +913,14 @@ def autocast(
 
     Args:
       fun: the function to transform.
-      dtype: the low-precision floating dtype, usually ``jnp.bfloat16`` (the
-        default) or ``jnp.float16``; the short names of
-        :func:`jamp.get_policy` (``"bf16"``, ``"f16"``, ``"half"``) work too.
+      dtype: the low-precision dtype: ``jnp.bfloat16`` (the default) or
+        ``jnp.float16``; the short names of :func:`jamp.get_policy`
+        (``"bf16"``, ``"f16"``, ``"half"``) work too. Left out (``None``) it
+        is bfloat16, or the policy's compute dtype.
       policy: optional :class:`jamp.Policy` or policy string. Its
-        ``compute_dtype`` is the low-precision dtype (``dtype`` must then be
-        left at its default or agree) and its ``output_dtype`` the dtype of
-        the floating outputs.
+        ``compute_dtype`` (float16 or bfloat16) is the low-precision dtype
+        (``dtype`` must then be left out or agree) and its ``output_dtype``
+        the dtype of the floating outputs.
       enabled: ``False`` returns ``autocast_disabled(fun)``: ``fun`` runs as
         written, even inside another autocast function.
 
@@ -781,10 +928,13 @@ def autocast(
       A function with the signature of ``fun``.
 
     Raises:
-      TypeError: ``fun`` is not callable, ``dtype`` is not a floating dtype,
-        or ``policy`` is neither a ``Policy`` nor a string.
-      ValueError: an unknown policy string, or ``dtype`` disagrees with
-        ``policy``.
+      TypeError: ``fun`` is not callable, ``dtype`` is not a dtype or not a
+        floating one (``jnp.int32``, ``"int32"``), or ``policy`` is neither a
+        ``Policy`` nor a string.
+      ValueError: ``dtype`` (or the policy's compute dtype) is a floating
+        dtype other than float16 and bfloat16 (``jnp.float32``,
+        ``jnp.float8_e4m3fn``) or a name that is no dtype (``"fp8"``); an
+        invalid policy string; or ``dtype`` disagrees with ``policy``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
@@ -844,10 +994,34 @@ def autocast_disabled(fun: Callable) -> Callable:
     return wrapped
 
 
+def _check_report_keywords(fun: Callable, args: tuple, kwargs: dict, **own: Any) -> None:
+    """A clear error when ``fun`` needs a ``dtype``/``policy`` the report took."""
+    try:
+        signature = inspect.signature(fun)
+        bound = signature.bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature, or a call error fun will report
+        return
+    for name, value in own.items():
+        param = signature.parameters.get(name)
+        if (
+            value is not None
+            and param is not None
+            and param.kind in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY)
+            and param.default is param.empty
+            and name not in bound
+        ):
+            raise TypeError(
+                f"Expected the argument `{name}` of `fun` to be given, got only "
+                f"autocast_report's own `{name}=` (the autocast {name}) instead. Bind "
+                f"fun's argument first: jamp.autocast_report(functools.partial(fun, "
+                f"{name}=...), *args, {name}=...)."
+            )
+
+
 def autocast_report(
     fun: Callable,
     *args: Any,
-    dtype: Any = jnp.bfloat16,
+    dtype: Any = None,
     policy: Policy | str | None = None,
     **kwargs: Any,
 ) -> AutocastReport:
@@ -858,15 +1032,26 @@ def autocast_report(
     primitives the table does not know (they ran as traced). It is the tool to
     reach for when numerics look wrong under autocast.
 
+    ``dtype=`` and ``policy=`` always belong to the report, never to ``fun``.
+    To pass ``fun`` keyword arguments with those names, bind them first:
+    ``autocast_report(functools.partial(fun, dtype=jnp.int32), x,
+    dtype=jnp.float16)``. When ``fun`` requires such an argument and only the
+    report's keyword is given, a ``TypeError`` says so.
+
     Args:
       fun: the function, as it would be passed to :func:`autocast`.
       *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
       dtype: the low-precision dtype, as in :func:`autocast`.
       policy: optional policy, as in :func:`autocast`.
-      **kwargs: its keyword arguments.
+      **kwargs: its other keyword arguments.
 
     Returns:
       An :class:`AutocastReport`; ``print`` it for a table.
+
+    Raises:
+      TypeError: as :func:`autocast`, or ``fun`` requires an argument named
+        ``dtype`` or ``policy`` that only the report's own keyword supplies.
+      ValueError: as :func:`autocast`.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
@@ -876,6 +1061,7 @@ def autocast_report(
       ({'float16': 1}, {'float32': 1})
     """
     _check_fun(fun, "autocast_report")
+    _check_report_keywords(fun, args, kwargs, dtype=dtype, policy=policy)
     low, policy = _resolve(dtype, policy)
     recorder = _Recorder()
     wrapped = _autocast(fun, low, policy, recorder)

@@ -15,12 +15,18 @@ of a Flax module) and is built either directly or from a short string with
     "mixed_bfloat16"              # p=f32,c=bf16,o=f32
 
 Unlike jmp, every input is validated when the policy is built, with a message
-that names the argument and lists what is accepted.
+that names the argument and lists what is accepted. The same rule holds for
+every entry point (``parse_dtype``, ``Policy``, ``get_policy`` and
+``jamp.autocast``'s ``dtype``): a value that is not a dtype, or a non-floating
+dtype (``jnp.int32``, ``"int32"``), raises ``TypeError``; a name that is no
+dtype (``"fp8"``) or an unsupported floating dtype (``"float8_e5m2"``) raises
+``ValueError``. Supported are float16, bfloat16, float32 and float64.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import jax
@@ -78,50 +84,102 @@ def _describe(value: Any) -> str:
     return repr(value) if isinstance(value, str) else f"{value!r} (type {type(value).__name__})"
 
 
-def parse_dtype(value: Any, argname: str = "dtype") -> np.dtype:
-    """A floating ``np.dtype`` from a dtype-like or one of the short names.
+# The dtypes a policy may hold. float8 and narrower formats need per-tensor
+# scaling that jamp does not do, so they are rejected rather than silently used.
+_SUPPORTED = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
+_SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
 
-    Args:
-      value: a dtype (``jnp.bfloat16``, ``np.dtype("float32")``, ...) or a
-        name: ``bf16``/``bfloat16``, ``f16``/``float16``, ``f32``/``float32``/
-        ``full``, ``f64``/``float64`` or ``half``.
-      argname: the argument name used in error messages.
 
-    Returns:
-      The ``np.dtype``.
+def _named(text: str) -> np.dtype | None:
+    """The dtype a string names, or None.
 
-    Raises:
-      TypeError: ``value`` is not a dtype, or is not a floating dtype.
-
-    Examples:
-      >>> import jamp
-      >>> jamp.parse_dtype("bf16")
-      dtype(bfloat16)
+    The short names above, or a dtype's full name (``"int32"``,
+    ``"float8_e5m2"``); NumPy's codes and aliases (``"f4"``, ``"p"``) are not
+    names.
     """
+    key = text.strip().lower()
+    if key in _DTYPE_NAMES:
+        found = _DTYPE_NAMES[key]
+        return half_dtype() if found is None else np.dtype(found)
+    try:
+        with warnings.catch_warnings():  # NumPy deprecates some one-letter aliases
+            warnings.simplefilter("ignore")
+            dtype = np.dtype(key)
+    except TypeError:
+        return None
+    return dtype if dtype.name == key else None
+
+
+def _parse(value: Any, what: str) -> np.dtype:
+    """parse_dtype with ``what`` (e.g. "`dtype`") naming the argument in messages.
+
+    One rule for every entry point: a value that is not a dtype at all, or a
+    non-floating dtype (given as an object or by name, e.g. ``'int32'``), is a
+    ``TypeError``; a string naming no dtype (``'fp8'``) or a floating dtype
+    jamp does not support (``float8_e4m3fn``) is a ``ValueError``.
+    """
+    dtype = None
     if isinstance(value, str):
-        key = value.strip().lower()
-        if key in _DTYPE_NAMES:
-            found = _DTYPE_NAMES[key]
-            return half_dtype() if found is None else np.dtype(found)
-    if isinstance(value, bool) or value is None:
-        dtype = None
-    else:
+        dtype = _named(value)
+        if dtype is None:
+            raise ValueError(
+                f"Expected a dtype name for {what}, one of {sorted(_DTYPE_NAMES)} (or a dtype "
+                f"such as jnp.bfloat16), got {value!r} instead."
+            )
+    elif not (isinstance(value, bool) or value is None):
         try:
             dtype = np.dtype(value)
         except TypeError:
             dtype = None
     if dtype is None:
         raise TypeError(
-            f"Expected a floating dtype for `{argname}` (such as jnp.bfloat16, jnp.float16, "
+            f"Expected a floating dtype for {what} (such as jnp.bfloat16, jnp.float16, "
             f"jnp.float32, or one of {sorted(_DTYPE_NAMES)}), got {_describe(value)} instead."
         )
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(
-            f"Expected a floating dtype for `{argname}` (such as jnp.bfloat16, jnp.float16 or "
+            f"Expected a floating dtype for {what} (such as jnp.bfloat16, jnp.float16 or "
             f"jnp.float32), got {dtype.name} instead. Integer, boolean and complex dtypes "
             "cannot be used for mixed precision."
         )
+    if dtype not in _SUPPORTED:
+        raise ValueError(
+            f"Expected one of {_SUPPORTED_NAMES} for {what}, got {dtype.name} instead. "
+            "Narrower floating formats such as float8 need per-tensor scaling, which jamp's "
+            "policies and autocast do not do."
+        )
     return dtype
+
+
+def parse_dtype(value: Any, argname: str = "dtype") -> np.dtype:
+    """A supported floating ``np.dtype`` from a dtype-like or one of the short names.
+
+    Supported are float16, bfloat16, float32 and float64, given as dtypes
+    (``jnp.bfloat16``, ``np.dtype("float32")``, ...) or by the names below.
+
+    Args:
+      value: a dtype or a name: ``bf16``/``bfloat16``, ``f16``/``float16``,
+        ``f32``/``float32``/``full``, ``f64``/``float64`` or ``half``
+        (float16, or bfloat16 on TPU). Case and surrounding spaces are ignored.
+      argname: the argument name used in error messages.
+
+    Returns:
+      The ``np.dtype``.
+
+    Raises:
+      TypeError: ``value`` is not a dtype (``None``, ``3``, ...), or is a
+        non-floating dtype, given as an object or a name (``jnp.int32``,
+        ``"int32"``, ``jnp.complex64``).
+      ValueError: ``value`` is a string that names no dtype (``"fp8"``), or a
+        floating dtype other than the four supported (``"float8_e5m2"``,
+        ``jnp.float8_e4m3fn``).
+
+    Examples:
+      >>> import jamp
+      >>> jamp.parse_dtype("bf16")
+      dtype(bfloat16)
+    """
+    return _parse(value, f"`{argname}`")
 
 
 def _cast_tree(tree: Any, dtype: np.dtype) -> Any:
@@ -216,9 +274,12 @@ def get_policy(spec: str | Policy) -> Policy:
       The :class:`Policy`.
 
     Raises:
-      TypeError: ``spec`` is neither a string nor a ``Policy``.
-      ValueError: an unknown key or dtype name, a repeated key, or an empty
-        string; the message lists the valid names.
+      TypeError: ``spec`` is neither a string nor a ``Policy``, or it names a
+        non-floating dtype (``"c=int32"``), as :func:`jamp.parse_dtype` does.
+      ValueError: an unknown key or dtype name (``"c=fp8"``), a floating dtype
+        other than float16, bfloat16, float32 and float64
+        (``"c=float8_e5m2"``), a repeated key, or an empty string; the
+        message lists the valid names.
 
     Examples:
       >>> import jamp
@@ -242,12 +303,7 @@ def get_policy(spec: str | Policy) -> Policy:
     valid_policies = sorted(_NAMED_POLICIES)
 
     def dtype_of(name: str, what: str) -> np.dtype:
-        if name not in _DTYPE_NAMES:
-            raise ValueError(
-                f"Expected a dtype name for {what} in policy {spec!r}, one of {valid_dtypes}, "
-                f"got {name!r} instead."
-            )
-        return parse_dtype(name, what)
+        return _parse(name, f"{what} in policy {spec!r}")
 
     if not text:
         raise ValueError(
@@ -255,12 +311,12 @@ def get_policy(spec: str | Policy) -> Policy:
             f"{valid_policies}, or a dtype name in {valid_dtypes}, got {spec!r} instead."
         )
     if "=" not in text and "," not in text:
-        if text not in _DTYPE_NAMES:
+        if _named(text) is None:
             raise ValueError(
                 f"Expected a policy string such as 'p=f32,c=bf16,o=f32', a named policy in "
                 f"{valid_policies} or a dtype name in {valid_dtypes}, got {spec!r} instead."
             )
-        dtype = dtype_of(text, "the policy")
+        dtype = dtype_of(text, "the dtype")
         return Policy(dtype, dtype, dtype)
 
     found: dict[str, np.dtype] = {}
