@@ -446,3 +446,14 @@ def test_scale_always_within_bounds(flags, init, growth, backoff, interval):
     for f in flags:
         s = jamp.update(s, jnp.asarray(f))
         assert s.min_scale <= float(s.scale) <= s.max_scale
+
+
+def test_numpy_scalars_keep_their_dtype_python_floats_become_float32():
+    state = jamp.dynamic_loss_scale(4.0)
+    with jax.enable_x64(True):
+        for fn in (jamp.scale, jamp.unscale):
+            assert fn(state, np.float64(1.5)).dtype == jnp.float64
+            assert fn(state, np.complex128(1.5)).dtype == jnp.complex128
+            assert fn(state, 1.5).dtype == jnp.float32  # a Python float: float32, as in torch
+            assert fn(state, np.float32(1.5)).dtype == jnp.float32
+        assert float(jamp.scale(state, np.float64(1.5))) == 6.0

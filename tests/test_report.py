@@ -4,6 +4,7 @@ import logging
 
 import hypothesis.extra.numpy as hnp
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -242,3 +243,92 @@ def test_metrics_from_train_state_and_nnx():
 def test_metrics_error_without_state():
     with pytest.raises(ValueError, match=r"found none"):
         jamp.metrics(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+
+
+# ---------------------------------------------------------------- review fixes
+
+
+def test_complex_entries_are_counted_once():
+    values = [complex(np.inf, 0), complex(0, np.nan), complex(np.inf, np.nan), 1 + 1j]
+    v = jnp.array(values, jnp.complex64)
+    r = jax.jit(jamp.nonfinite_report)(v)
+    assert (int(r.inf), int(r.nan)) == (1, 2)  # inf+nanj is one NaN entry
+
+
+def test_leaves_past_int32_offsets_are_not_sliced_by_element():
+    """A dynamic slice's element offset is an int32: past 2**31 elements a leaf
+    is counted by whole chunks (a view) or in one reduction, never by offsets
+    that would wrap (traced only: no 2 GB array is made)."""
+    for n, chunked in [(2**31, True), (2**31 + 2**17 + 3, False)]:
+        jaxpr = jax.make_jaxpr(jamp.nonfinite_report)(jax.ShapeDtypeStruct((n,), jnp.float8_e5m2))
+        text = str(jaxpr)
+        assert ("dynamic_slice" in text) == chunked, n
+        if chunked:
+            assert "f8_e5m2[32768,65536]" in text
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_log_under_vmap_calls_back_only_when_a_member_overflows(caplog, nested):
+    """A cond on a batched flag becomes a select, whose callback would run on
+    every step for every member; jamp calls back once, only when one fires."""
+    grads = {"w": jnp.ones((4, 3))}
+    fn = jax.vmap(lambda g: jamp.log_nonfinite(g, prefix="ens: "))
+    if nested:
+        fn = jax.vmap(fn)
+        grads = {"w": jnp.ones((2, 4, 3))}
+    fn = jax.jit(fn)
+    with caplog.at_level(logging.WARNING, logger="jamp"):
+        assert bool(jnp.all(fn(grads)))
+        jax.effects_barrier()
+        assert not caplog.records
+        bad = jax.tree.map(lambda a: a.at[(1, 2, 0) if nested else (2, 0)].set(jnp.inf), grads)
+        finite = fn(bad)
+        jax.effects_barrier()
+    expected = np.ones(finite.shape, bool)
+    expected[(1, 2) if nested else 2] = False
+    np.testing.assert_array_equal(np.asarray(finite), expected)
+    member = "(1, 2)" if nested else "2"
+    assert [r.getMessage() for r in caplog.records] == [
+        f"ens: vmap member {member}: non-finite values in w: 1 inf, 0 nan"
+    ]
+
+
+def test_log_under_vmap_has_no_callback_outside_a_cond():
+    jaxpr = jax.make_jaxpr(jax.vmap(jamp.log_nonfinite))({"w": jnp.ones((4, 3))})
+
+    def callbacks_outside_cond(j):
+        n = 0
+        for eqn in j.eqns:
+            if eqn.primitive.name == "debug_callback":
+                n += 1
+            elif eqn.primitive.name != "cond":
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    n += callbacks_outside_cond(sub)
+        return n
+
+    assert callbacks_outside_cond(jaxpr.jaxpr) == 0
+
+
+def test_prefix_must_be_a_str():
+    with pytest.raises(TypeError, match=r"`prefix` to be a str"):
+        jax.jit(lambda g, s: jamp.log_nonfinite(g, prefix=s))({"w": jnp.ones(2)}, jnp.int32(3))
+
+
+def test_retries_stop_at_min_scale():
+    vg = jamp.value_and_grad(lambda w: jnp.sum(w) * jnp.nan, max_retries=1000)
+    out = jax.jit(vg)(jamp.dynamic_loss_scale(2.0**10, min_scale=2.0**6), jnp.ones(2))
+    assert not bool(out.finite) and int(out.retries) == 4  # 2**10 -> 2**6, then no more
+    assert float(out.loss_scale.scale) == 2.0**6
+
+
+def test_every_failed_retry_ignores_hysteresis_the_last_too():
+    vg = jamp.value_and_grad(lambda w: jnp.sum(w) * jnp.nan, max_retries=3)
+    out = jax.jit(vg)(jamp.dynamic_loss_scale(2.0**16, hysteresis=3), jnp.ones(2))
+    assert int(out.retries) == 3
+    assert float(out.loss_scale.scale) == 2.0**12  # four failed attempts, four backoffs
+
+
+def test_has_aux_needs_a_pair():
+    vg = jamp.value_and_grad(lambda w: jnp.sum(w), has_aux=True)
+    with pytest.raises(TypeError, match=r"`fun` to return a pair \(loss, aux\)"):
+        vg(jamp.dynamic_loss_scale(), jnp.ones(2))

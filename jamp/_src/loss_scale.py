@@ -211,8 +211,11 @@ def dynamic_loss_scale(
       min_scale: lower bound of the scale, in [2**-126, 2**126].
       max_scale: upper bound of the scale, in [min_scale, 2**126].
       hysteresis: back off only on the ``hysteresis``-th non-finite step in a
-        row (and on every one after it), as Megatron and DeepSpeed do. Every
-        non-finite step is still reported and skipped. 1 is torch's rule.
+        row (and on every one after it), as DeepSpeed does with
+        ``consecutive_hysteresis=True``; a finite step starts the count over.
+        (Megatron-LM and DeepSpeed's default count non-finite steps since the
+        scale last grew.) Every non-finite step is still reported and
+        skipped. 1 is torch's rule.
 
     Returns:
       A :class:`LossScaleState`.
@@ -336,10 +339,16 @@ def _is_half(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
-def _scale_leaf(x: Any, s: jax.Array) -> Any:
-    if isinstance(x, (float, complex)):
+def _as_array(x: Any) -> jax.Array:
+    """A leaf as an array: a Python float as float32 (complex as complex64), as
+    in PyTorch; a NumPy scalar (``np.float64(1.5)``) keeps its dtype."""
+    if isinstance(x, (float, complex)) and not isinstance(x, np.generic):
         x = jnp.asarray(x, dtype=jnp.float32 if isinstance(x, float) else jnp.complex64)
-    x = jnp.asarray(x)
+    return jnp.asarray(x)
+
+
+def _scale_leaf(x: Any, s: jax.Array) -> Any:
+    x = _as_array(x)
     if _is_half(x.dtype):
         prod = x.astype(jnp.float32) * s
         # A 0-d half loss comes back float32 (torch's promotion of a 0-d
@@ -349,9 +358,7 @@ def _scale_leaf(x: Any, s: jax.Array) -> Any:
 
 
 def _unscale_leaf(x: Any, inv: jax.Array) -> Any:
-    if isinstance(x, (float, complex)):
-        x = jnp.asarray(x, dtype=jnp.float32 if isinstance(x, float) else jnp.complex64)
-    x = jnp.asarray(x)
+    x = _as_array(x)
     if _is_half(x.dtype):
         # torch: round_to_dtype(float(x) * inv_scale): float32 arithmetic, one rounding.
         return (x.astype(jnp.float32) * inv).astype(x.dtype)

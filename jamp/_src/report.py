@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -27,11 +28,15 @@ class NonfiniteCount(NamedTuple):
 # whole leaf through an int32 copy of it, which doubled a step's temporary
 # memory (allocated on every call, whether the report runs or not).
 _CHUNK = 1 << 16
+_MAX_OFFSET = 2**31 - 1  # an element offset is an int32
 
 
 def _count_flat(v: jax.Array) -> NonfiniteCount:
+    inf = jnp.isinf(v)
+    if jnp.issubdtype(v.dtype, jnp.complexfloating):
+        inf = inf & jnp.logical_not(jnp.isnan(v))  # inf+nanj is one entry, counted as nan
     return NonfiniteCount(
-        inf=jnp.sum(jnp.isinf(v), dtype=jnp.int32),
+        inf=jnp.sum(inf, dtype=jnp.int32),
         nan=jnp.sum(jnp.isnan(v), dtype=jnp.int32),
     )
 
@@ -50,10 +55,20 @@ def _count(path: Any, leaf: Any, transform: Transform = None) -> NonfiniteCount:
     full, rest = divmod(flat.size, _CHUNK)
     if full <= 1:
         return _count_flat(f(flat))
+    if rest == 0:
+        # A view of whole chunks (no copy), indexed by chunk: no element
+        # offset, which would pass int32 in a leaf of 2**31 elements or more.
+        chunks = flat.reshape(full, _CHUNK)
+        chunk_at = lambda i: lax.dynamic_index_in_dim(chunks, i, 0, keepdims=False)  # noqa: E731
+    elif flat.size <= _MAX_OFFSET:
+        chunk_at = lambda i: lax.dynamic_slice(flat, (i * _CHUNK,), (_CHUNK,))  # noqa: E731
+    else:
+        # Element offsets would pass int32, and a view of the whole chunks
+        # would be a copy: one reduction over the whole leaf instead.
+        return _count_flat(f(flat))
 
     def add(i: jax.Array, c: NonfiniteCount) -> NonfiniteCount:
-        chunk = _count_flat(f(lax.dynamic_slice(flat, (i * _CHUNK,), (_CHUNK,))))
-        return jax.tree.map(jnp.add, c, chunk)
+        return jax.tree.map(jnp.add, c, _count_flat(f(chunk_at(i))))
 
     # The first chunk starts the carry, so under shard_map it varies like the leaf.
     c = lax.fori_loop(1, full, add, _count_flat(f(flat[:_CHUNK])))
@@ -93,14 +108,56 @@ def _path_name(path: Any) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 
-def _emit(prefix: str, names: tuple[str, ...], infs: np.ndarray, nans: np.ndarray) -> None:
-    parts = [
-        f"{name}: {int(i)} inf, {int(n)} nan"
-        for name, i, n in zip(names, np.asarray(infs), np.asarray(nans), strict=True)
-        if int(i) or int(n)
-    ]
-    if parts:
-        logger.warning("%snon-finite values in %s", prefix, "; ".join(parts))
+def _emit(
+    prefix: str, names: tuple[str, ...], members: Any, infs: np.ndarray, nans: np.ndarray
+) -> None:
+    """One log line per firing member: one line, unless the report ran under ``vmap``.
+
+    ``members`` (bool, the ``vmap`` axes' shape, ``()`` outside ``vmap``) says
+    which members to log; ``infs`` and ``nans`` have those axes in front.
+    """
+    members, infs, nans = np.asarray(members), np.asarray(infs), np.asarray(nans)
+    for idx in np.ndindex(members.shape):
+        if not members[idx]:
+            continue
+        parts = [
+            f"{name}: {int(i)} inf, {int(n)} nan"
+            for name, i, n in zip(names, infs[idx], nans[idx], strict=True)
+            if int(i) or int(n)
+        ]
+        member = f"vmap member {idx[0] if len(idx) == 1 else idx}: " if idx else ""
+        if parts:
+            logger.warning("%s%snon-finite values in %s", prefix, member, "; ".join(parts))
+
+
+def _sender(prefix: str, names: tuple[str, ...]) -> Callable[..., jax.Array]:
+    """``send(fire, members, infs, nans)``: call back to the host only if ``fire``.
+
+    Under ``vmap`` a ``lax.cond`` on a batched predicate becomes a select that
+    runs both branches, so the callback would run on every step, once per
+    member. Here a batched call fires once, only if any member does, with
+    every member's counts; nested ``vmap``s recurse.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def send(fire: jax.Array, members: jax.Array, infs: jax.Array, nans: jax.Array) -> jax.Array:
+        def callback() -> None:
+            jax.debug.callback(functools.partial(_emit, prefix, names), members, infs, nans)
+
+        lax.cond(fire, callback, lambda: None)
+        return fire
+
+    @send.def_vmap
+    def _batched(axis_size: int, in_batched: list[bool], *args: jax.Array) -> Any:
+        args = tuple(
+            a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
+            for a, b in zip(args, in_batched, strict=True)
+        )
+        fire, members, infs, nans = args
+        out = send(jnp.any(fire), members, infs, nans)
+        return jnp.broadcast_to(out, (axis_size,)), True
+
+    return send
 
 
 def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str = "") -> jax.Array:
@@ -121,7 +178,8 @@ def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str =
       every: log only every ``every``-th overflow, counted by ``count``.
       count: an int scalar (e.g. ``opt_state.skipped_steps``) numbering the
         overflows; required when ``every > 1``.
-      prefix: text put in front of the message (a step number, a model name).
+      prefix: text put in front of the message (a model name, ``"grads: "``);
+        a str, fixed when the function is traced.
 
     Returns:
       A bool scalar: whether the tree was all finite.
@@ -136,6 +194,11 @@ def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str =
         raise ValueError(f"Expected `every` to be an int >= 1, got every={every!r} instead.")
     if every > 1 and count is None:
         raise ValueError("Expected `count` (an int scalar numbering overflows) when `every` > 1.")
+    if not isinstance(prefix, str):
+        raise TypeError(
+            f"Expected `prefix` to be a str, got {type(prefix).__name__} instead; a traced step "
+            "number cannot go into it (log it with jamp.metrics, or count=/every=)."
+        )
     return _log(tree, every=every, count=count, prefix=prefix)
 
 
@@ -158,8 +221,5 @@ def _log(
     if every > 1:
         fire = fire & (jnp.asarray(count) % every == 0)
 
-    def send() -> None:
-        jax.debug.callback(lambda i, n: _emit(prefix, names, i, n), infs, nans)
-
-    lax.cond(fire, send, lambda: None)
+    _sender(prefix, names)(fire, fire, infs, nans)
     return jnp.logical_not(bad)

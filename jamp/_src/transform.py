@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -455,7 +456,11 @@ def value_and_grad(
         backward pass, so it pays when overflows are rare and a batch is
         expensive to lose; with a static or disabled scale there is nothing
         to retry. Every failed attempt backs the scale off, ignoring
-        ``hysteresis``.
+        ``hysteresis``, and retrying stops at ``min_scale``. A NaN that is
+        not an overflow (bad data) fails at every scale, so it costs
+        ``max_retries`` passes and a scale ``2**(max_retries + 1)`` times
+        smaller. The loop is a ``lax.while_loop``: differentiate through
+        this function (``jax.grad`` of it) only with ``max_retries=0``.
 
     Returns:
       A function ``(loss_scale, *args, **kwargs) -> ScaledValueAndGrad``.
@@ -477,6 +482,11 @@ def value_and_grad(
 
     def scaled(state: ls.LossScaleState, *args: Any, **kwargs: Any) -> Any:
         out = fun(*args, **kwargs)
+        if has_aux and not (isinstance(out, tuple) and len(out) == 2):
+            raise TypeError(
+                "Expected `fun` to return a pair (loss, aux) with has_aux=True, got "
+                f"{type(out).__name__} instead."
+            )
         loss, aux = out if has_aux else (out, None)
         return ls.scale(state, loss), (loss, aux)
 
@@ -501,8 +511,10 @@ def value_and_grad(
         if max_retries and loss_scale.is_dynamic:
 
             def cond(carry: tuple) -> jax.Array:
-                retries, _, (_, _, _, finite) = carry
-                return jnp.logical_not(finite) & (retries < max_retries)
+                retries, state, (_, _, _, finite) = carry
+                # At min_scale a retry would compute the same thing again.
+                above_min = state.scale > jnp.float32(state.min_scale)
+                return jnp.logical_not(finite) & (retries < max_retries) & above_min
 
             def body(carry: tuple) -> tuple:
                 retries, state, _ = carry
@@ -512,12 +524,19 @@ def value_and_grad(
             retries, loss_scale, (loss, aux, grads, finite) = lax.while_loop(
                 cond, body, (retries, loss_scale, (loss, aux, grads, finite))
             )
+        new_scale = ls.update(loss_scale, finite)
+        if max_retries and loss_scale.is_dynamic:
+            # The last failed attempt backs off too, ignoring hysteresis.
+            backed_off = ls.backoff(loss_scale).scale
+            new_scale = dataclasses.replace(
+                new_scale, scale=jnp.where(finite, new_scale.scale, backed_off)
+            )
         return ScaledValueAndGrad(
             value=loss,
             aux=aux,
             grads=grads,
             finite=finite,
-            loss_scale=ls.update(loss_scale, finite),
+            loss_scale=new_scale,
             retries=retries,
         )
 
