@@ -552,3 +552,16 @@ def test_float64_leaves_are_checked_exactly():
         unscaled = jax.jit(check_unscaled)
         assert bool(unscaled(state, [big, small]))
         assert not bool(unscaled(state, [big.at[0, 0].set(1e308), small]))
+
+
+def test_python_float_leaves_are_checked_as_unscale_makes_them():
+    """A Python float leaf becomes float32 in jamp.unscale (as in torch), under
+    x64 too: the flag describes that float32 value, not a float64 one."""
+    with jax.enable_x64(True):
+        state = jamp.static_loss_scale(0.5)  # unscaling doubles
+        for wrap in (lambda f: f, jax.jit):
+            grads, finite = wrap(lambda: jamp.unscale_and_check(state, {"g": 3e38}))()
+            assert grads["g"].dtype == jnp.float32 and np.isinf(np.asarray(grads["g"]))
+            assert not bool(finite)
+            grads, finite = wrap(lambda: jamp.unscale_and_check(state, {"g": 1e38}))()
+            assert bool(finite) and np.isfinite(np.asarray(grads["g"]))

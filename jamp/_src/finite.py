@@ -55,7 +55,7 @@ def _float_leaves(tree: Any, fn: str) -> list[Any]:
 
     def visit(path: Any, leaf: Any) -> None:
         if ls.leaf_kind(path, leaf, fn) == "float":
-            leaves.append(jnp.asarray(leaf))
+            leaves.append(ls.as_array(leaf))  # as unscale sees it
 
     jax.tree_util.tree_map_with_path(visit, tree)
     return leaves

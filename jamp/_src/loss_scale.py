@@ -339,7 +339,7 @@ def _is_half(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
-def _as_array(x: Any) -> jax.Array:
+def as_array(x: Any) -> jax.Array:
     """A leaf as an array: a Python float as float32 (complex as complex64), as
     in PyTorch; a NumPy scalar (``np.float64(1.5)``) keeps its dtype."""
     if isinstance(x, (float, complex)) and not isinstance(x, np.generic):
@@ -348,7 +348,7 @@ def _as_array(x: Any) -> jax.Array:
 
 
 def _scale_leaf(x: Any, s: jax.Array) -> Any:
-    x = _as_array(x)
+    x = as_array(x)
     if _is_half(x.dtype):
         prod = x.astype(jnp.float32) * s
         # A 0-d half loss comes back float32 (torch's promotion of a 0-d
@@ -358,7 +358,7 @@ def _scale_leaf(x: Any, s: jax.Array) -> Any:
 
 
 def _unscale_leaf(x: Any, inv: jax.Array) -> Any:
-    x = _as_array(x)
+    x = as_array(x)
     if _is_half(x.dtype):
         # torch: round_to_dtype(float(x) * inv_scale): float32 arithmetic, one rounding.
         return (x.astype(jnp.float32) * inv).astype(x.dtype)
