@@ -280,7 +280,7 @@ def _finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
 
 def agree(finite: jax.Array, axis_name: AxisName | None) -> jax.Array:
     """``finite`` on every replica of ``axis_name`` (the AND over them), when given."""
-    if axis_name is None:
+    if check_axis_name(axis_name) is None:
         return finite
     for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
         try:
@@ -321,7 +321,6 @@ def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
       >>> bool(jamp.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
-    check_axis_name(axis_name)
     return agree(_finite(_float_leaves(tree, "all_finite")), axis_name)
 
 
@@ -335,7 +334,6 @@ def check_unscaled(
     into the optimizer's own pass.
     """
     inv = ls.inverse_scale(state) if state.enabled else None
-    check_axis_name(axis_name)
     return agree(_finite(_float_leaves(grads, "unscale_and_check"), inv), axis_name)
 
 

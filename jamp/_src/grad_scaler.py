@@ -36,7 +36,7 @@ def _check_state(state: Any, method: str) -> ls.LossScaleState:
     if isinstance(state, ls.LossScaleState):
         return state
     hint = ""
-    if isinstance(state, transform.LossScalingState) or transform.holds_loss_scale(state):
+    if transform.holds_loss_scale(state):
         hint = (
             "; this looks like a jamp.loss_scaling optimizer state: its loss-scale state is "
             "jamp.get_loss_scale(opt_state)"
@@ -259,11 +259,7 @@ class GradScaler:
                 "Expected `tx` to be an optax.GradientTransformation, got "
                 f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
             )
-        if "axis_name" in extra_args:
-            raise TypeError(
-                "`GradScaler.step` got `axis_name`, which it would pass on to `tx` and ignore: "
-                "give it to jamp.GradScaler(..., axis_name=...)."
-            )
+        transform.refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
         if not self.enabled:
             updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)

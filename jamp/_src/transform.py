@@ -125,6 +125,15 @@ def _check_inner(inner: Any) -> optax.GradientTransformation:
     return inner
 
 
+def refuse_axis_name(extra_args: dict, fn: str, receiver: str, owner: str) -> None:
+    """A TypeError if ``axis_name`` came as an extra argument that ``receiver`` would ignore."""
+    if "axis_name" in extra_args:
+        raise TypeError(
+            f"{fn} got `axis_name`, which it would pass on to {receiver} and ignore: give it "
+            f"to {owner}(..., axis_name=...)."
+        )
+
+
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: ls.LossScaleState | None = None,
@@ -211,11 +220,7 @@ def loss_scaling(
                 "Expected `state` to be the LossScalingState from this transformation's init, "
                 f"got {type(state).__name__} instead."
             )
-        if "axis_name" in extra_args:
-            raise TypeError(
-                "`update` got `axis_name`, which Optax would pass on to the inner "
-                "transformation and ignore: give it to jamp.loss_scaling(..., axis_name=...)."
-            )
+        refuse_axis_name(extra_args, "`update`", "the inner transformation", "jamp.loss_scaling")
         finite = fin.check_unscaled(state.loss_scale, updates, axis_name=axis_name)
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
@@ -508,7 +513,8 @@ def value_and_grad(
 
         retries = jnp.zeros((), jnp.int32)
         loss, aux, grads, finite = attempt(loss_scale)
-        if max_retries and loss_scale.is_dynamic:
+        retrying = bool(max_retries) and loss_scale.is_dynamic
+        if retrying:
 
             def cond(carry: tuple) -> jax.Array:
                 retries, state, (_, _, _, finite) = carry
@@ -525,7 +531,7 @@ def value_and_grad(
                 cond, body, (retries, loss_scale, (loss, aux, grads, finite))
             )
         new_scale = ls.update(loss_scale, finite)
-        if max_retries and loss_scale.is_dynamic:
+        if retrying:
             # The last failed attempt backs off too, ignoring hysteresis.
             backed_off = ls.backoff(loss_scale).scale
             new_scale = dataclasses.replace(
