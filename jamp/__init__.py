@@ -11,8 +11,9 @@ from jamp._src.autocast import (
     autocast_disabled,
     autocast_report,
 )
-from jamp._src.finite import all_finite, select_tree, unscale_and_check
+from jamp._src.finite import all_finite, unscale_and_check
 from jamp._src.grad_scaler import GradScaler
+from jamp._src.lookup import get_loss_scale, metrics
 from jamp._src.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -22,17 +23,11 @@ from jamp._src.loss_scale import (
     unscale,
     update,
 )
+from jamp._src.loss_scaling import LossScalingState, loss_scaling, multi_steps
 from jamp._src.policy import Policy, get_policy, half_dtype, parse_dtype
 from jamp._src.report import NonfiniteCount, log_nonfinite, nonfinite_report
-from jamp._src.transform import (
-    LossScalingState,
-    ScaledValueAndGrad,
-    get_loss_scale,
-    loss_scaling,
-    metrics,
-    multi_steps,
-    value_and_grad,
-)
+from jamp._src.skip import select_tree
+from jamp._src.value_and_grad import ScaledValueAndGrad, value_and_grad
 
 _flax_support.register()
 

@@ -617,7 +617,7 @@ def test_explicit_sharding_mode_checks_exactly_and_skips():
     shard of any kind of leaf is found, raw and unscaled, and the step skips."""
     from jax.sharding import AxisType
 
-    from jamp._src import finite as fin
+    from jamp._src.finite_default import default_finite
 
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
     values, specs = explicit_tree()
@@ -629,7 +629,7 @@ def test_explicit_sharding_mode_checks_exactly_and_skips():
 
         check = jax.jit(jamp.all_finite)
         check_unscaled = jax.jit(lambda g: jamp.unscale_and_check(half_state, g)[1])
-        default_branch = jax.jit(lambda g: fin._default_finite(*jax.tree.leaves(g)))
+        default_branch = jax.jit(lambda g: default_finite(*jax.tree.leaves(g)))
         assert bool(check(put_tree(values))) and bool(check_unscaled(put_tree(values)))
         assert bool(default_branch(put_tree(values)))
         for name, v in values.items():

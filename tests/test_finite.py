@@ -13,9 +13,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jamp
-from jamp._src import finite as fin
+from jamp._src import finite_cpu, finite_default
 from jamp._src import loss_scale as ls
 from jamp._src.finite import check_unscaled
+from jamp._src.leaves import unscale_leaf
 
 EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
 
@@ -122,7 +123,7 @@ def _state_with_inverse(inv: np.float32):
 def test_unit_unscale_golden():
     cases = _unscale_cases()
     assert len(cases) == 74
-    kernel = jax.jit(ls._unscale_leaf)
+    kernel = jax.jit(unscale_leaf)
     checked = public = caught_by_jamp_only = 0
     for c in cases:
         inv = _golden.array(c["inv_scale"]).reshape(())
@@ -223,7 +224,7 @@ def test_clean_path_reads_each_leaf_once():
 
 
 def test_cpu_leaf_kinds():
-    kind = lambda shape, dtype=jnp.float32: fin._cpu_kind(jax.ShapeDtypeStruct(shape, dtype))  # noqa: E731
+    kind = lambda shape, dtype=jnp.float32: finite_cpu.kind(jax.ShapeDtypeStruct(shape, dtype))  # noqa: E731
     assert kind((127, 128)) == kind((10,), jnp.complex64) == kind((), jnp.float16) == "small"
     assert kind((128, 128)) == kind((100_003,)) == kind((4, 2**23)) == "rows"
     assert kind((100_000, 3)) == kind((2, 2**23 + 1)) == kind((256, 256), jnp.bfloat16) == "other"
@@ -232,7 +233,7 @@ def test_cpu_leaf_kinds():
 
 
 def _cpu_all_finite(*leaves):
-    return jax.jit(fin._cpu_finite)(*leaves)
+    return jax.jit(finite_cpu.cpu_finite)(*leaves)
 
 
 @pytest.mark.parametrize("shape", [(128, 128), (3, 40, 1024), (100_003,), (784, 2048), (5000,)])
@@ -256,7 +257,7 @@ def test_cpu_check_is_exact_in_one_read(shape, bad):
         assert not bool(_cpu_all_finite(jnp.asarray(x))), where
         assert not bool(_cpu_all_finite(jnp.ones(3), jnp.asarray(x))), where
         assert not bool(jax.jit(jamp.all_finite)({"x": jnp.asarray(x)}))
-        assert not bool(fin._fast(jnp.asarray(x)))  # the other platforms' form
+        assert not bool(finite_default.one_read(jnp.asarray(x)))  # the other platforms' form
     assert bool(jax.jit(jamp.all_finite)(jnp.ones(shape)))
 
 

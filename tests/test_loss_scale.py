@@ -107,10 +107,10 @@ BAD_CTOR = [
     (dict(growth_interval=-1), ValueError, r"growth_interval=-1"),
     (
         dict(growth_interval=2.5),
-        ValueError,
+        TypeError,
         r"`growth_interval` to be an integer >= 1, got growth_interval=2\.5",
     ),
-    (dict(growth_interval=True), ValueError, r"growth_interval=True"),
+    (dict(growth_interval=True), TypeError, r"growth_interval=True"),
     (dict(growth_interval=2**31), ValueError, r"growth_interval=2147483648"),
     (
         dict(min_scale=4.0, max_scale=2.0, init_scale=3.0),
@@ -120,7 +120,7 @@ BAD_CTOR = [
     (dict(min_scale=0.0), ValueError, r"`min_scale` in \[2\*\*-126, 2\*\*126\].*min_scale=0\.0"),
     (dict(max_scale=2.0**127), ValueError, r"`max_scale` in \[2\*\*-126, 2\*\*126\]"),
     (dict(hysteresis=0), ValueError, r"`hysteresis` to be an integer >= 1, got hysteresis=0"),
-    (dict(hysteresis=1.5), ValueError, r"hysteresis=1\.5"),
+    (dict(hysteresis=1.5), TypeError, r"hysteresis=1\.5"),
 ]
 
 

@@ -24,9 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jamp._src import finite as fin
 from jamp._src import loss_scale as ls
-from jamp._src import transform
+from jamp._src.config import INT32_MAX, check_config
+from jamp._src.finite import agree, check_axis_name, check_unscaled, refuse_axis_name
+from jamp._src.finite import unscale_and_check as _unscale_and_check
+from jamp._src.leaves import check_bool_scalar, is_integer, is_real_number
+from jamp._src.lookup import holds_loss_scale
+from jamp._src.loss_scaling import loss_scaling
+from jamp._src.skip import apply_or_keep, check_skip
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -36,7 +41,7 @@ def _check_state(state: Any, method: str) -> ls.LossScaleState:
     if isinstance(state, ls.LossScaleState):
         return state
     hint = ""
-    if transform.holds_loss_scale(state):
+    if holds_loss_scale(state):
         hint = (
             "; this looks like a jamp.loss_scaling optimizer state: its loss-scale state is "
             "jamp.get_loss_scale(opt_state)"
@@ -70,7 +75,7 @@ def _found_inf_flag(found_inf: Any) -> jax.Array:
         for f in flags[1:]:
             out = out | f
         return out
-    return ls.check_bool_scalar(found_inf, "found_inf", "from scaler.step or scaler.unscale")
+    return check_bool_scalar(found_inf, "found_inf", "from scaler.step or scaler.unscale")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,20 +135,26 @@ class GradScaler:
                 "torch.amp.GradScaler's first argument is the device, jamp.GradScaler has none "
                 "(JAX places arrays itself): drop it, or pass init_scale=... by name."
             )
-        transform.check_skip(self.skip)
-        fin.check_axis_name(self.axis_name)
+        check_skip(self.skip)
+        check_axis_name(self.axis_name)
         if self.enabled:
-            self.init()
+            self._config()
 
     # ------------------------------------------------------------ state
 
+    def _config(self) -> Any:
+        return check_config(
+            scale=self.init_scale,
+            growth_factor=self.growth_factor,
+            backoff_factor=self.backoff_factor,
+            growth_interval=self.growth_interval,
+        )
+
     def init(self) -> ls.LossScaleState:
-        """The initial state (``no_loss_scale()`` when disabled)."""
+        """The initial state (``no_loss_scale()`` when disabled), with fresh arrays."""
         if not self.enabled:
             return ls.no_loss_scale()
-        return ls.dynamic_loss_scale(
-            self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval
-        )
+        return ls.from_config(ls.DYNAMIC, self._config())
 
     def is_enabled(self) -> bool:
         return self.enabled
@@ -170,19 +181,7 @@ class GradScaler:
         _check_state(state, method)
         if not state.is_dynamic:
             return state
-        config = dict(
-            growth_factor=state.growth_factor,
-            backoff_factor=state.backoff_factor,
-            growth_interval=state.growth_interval,
-        )
-        config.update(changes)
-        checked = ls.dynamic_loss_scale(
-            state.min_scale,
-            min_scale=state.min_scale,
-            max_scale=state.max_scale,
-            hysteresis=state.hysteresis,
-            **config,
-        )
+        checked = check_config(**{**ls.config_of(state), **changes})
         # A tracker already at or past a lowered interval would never equal it
         # again (torch's rule grows on equality): the scale would stop growing
         # for good, as torch's does. Held one short, it grows on the next
@@ -224,7 +223,7 @@ class GradScaler:
 
         Pass ``found_inf`` on to :meth:`step` so it does not unscale twice.
         """
-        grads, finite = fin.unscale_and_check(
+        grads, finite = _unscale_and_check(
             _check_state(state, "unscale"), grads, axis_name=self.axis_name
         )
         return grads, jnp.logical_not(finite)
@@ -259,15 +258,15 @@ class GradScaler:
                 "Expected `tx` to be an optax.GradientTransformation, got "
                 f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
             )
-        transform.refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
+        refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
         if not self.enabled:
             updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)
         if found_inf is None:
-            finite = fin.check_unscaled(state, grads, axis_name=self.axis_name)
+            finite = check_unscaled(state, grads, axis_name=self.axis_name)
             unscaled = lambda: ls.unscale(state, grads)  # noqa: E731
         else:  # grads already unscaled by scaler.unscale
-            finite = fin.agree(jnp.logical_not(_found_inf_flag(found_inf)), self.axis_name)
+            finite = agree(jnp.logical_not(_found_inf_flag(found_inf)), self.axis_name)
             unscaled = lambda: grads  # noqa: E731
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
@@ -275,7 +274,7 @@ class GradScaler:
             updates, new_opt_state = tx.update(unscaled(), opt_state, params, **extra_args)
             return optax.apply_updates(params, updates), new_opt_state
 
-        new_params, new_opt_state = transform.apply_or_keep(
+        new_params, new_opt_state = apply_or_keep(
             finite, apply, lambda _: (params, opt_state), skip=self.skip
         )
         return new_params, new_opt_state, jnp.logical_not(finite)
@@ -312,8 +311,8 @@ class GradScaler:
                 usable = jnp.isfinite(v) & (v > 0)
                 value = jnp.where(usable, jnp.clip(v, lo, hi), state.scale)
             else:
-                checked = ls._check_scale("new_scale", new_scale, state.min_scale, state.max_scale)
-                value = jnp.asarray(checked, jnp.float32)
+                checked = check_config(**ls.config_of(state, new_scale), scale_name="new_scale")
+                value = jnp.asarray(checked.scale, jnp.float32)
             return dataclasses.replace(state, scale=value)
         if found_inf is None:
             raise ValueError(
@@ -330,7 +329,7 @@ class GradScaler:
         When disabled, the transformation scales by 1 but still skips
         non-finite steps (PyTorch would apply them).
         """
-        return transform.loss_scaling(inner, self.init(), skip=self.skip, axis_name=self.axis_name)
+        return loss_scaling(inner, self.init(), skip=self.skip, axis_name=self.axis_name)
 
     # ------------------------------------------------------------ checkpoints
 
@@ -377,24 +376,25 @@ class GradScaler:
         # Orbax and np.load hand back 0-d arrays where torch saved numbers.
         state_dict = {k: _python_scalar(state_dict[k]) for k in _TORCH_KEYS}
         tracker = state_dict["_growth_tracker"]
-        if not ls.is_integer(tracker) or not 0 <= tracker <= ls.INT32_MAX:
+        if not is_integer(tracker) or not 0 <= tracker <= INT32_MAX:
             raise ValueError(
                 "Expected state_dict['_growth_tracker'] to be an int in [0, 2**31), got "
                 f"{tracker!r} instead."
             )
         scale_value = state_dict["scale"]
-        if ls.is_real_number(scale_value) and not (
+        if is_real_number(scale_value) and not (
             math.isfinite(float(scale_value)) and float(scale_value) > 0
         ):
             raise ValueError(
                 f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r} "
                 "instead; a PyTorch scaler whose scale collapsed to 0 cannot be resumed."
             )
-        ls._check_scale("state_dict['scale']", scale_value)
-        state = ls.dynamic_loss_scale(
-            scale_value,
-            state_dict["growth_factor"],
-            state_dict["backoff_factor"],
-            state_dict["growth_interval"],
+        config = check_config(
+            scale=scale_value,
+            scale_name="state_dict['scale']",
+            growth_factor=state_dict["growth_factor"],
+            backoff_factor=state_dict["backoff_factor"],
+            growth_interval=state_dict["growth_interval"],
         )
-        return dataclasses.replace(state, growth_tracker=jnp.asarray(int(tracker), jnp.int32))
+        tracker = jnp.asarray(int(tracker), jnp.int32)
+        return ls.from_config(ls.DYNAMIC, config, growth_tracker=tracker)

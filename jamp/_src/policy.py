@@ -110,7 +110,7 @@ def _named(text: str) -> np.dtype | None:
     return dtype if dtype.name == key else None
 
 
-def _parse(value: Any, what: str) -> np.dtype:
+def check_dtype(value: Any, what: str) -> np.dtype:
     """parse_dtype with ``what`` (e.g. "`dtype`") naming the argument in messages.
 
     One rule for every entry point: a value that is not a dtype at all, or a
@@ -179,7 +179,7 @@ def parse_dtype(value: Any, argname: str = "dtype") -> np.dtype:
       >>> jamp.parse_dtype("bf16")
       dtype(bfloat16)
     """
-    return _parse(value, f"`{argname}`")
+    return check_dtype(value, f"`{argname}`")
 
 
 def _cast_tree(tree: Any, dtype: np.dtype) -> Any:
@@ -303,7 +303,7 @@ def get_policy(spec: str | Policy) -> Policy:
     valid_policies = sorted(_NAMED_POLICIES)
 
     def dtype_of(name: str, what: str) -> np.dtype:
-        return _parse(name, f"{what} in policy {spec!r}")
+        return check_dtype(name, f"{what} in policy {spec!r}")
 
     if not text:
         raise ValueError(

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp._src import loss_scale as ls
+from jamp._src.leaves import FLOAT, leaf_kind
 
 logger = logging.getLogger("jamp")
 
@@ -46,8 +46,7 @@ Transform = Callable[[jax.Array], jax.Array] | None
 
 def _count(path: Any, leaf: Any, transform: Transform = None) -> NonfiniteCount:
     """The counts of ``transform(leaf)``, applied a chunk at a time (never to the whole leaf)."""
-    kind = ls.leaf_kind(path, leaf, "nonfinite_report")
-    if kind != "float":
+    if leaf_kind(path, leaf, "nonfinite_report") != FLOAT:
         zero = jnp.zeros((), jnp.int32)
         return NonfiniteCount(zero, zero)
     flat = jnp.asarray(leaf).ravel()
@@ -199,10 +198,10 @@ def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str =
             f"Expected `prefix` to be a str, got {type(prefix).__name__} instead; a traced step "
             "number cannot go into it (log it with jamp.metrics, or count=/every=)."
         )
-    return _log(tree, every=every, count=count, prefix=prefix)
+    return log_counts(tree, every=every, count=count, prefix=prefix)
 
 
-def _log(
+def log_counts(
     tree: Any, *, every: int = 1, count: Any = None, prefix: str = "", transform: Transform = None
 ) -> jax.Array:
     """:func:`log_nonfinite` of ``transform`` applied to each leaf, chunk by chunk."""

@@ -1,0 +1,561 @@
+"""The interpreter behind ``jamp.autocast``: a jaxpr evaluated primitive by primitive.
+
+Each equation is re-bound with its floating inputs cast as the rule table
+(``autocast_rules``) says. Every value carries a *kind*: whether it depends
+on the function's arguments (``TRACED``), is known when the function is
+traced (``CONST``), or comes from literals only (``LITERAL``). Under
+``promote`` a literal follows the other inputs instead of widening them, as a
+Python scalar does in ``jnp``; a constant is saturated when autocast narrows
+it. Sub-computations (``HIGHER_ORDER``) are evaluated recursively.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from jamp._src.autocast_rules import (
+    ARITHMETIC,
+    AS_TRACED,
+    ELIGIBLE,
+    FLOAT32,
+    FLOAT32_DTYPE,
+    LOWER,
+    PROMOTE,
+    rule_of,
+)
+
+try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
+    from jax._src import source_info_util as _source_info_util
+except ImportError:  # pragma: no cover - depends on the jax version
+    _source_info_util = None
+
+# The name scope that marks a region the interpreter evaluates as traced.
+SCOPE_DISABLED = "jamp_autocast_disabled"
+SCOPE_AUTOCAST = "jamp_autocast"
+MARKER = "jamp_autocast"  # a substring of both
+
+# Where a value comes from (see _eval_jaxpr). Ordered: an output has the
+# smallest kind of its inputs.
+TRACED = 0  # depends on the function's arguments: activations, parameters
+CONST = 1  # known when the function is traced: a concrete constant, or computed from those
+LITERAL = 2  # computed from literals only (Python scalars): also follows under promote
+
+
+class Recorder:
+    """Counts, per (primitive, rule, dtype), the equations evaluated; and unknown primitives."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.unknown: set[str] = set()
+
+    def add(self, prim: str, rule: str, dtype: str) -> None:
+        self.counts[(prim, rule, dtype)] += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    dtype: np.dtype
+    recorder: Recorder | None
+    as_traced: bool = False
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def _is_inexact(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+
+
+def _narrows(src: Any, dst: Any) -> bool:
+    """Whether casting floating ``src`` to ``dst`` can overflow to inf."""
+    return is_float(src) and is_float(dst) and jnp.finfo(dst).max < jnp.finfo(src).max
+
+
+def _saturate(x: Any, dtype: Any) -> Any:
+    """``x`` with its finite values clipped to ``dtype``'s finite range.
+
+    Infinities and NaN are kept. A concrete value (a literal, a constant
+    array) is checked and clipped at trace time, and returned as it is when
+    nothing needs clipping; a traced one gets a clamp that XLA folds.
+    """
+    big = np.asarray(jnp.finfo(dtype).max, dtype=x.dtype)  # exact in the wider dtype
+    if not isinstance(x, jax.core.Tracer):
+        a = np.asarray(x)
+        over = np.isfinite(a) & (np.abs(a) > big)
+        if not over.any():
+            return x
+        return np.where(over, np.sign(a) * big, a).astype(a.dtype)
+    return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
+
+
+def _cast_input(x: Any, dtype: Any, kind: int) -> Any:
+    """The cast autocast inserts before a primitive.
+
+    A constant (``kind`` at least ``CONST``) cast to a narrower dtype is
+    saturated first, so a finite fill such as ``jnp.finfo(jnp.float32).min``
+    stays finite (the most negative bfloat16/float16) instead of becoming
+    -inf; values that depend on the function's arguments are cast as they
+    are, so their overflow still reaches loss scaling.
+    """
+    if x.dtype == dtype:
+        return x
+    if kind >= CONST and _narrows(x.dtype, dtype):
+        x = _saturate(x, dtype)
+    return lax.convert_element_type(x, dtype)
+
+
+def _strong_cast(x: Any, dtype: Any) -> Any:
+    """A cast that also drops weak typing (loop carries must type-check)."""
+    return lax.convert_element_type(x, dtype)
+
+
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The widest of some floating dtypes; float16 with bfloat16 is float32."""
+    distinct = list(dict.fromkeys(np.dtype(d) for d in dtypes))
+    if len(distinct) == 1:
+        return distinct[0]
+    size = max(d.itemsize for d in distinct)
+    top = [d for d in distinct if d.itemsize == size]
+    if len(top) == 1:
+        return top[0]
+    return FLOAT32_DTYPE if size < 4 else np.dtype(jnp.float64)
+
+
+def _source(eqn: Any) -> contextlib.AbstractContextManager:
+    stack = contextlib.ExitStack()
+    if _source_info_util is not None:
+        name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+        stack.enter_context(
+            _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+        )
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+        stack.enter_context(manager)
+    return stack
+
+
+def _bind(eqn: Any, vals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list:
+    """Binds ``eqn``'s primitive on ``vals`` (as ``jax.core.eval_jaxpr`` does)."""
+    bind_params = eqn.primitive.get_bind_params(dict(eqn.params if params is None else params))
+    subfuns: Sequence[Any] = ()
+    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+        subfuns, bind_params = bind_params
+    with _source(eqn):
+        out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _sds(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def _float0_zeros(aval: Any) -> np.ndarray:
+    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+
+
+def _ran_in(vals: Sequence[Any], outs: Sequence[Any]) -> str:
+    floats = [np.dtype(x.dtype) for x in vals if is_float(x.dtype)]
+    if floats:
+        return widest(floats).name
+    for x in outs:
+        return str(x.dtype)
+    return "-"
+
+
+def _record(ctx: Context, eqn: Any, rule: str, vals: Sequence[Any], outs: Sequence[Any]) -> None:
+    if ctx.recorder is not None:
+        ctx.recorder.add(eqn.primitive.name, rule, _ran_in(vals, outs))
+
+
+# ---------------------------------------------------------------------------
+# The interpreter
+# ---------------------------------------------------------------------------
+
+
+def _eval_jaxpr(
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Sequence[int], ctx: Context
+) -> tuple[list, list]:
+    """Evaluates ``jaxpr`` with the rules; returns outputs and their kinds.
+
+    Every value carries a *kind* (``TRACED``, ``CONST`` or ``LITERAL``):
+    whether it depends on the function's arguments, is known when the
+    function is traced, or comes from literals only (Python scalars baked into
+    the jaxpr). Under ``promote`` a literal value follows the other inputs
+    instead of widening them, as a Python scalar does in ``jnp``; a constant
+    is saturated when autocast narrows it (see :func:`_cast_input`).
+    """
+    env: dict[Any, tuple[Any, int]] = {}
+
+    def read(v: Any) -> tuple[Any, int]:
+        if isinstance(v, jex_core.Literal):
+            val = v.val
+            if not hasattr(val, "dtype"):
+                val = np.asarray(val, dtype=v.aval.dtype)
+            return val, LITERAL
+        return env[v]
+
+    for v, x in zip(jaxpr.constvars, consts, strict=True):
+        env[v] = (x, TRACED if isinstance(x, jax.core.Tracer) else CONST)
+    for v, x, k in zip(jaxpr.invars, args, kinds, strict=True):
+        env[v] = (x, int(k))
+    to_float32 = _float32_operands(jaxpr)
+    for eqn in jaxpr.eqns:
+        read_in = [read(v) for v in eqn.invars]
+        invals = [x for x, _ in read_in]
+        inkinds = [k for _, k in read_in]
+        sub = ctx
+        if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
+            sub = dataclasses.replace(ctx, as_traced=True)
+        feeds_float32 = any(v in to_float32 for v in eqn.outvars)
+        outs, outkinds = _eval_eqn(eqn, invals, inkinds, sub, feeds_float32)
+        for v, x, k in zip(eqn.outvars, outs, outkinds, strict=True):
+            env[v] = (x, k)
+    outs = [read(v) for v in jaxpr.outvars]
+    return [x for x, _ in outs], [k for _, k in outs]
+
+
+def eval_closed(
+    closed: Any, args: Sequence[Any], kinds: Sequence[int], ctx: Context
+) -> tuple[list, list]:
+    if isinstance(closed, jex_core.ClosedJaxpr):
+        return _eval_jaxpr(closed.jaxpr, closed.consts, args, kinds, ctx)
+    return _eval_jaxpr(closed, (), args, kinds, ctx)
+
+
+def _float32_operands(jaxpr: Any) -> set:
+    """The variables of ``jaxpr`` that some float32-rule primitive consumes."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        if rule_of(eqn) == FLOAT32:
+            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return found
+
+
+def _const_kind(kinds: Sequence[int]) -> int:
+    """The kind of an output computed from inputs of ``kinds``, never literal."""
+    return CONST if all(k >= CONST for k in kinds) else TRACED
+
+
+def _as_traced(
+    eqn: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context, rule: str
+) -> tuple[list, list]:
+    vals = [
+        cast(x, v.aval.dtype) if is_float(x.dtype) and is_float(v.aval.dtype) else x
+        for x, v in zip(invals, eqn.invars, strict=True)
+    ]
+    outs = _bind(eqn, vals)
+    _record(ctx, eqn, rule, vals, outs)
+    return outs, [_const_kind(kinds)] * len(outs)
+
+
+def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[str, Any]:
+    """``preferred_element_type`` in ``dtype``, unless the program asked for a wider one.
+
+    A ``preferred_element_type`` wider than the dot's traced floating inputs
+    (``bf16 x bf16 -> f32``, as ``jax.nn.dot_product_attention`` writes its
+    logits) was chosen on purpose and is kept; one equal to the inputs'
+    dtype (what ``jnp.matmul`` fills in) follows the inputs to ``dtype``.
+    """
+    params = eqn.params
+    pet = params.get("preferred_element_type")
+    if pet is None or not is_float(pet):
+        return params
+    traced = max(np.dtype(eqn.invars[i].aval.dtype).itemsize for i in float_in)
+    if np.dtype(pet).itemsize > traced:
+        return params
+    return {**params, "preferred_element_type": ctx.dtype}
+
+
+def _eval_eqn(
+    eqn: Any, invals: list, kinds: list, ctx: Context, feeds_float32: bool = False
+) -> tuple[list, list]:
+    name = eqn.primitive.name
+    if ctx.as_traced:
+        return _as_traced(eqn, invals, kinds, ctx, "disabled")
+    handler = HIGHER_ORDER.get(name)
+    if handler is not None:
+        if ctx.recorder is not None:
+            ctx.recorder.add(name, "recurse", "-")
+        return handler(eqn, invals, kinds, ctx)
+    if name == "convert_element_type":
+        return _convert_element_type(eqn, invals, kinds, ctx)
+    rule = rule_of(eqn)
+    if rule is None:
+        if ctx.recorder is not None:
+            ctx.recorder.unknown.add(name)
+        return _as_traced(eqn, invals, kinds, ctx, "unknown")
+    if rule == AS_TRACED:
+        return _as_traced(eqn, invals, kinds, ctx, rule)
+
+    float_in = [i for i, x in enumerate(invals) if is_float(x.dtype)]
+    params = eqn.params
+    vals = list(invals)
+    if rule == LOWER and float_in and all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in):
+        for i in float_in:
+            vals[i] = _cast_input(vals[i], ctx.dtype, kinds[i])
+        params = _lower_params(eqn, float_in, ctx)
+    elif rule == FLOAT32:
+        for i in float_in:
+            if np.dtype(vals[i].dtype) in ELIGIBLE:
+                vals[i] = cast(vals[i], FLOAT32_DTYPE)
+    elif rule in (PROMOTE, LOWER) and float_in:  # LOWER with float64: promote
+        strong = [i for i in float_in if kinds[i] != LITERAL] or float_in
+        target = widest([invals[i].dtype for i in strong])
+        if feeds_float32 and name in ARITHMETIC:
+            # The operand of exp/log/sum/div...: computed in float32 from its
+            # half-precision inputs, as torch upcasts softmax's input before
+            # subtracting the max (see the module docstring).
+            target = widest([target, FLOAT32_DTYPE])
+        for i in float_in:
+            vals[i] = _cast_input(vals[i], target, kinds[i])
+    outs = _bind(eqn, vals, params)
+    _record(ctx, eqn, rule, vals, outs)
+    kind = min(kinds) if kinds else CONST
+    return outs, [kind] * len(outs)
+
+
+def _convert_element_type(eqn: Any, invals: list, kinds: list, ctx: Context):
+    (x,) = invals
+    new_dtype = eqn.params["new_dtype"]
+    if eqn.invars[0].aval.dtype == new_dtype and is_float(new_dtype):
+        # A no-op in the traced program (at most a weak-type change): keep the
+        # autocast dtype instead of undoing it.
+        _record(ctx, eqn, "no-op cast", [x], [x])
+        return [x], [kinds[0]]
+    outs = _bind(eqn, [x])  # the user's own cast: honoured
+    _record(ctx, eqn, "cast", outs, outs)
+    return outs, [kinds[0]]
+
+
+# ---------------------------------------------------------------------------
+# Sub-computations
+# ---------------------------------------------------------------------------
+
+
+def _call(eqn: Any, invals: list, kinds: list, ctx: Context):
+    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+    return eval_closed(closed, invals, kinds, ctx)
+
+
+def _remat(eqn: Any, invals: list, kinds: list, ctx: Context):
+    params = eqn.params
+
+    def body(*xs: Any) -> list:
+        return eval_closed(params["jaxpr"], xs, kinds, ctx)[0]
+
+    fn = jax.checkpoint(
+        body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
+    )
+    outs = fn(*invals)
+    return list(outs), [TRACED] * len(outs)
+
+
+def _scan(eqn: Any, invals: list, kinds: list, ctx: Context):
+    p = eqn.params
+    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    consts = invals[:n_consts]
+    carry_dtypes = [v.aval.dtype for v in eqn.invars[n_consts : n_consts + n_carry]]
+    init = [
+        _strong_cast(x, d)
+        for x, d in zip(invals[n_consts : n_consts + n_carry], carry_dtypes, strict=True)
+    ]
+    xs = invals[n_consts + n_carry :]
+    body_kinds = [*kinds[:n_consts], *([TRACED] * n_carry), *kinds[n_consts + n_carry :]]
+
+    def body(carry: list, x: list) -> tuple[list, list]:
+        outs, _ = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_kinds, ctx)
+        new_carry = [_strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
+        return new_carry, outs[n_carry:]
+
+    carry, ys = lax.scan(
+        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1)
+    )
+    outs = [*carry, *ys]
+    return outs, [TRACED] * len(outs)
+
+
+def _while(eqn: Any, invals: list, kinds: list, ctx: Context):
+    p = eqn.params
+    nc, nb = p["cond_nconsts"], p["body_nconsts"]
+    cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
+    carry_dtypes = [v.aval.dtype for v in eqn.invars[nc + nb :]]
+    init = [_strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
+    n_carry = len(init)
+    cond_kinds = [*kinds[:nc], *([TRACED] * n_carry)]
+    body_kinds = [*kinds[nc : nc + nb], *([TRACED] * n_carry)]
+
+    def cond_fun(carry: list) -> Any:
+        return eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds, ctx)[0][0]
+
+    def body_fun(carry: list) -> list:
+        outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_kinds, ctx)
+        return [_strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
+
+    outs = lax.while_loop(cond_fun, body_fun, init)
+    return list(outs), [TRACED] * len(outs)
+
+
+def _cond(eqn: Any, invals: list, kinds: list, ctx: Context):
+    index, ops = invals[0], invals[1:]
+    out_dtypes = [v.aval.dtype for v in eqn.outvars]
+
+    def branch(closed: Any, *xs: Any) -> list:
+        outs, _ = eval_closed(closed, xs, kinds[1:], ctx)
+        return [_strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
+
+    fns = [functools.partial(branch, b) for b in eqn.params["branches"]]
+    outs = lax.switch(index, fns, *ops)
+    return list(outs), [TRACED] * len(outs)
+
+
+def _custom_primal(eqn: Any, invals: list, kinds: list, ctx: Context):
+    """The body under the rules, as a closed jaxpr, plus its output dtypes."""
+
+    def primal(*xs: Any) -> list:
+        return eval_closed(eqn.params["call_jaxpr"], xs, kinds, ctx)[0]
+
+    traced = jax.make_jaxpr(primal)(*invals)
+    body = jex_core.jaxpr_as_fun(traced)
+    return (lambda *xs: tuple(body(*xs))), [a.dtype for a in traced.out_avals]
+
+
+def _custom_jvp(eqn: Any, invals: list, kinds: list, ctx: Context):
+    """custom_jvp: the body and the jvp rule both evaluated with the rules.
+
+    The primal runs the body under the rules. The jvp rule is JAX's jvp of the
+    original call (so the user's rule is used), traced and then evaluated
+    under the rules too; primal and tangent outputs are cast to the dtypes of
+    the autocast primal so the two agree.
+    """
+    in_avals = [v.aval for v in eqn.invars]
+    out_avals = [v.aval for v in eqn.outvars]
+    diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
+    diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
+    n, m = len(in_avals), len(out_avals)
+    primal, out_dtypes = _custom_primal(eqn, invals, kinds, ctx)
+    fun = jax.custom_jvp(primal)
+
+    def original_jvp(*args: Any) -> list:
+        primals, diff_tangents = args[:n], iter(args[n:])
+        tangents = [
+            next(diff_tangents) if i in diff_in else _float0_zeros(a)
+            for i, a in enumerate(in_avals)
+        ]
+        p_out, t_out = jax.jvp(lambda *xs: _bind(eqn, xs), tuple(primals), tuple(tangents))
+        return [*p_out, *(t_out[j] for j in diff_out)]
+
+    @fun.defjvp
+    def fun_jvp(primals: tuple, tangents: tuple) -> tuple[tuple, tuple]:
+        traced = jax.make_jaxpr(original_jvp)(
+            *map(_sds, in_avals), *(_sds(in_avals[i]) for i in diff_in)
+        )
+        args = [*primals, *(tangents[i] for i in diff_in)]
+        # A tangent is never a constant; a literal's (zero) tangent follows.
+        tangent_kinds = [kinds[i] if kinds[i] == LITERAL else TRACED for i in diff_in]
+        outs, _ = eval_closed(traced, args, [*kinds, *tangent_kinds], ctx)
+        p_out = tuple(cast(x, d) for x, d in zip(outs[:m], out_dtypes, strict=True))
+        t_iter = iter(outs[m:])
+        t_out = tuple(
+            cast(next(t_iter), out_dtypes[j]) if j in diff_out else _float0_zeros(a)
+            for j, a in enumerate(out_avals)
+        )
+        return p_out, t_out
+
+    outs = fun(*invals)
+    return list(outs), [TRACED] * len(outs)
+
+
+def _custom_vjp(eqn: Any, invals: list, kinds: list, ctx: Context):
+    """custom_vjp: body, forward and backward passes all evaluated with the rules.
+
+    The forward pass is ``jax.vjp`` of the original call (so the user's ``fwd``
+    and ``bwd`` are used), traced and evaluated under the rules; the residuals
+    are cast back to their traced dtypes so the backward pass, traced and
+    evaluated under the rules as well, type-checks. Cotangents come back in
+    the dtypes of the inputs.
+    """
+    in_avals = [v.aval for v in eqn.invars]
+    out_avals = [v.aval for v in eqn.outvars]
+    diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
+    diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
+    in_dtypes = [x.dtype for x in invals]
+    primal, out_dtypes = _custom_primal(eqn, invals, kinds, ctx)
+    fun = jax.custom_vjp(primal)
+
+    def original_vjp(*primals: Any) -> tuple:
+        return jax.vjp(lambda *xs: _bind(eqn, xs), *primals)
+
+    def fwd(*xs: Any) -> tuple[tuple, Any]:
+        traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*map(_sds, in_avals))
+        leaves, tree = jax.tree_util.tree_flatten(shapes)
+        outs, _ = eval_closed(traced, xs, kinds, ctx)
+        outs = [cast(x, s.dtype) for x, s in zip(outs, leaves, strict=True)]
+        p_out, pullback = jax.tree_util.tree_unflatten(tree, outs)
+        return tuple(cast(x, d) for x, d in zip(p_out, out_dtypes, strict=True)), pullback
+
+    def bwd(pullback: Any, cts: tuple) -> tuple:
+        res, res_tree = jax.tree_util.tree_flatten(pullback)
+        n_res = len(res)
+
+        def original_bwd(*args: Any) -> list:
+            residuals, diff_cts = args[:n_res], iter(args[n_res:])
+            cts_full = [
+                next(diff_cts) if j in diff_out else _float0_zeros(a)
+                for j, a in enumerate(out_avals)
+            ]
+            in_cts = jax.tree_util.tree_unflatten(res_tree, residuals)(cts_full)
+            return [in_cts[i] for i in diff_in]
+
+        traced = jax.make_jaxpr(original_bwd)(
+            *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in res),
+            *(_sds(out_avals[j]) for j in diff_out),
+        )
+        args = [*res, *(cts[j] for j in diff_out)]
+        outs, _ = eval_closed(traced, args, [TRACED] * len(args), ctx)
+        it = iter(outs)
+        return tuple(
+            cast(next(it), in_dtypes[i]) if i in diff_in else _float0_zeros(a)
+            for i, a in enumerate(in_avals)
+        )
+
+    fun.defvjp(fwd, bwd)
+    outs = fun(*invals)
+    return list(outs), [TRACED] * len(outs)
+
+
+HIGHER_ORDER: dict[str, Callable[..., tuple[list, list]]] = {
+    "pjit": _call,
+    "jit": _call,
+    "closed_call": _call,
+    "core_call": _call,
+    "remat": _remat,
+    "remat2": _remat,
+    "checkpoint": _remat,
+    "scan": _scan,
+    "while": _while,
+    "cond": _cond,
+    "custom_jvp_call": _custom_jvp,
+    "custom_vjp_call": _custom_vjp,
+    "custom_vjp_call_jaxpr": _custom_vjp,
+}

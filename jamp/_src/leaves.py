@@ -1,0 +1,133 @@
+"""Leaf utilities shared by scaling, the finite checks and the report.
+
+Which leaves of a pytree are floating (scaled, unscaled, checked) and which
+pass through, how a Python number becomes an array, and the per-leaf
+multiplies of ``scale`` and ``unscale``. Imports only jax and numpy.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT = "float"  # a leaf that is scaled, unscaled and checked
+PASS = "pass"  # a leaf returned as it is (integer, boolean, float0)
+
+
+def is_real_number(x: Any) -> bool:
+    """A Python (or NumPy) real number, not a bool."""
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def is_integer(x: Any) -> bool:
+    """A Python (or NumPy) integer, not a bool."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def is_float_dtype(dtype: Any) -> bool:
+    """A floating or complex dtype, but not ``float0`` (the tangent type of integers)."""
+    return jnp.issubdtype(dtype, jnp.inexact) and dtype != jax.dtypes.float0
+
+
+def is_half(dtype: Any) -> bool:
+    """A real floating dtype narrower than float32 (float16, bfloat16, float8...)."""
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
+
+
+def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
+    """Classify a leaf: :data:`FLOAT` (scaled, checked) or :data:`PASS` (returned as is).
+
+    Raises a TypeError naming the path and the public function ``fn`` for
+    anything that is not an array or a number.
+    """
+    if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "__jax_array__"):
+        return FLOAT if is_float_dtype(leaf.dtype) else PASS
+    if isinstance(leaf, bool) or isinstance(leaf, numbers.Integral):
+        return PASS
+    if isinstance(leaf, (float, complex)):
+        return FLOAT
+    raise TypeError(
+        f"`jamp.{fn}` expected a pytree of arrays, got a leaf of type "
+        f"{type(leaf).__name__} at path {jax.tree_util.keystr(path) or '<root>'} "
+        f"({leaf!r:.60}) instead."
+    )
+
+
+def as_array(x: Any) -> jax.Array:
+    """A leaf as an array: a Python float as float32 (complex as complex64), as
+    in PyTorch; a NumPy scalar (``np.float64(1.5)``) keeps its dtype."""
+    if isinstance(x, (float, complex)) and not isinstance(x, np.generic):
+        x = jnp.asarray(x, dtype=jnp.float32 if isinstance(x, float) else jnp.complex64)
+    return jnp.asarray(x)
+
+
+def scale_leaf(x: Any, s: jax.Array) -> Any:
+    """``x * s`` in ``x``'s dtype; a 0-d half-precision leaf (a loss) comes back float32."""
+    x = as_array(x)
+    if is_half(x.dtype):
+        prod = x.astype(jnp.float32) * s
+        # A 0-d half loss comes back float32 (torch's promotion of a 0-d
+        # tensor against the float32 scale), so the scaled loss cannot overflow.
+        return prod if x.ndim == 0 else prod.astype(x.dtype)
+    return x * s.astype(x.dtype)
+
+
+def unscale_leaf(x: Any, inv: jax.Array) -> Any:
+    """``x * inv`` in ``x``'s dtype, rounded once, exactly as torch's unscale kernel."""
+    x = as_array(x)
+    if is_half(x.dtype):
+        # torch: round_to_dtype(float(x) * inv_scale): float32 arithmetic, one rounding.
+        return (x.astype(jnp.float32) * inv).astype(x.dtype)
+    return x * inv.astype(x.dtype)
+
+
+def map_floating(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
+    """Apply ``fn`` to every floating leaf; pass the others through."""
+
+    def visit(path: Any, leaf: Any) -> Any:
+        if leaf_kind(path, leaf, name) == FLOAT:
+            return fn(leaf)
+        return leaf
+
+    return jax.tree_util.tree_map_with_path(visit, tree)
+
+
+def float_leaves(tree: Any, fn: str) -> list[jax.Array]:
+    """The floating leaves of ``tree`` as arrays, as ``unscale`` sees them."""
+    leaves: list[jax.Array] = []
+
+    def visit(path: Any, leaf: Any) -> None:
+        if leaf_kind(path, leaf, fn) == FLOAT:
+            leaves.append(as_array(leaf))
+
+    jax.tree_util.tree_map_with_path(visit, tree)
+    return leaves
+
+
+def check_bool_scalar(value: Any, name: str, source: str) -> jax.Array:
+    """``value`` as a boolean scalar array, or a TypeError/ValueError naming ``name``."""
+    if isinstance(value, bool):
+        return jnp.asarray(value)
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(
+            f"Expected `{name}` to be a boolean scalar array ({source}), got "
+            f"{type(value).__name__} instead."
+        )
+    if dtype != jnp.bool_:
+        raise TypeError(
+            f"Expected `{name}` to be a boolean scalar, got dtype {dtype} instead; pass the "
+            f"flag {source}."
+        )
+    if tuple(shape) != ():
+        raise ValueError(
+            f"Expected `{name}` to be a scalar (shape ()), got shape {tuple(shape)} instead; "
+            "reduce it over the whole tree with jamp.all_finite."
+        )
+    return value

@@ -1,0 +1,138 @@
+"""Skipping a step: keep the old state or apply the new one, by ``cond`` or ``select``.
+
+Shared by every front end that skips a non-finite step (``loss_scaling``,
+``GradScaler.step``, ``multi_steps``): the branch that keeps the old values
+is typed like the branch that applies the update, so both agree under
+``lax.cond`` and ``shard_map``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jamp._src.leaves import check_bool_scalar
+
+SKIP_MODES = ("cond", "select")
+
+
+def _varying_axes(x: Any) -> frozenset:
+    manual = getattr(x, "manual_axis_type", None)
+    return frozenset(getattr(manual, "varying", ()))
+
+
+def match_varying(tree: Any, like: Any) -> Any:
+    """Mark ``tree``'s leaves as varying over the ``shard_map`` axes ``like``'s vary over.
+
+    Under ``shard_map`` (with its default ``check_vma=True``) both branches of a
+    ``lax.cond`` must agree on which manual axes each output varies over; the
+    "skip" branch returns zeros or the old state, which may not vary where
+    the updated values do.
+    """
+
+    def one(x: Any, ref: Any) -> Any:
+        want = _varying_axes(ref if isinstance(ref, jax.ShapeDtypeStruct) else jax.typeof(ref))
+        missing = want - _varying_axes(jax.typeof(x))
+        return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
+
+    return jax.tree_util.tree_map(one, tree, like)
+
+
+def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
+    """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
+
+    ``keep`` is called with ``apply``'s output shapes (``jax.eval_shape(apply)``).
+    """
+    shapes = jax.eval_shape(apply)
+    return lax.cond(pred, apply, lambda: match_varying(keep(shapes), shapes))
+
+
+def check_skip(skip: Any) -> str:
+    """``skip`` if it names a skipping mode, else a ``ValueError`` naming the argument."""
+    if not isinstance(skip, str) or skip not in SKIP_MODES:
+        raise ValueError(
+            f"Expected `skip` to be one of {SKIP_MODES} ('cond': apply the update under "
+            f"lax.cond; 'select': compute it, then keep or drop it), got {skip!r} instead."
+        )
+    return skip
+
+
+def apply_or_keep(
+    pred: jax.Array,
+    apply: Callable[[], Any],
+    keep: Callable[[Any], Any],
+    *,
+    skip: str = "cond",
+) -> Any:
+    """``apply()`` where ``pred`` holds, else ``keep(shapes of apply())``, by cond or select.
+
+    ``"cond"`` runs only the chosen branch. ``"select"`` runs both and picks
+    leaf by leaf; a non-finite value in the dropped branch never reaches the
+    result (a select, unlike ``a * pred``, does not propagate it).
+    """
+    if skip == "cond":
+        return cond_or_keep(pred, apply, keep)
+    new = apply()
+    old = match_varying(keep(new), new)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
+
+
+def zeros(shapes: Any) -> Any:
+    """Zeros shaped like ``shapes`` (arrays or ``ShapeDtypeStruct``s), leaf by leaf."""
+    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def same_or_zeros(tree: Any, shapes: Any) -> Any:
+    """``tree`` where it matches ``shapes`` leaf for leaf, else zeros of ``shapes``."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(shapes) and all(
+        getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype
+        for a, b in zip(leaves, jax.tree_util.tree_leaves(shapes), strict=True)
+    )
+    return tree if same else zeros(shapes)
+
+
+def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
+    """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
+
+    Both trees must have the same structure, and matching leaves the same
+    shape and dtype; identical non-array leaves (``None``, a string) pass
+    through. Prefer :func:`jamp.loss_scaling` for skipping optimizer steps: it
+    skips with ``lax.cond`` and avoids a select over every parameter.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> jamp.select_tree(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+      {'a': Array([0., 0.], dtype=float32)}
+    """
+    pred = check_bool_scalar(pred, "pred", "e.g. from jamp.all_finite")
+    t_true = jax.tree_util.tree_structure(on_true)
+    t_false = jax.tree_util.tree_structure(on_false)
+    if t_true != t_false:
+        raise ValueError(
+            "Expected `on_true` and `on_false` to have the same tree structure, got "
+            f"{t_true} and {t_false} instead."
+        )
+
+    def pick(path: Sequence[Any], a: Any, b: Any) -> Any:
+        where = jax.tree_util.keystr(path) or "<root>"
+        if not hasattr(a, "dtype") or not hasattr(b, "dtype"):
+            if a is b or (type(a) is type(b) and a == b):
+                return a
+            raise TypeError(
+                f"`jamp.select_tree` cannot select between non-array leaves {a!r:.40} and "
+                f"{b!r:.40} at path {where}."
+            )
+        a, b = jnp.asarray(a), jnp.asarray(b)
+        if a.shape != b.shape or a.dtype != b.dtype:
+            raise TypeError(
+                f"`jamp.select_tree` expected matching leaves at path {where}, got "
+                f"{a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)} instead."
+            )
+        return lax.select(pred, a, b)
+
+    return jax.tree_util.tree_map_with_path(pick, on_true, on_false)
