@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import platform
@@ -37,11 +38,31 @@ def _machine() -> list[str]:
     except OSError:
         load = "?"
     return [
-        f"- machine: {os.cpu_count()} CPUs (`nproc`), {cpu}; backend {jax.default_backend()}, "
-        f"devices {jax.devices()}",
+        f"- machine: {os.cpu_count()} CPUs (`nproc`), {cpu}",
         f"- load average at the end of the run: {load} (other processes share the cores)",
         f"- python {platform.python_version()}; " + ", ".join(vers),
     ]
+
+
+def where_ran(torch_ran: bool) -> str:
+    """What ran where, read from JAX at the end of the run (never assumed)."""
+    devices = jax.devices()
+    kinds = collections.Counter(d.device_kind for d in devices)
+    used = sorted(jnp.zeros(()).devices(), key=lambda d: d.id)[0]  # where jit puts a step
+    version = getattr(used.client, "platform_version", "") or ""
+    version = f", {version}" if version and version != used.platform else ""
+    line = (
+        f"- ran on: JAX backend `{jax.default_backend()}`{version}; {len(devices)} "
+        f"device{'' if len(devices) == 1 else 's'} ("
+        + ", ".join(f"{n} x {k}" for k, n in kinds.items())
+        + f"); every JAX step and check ran on one device, `{used.platform}:{used.id}`"
+        + ("" if used.device_kind == used.platform else f" ({used.device_kind})")
+    )
+    if torch_ran:
+        line += "; the PyTorch rows ran on the host CPU"
+    if jax.default_backend() == "cpu":
+        line += " (no GPU here: `benchmarks/gpu.sh` runs this suite on one)"
+    return line + "."
 
 
 def fmt(x: float, nd: int = 3) -> str:
@@ -87,13 +108,13 @@ def report(args, cfg, step_results, torch_res, finite_res, elapsed, scorecard) -
         "the same with process CPU time (all threads), which is less sensitive to other "
         "processes taking the cores."
     )
-    L.append(
-        "- GPU: not run in this session (no GPU lent); `benchmarks/gpu.sh` is the prepared script."
-    )
-    if cfg["gpt"] is not None and not args.all_peers:
+    L.append(where_ran(bool(torch_res)))
+    gpt_rows = [rows for model, rows in step_results if model.name == "GPT"]
+    if cfg["gpt"] is not None and not args.all_peers and gpt_rows:
+        ran = ", ".join(f"`{r['name']}`" for r in gpt_rows[0])
         L.append(
-            f"- {args.mode}: the GPT runs only {', '.join(f'`{v}`' for v in cfg['gpt'])} "
-            "(the other peers add ~1 min of compile; `--all-peers` or a full run adds them)."
+            f"- {args.mode}: the GPT runs only {ran} "
+            "(`--all-peers` or a full run adds the other peers)."
         )
     L.append(
         "- the experiments and the HLO reading behind jamp's check and skip are in "

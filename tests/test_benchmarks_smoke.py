@@ -53,6 +53,10 @@ def test_benchmarks_tiny_writes_every_table(tmp_path):
     ):
         assert row in text, row
     assert "float32" in text and "float16" in text and "bfloat16" in text
+    # The header says what ran where, read from JAX (JAX_PLATFORMS=cpu here), never assumed.
+    assert "- ran on: JAX backend `cpu`" in text
+    assert "ran on one device, `cpu:0`" in text
+    assert "not run in this session" not in text
     assert "| page faults per step |" in text
     # --json: the step rows of each section (what the caching-allocator child sends back).
     dump = json.loads((tmp_path / "rows.json").read_text())
