@@ -248,7 +248,7 @@ def main(argv: list[str] | None = None) -> str:
         with open(args.json, "w") as fh:
             dump = [dict(model=m.name, rows=rows) for m, rows in step_results]
             json.dump(dump, fh, default=float)
-    scorecard = targets.table(step_results, finite_res, cfg["guard"])
+    scorecard = targets.table(step_results, finite_res, cfg["guard"], jax.default_backend())
     elapsed = time.perf_counter() - t_start
     text = render.report(args, cfg, step_results, torch_res, finite_res, elapsed, scorecard)
     with open(args.out, "w") as fh:

@@ -253,6 +253,9 @@ def _bench_torch(torch, sizes, batch: int, rounds: int, per_round: int) -> dict:
 # ------------------------------------------------------------------ finite checks
 
 
+FINITE_REPS = 3  # timed calls of each finite check per round
+
+
 def bench_finite(sizes, dtypes, rounds: int, log) -> list[dict]:
     fns = {**finite_checks.CHECKS, **finite_checks.READS}
     results = []
@@ -271,7 +274,7 @@ def bench_finite(sizes, dtypes, rounds: int, log) -> list[dict]:
                 jf[k] = jax.jit(f)
                 jax.block_until_ready(jf[k](tree))
             ok = sound[jnp.dtype(dt).name]
-            reps = 3
+            reps = FINITE_REPS
             times = timing.time_calls(
                 jf, (tree,), rounds, reps=reps, seed=len(results), settle=True
             )
@@ -281,7 +284,15 @@ def bench_finite(sizes, dtypes, rounds: int, log) -> list[dict]:
             fl = times[floor_name]
             ratio = {k: timing.ratio_stats(v, fl, reps)[0] for k, v in times.items()}
             results.append(
-                dict(n=nel, dtype=jnp.dtype(dt).name, med=med, ratio=ratio, ok=ok, floor=floor_name)
+                dict(
+                    n=nel,
+                    dtype=jnp.dtype(dt).name,
+                    med=med,
+                    ratio=ratio,
+                    ok=ok,
+                    floor=floor_name,
+                    reps=reps,
+                )
             )
             del tree
             log(

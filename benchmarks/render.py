@@ -179,8 +179,8 @@ def report(args, cfg, step_results, torch_res, finite_res, elapsed, scorecard) -
         L.append(
             "Each check maps a gradient-like tree (leaves of varied 2-D/1-D shapes) to one bool. "
             f"{cfg['frounds']} rounds, each in a shuffled order; per function one untimed call, "
-            "then 3 timed. Entries: median time in ms, and in parentheses the ratio to the floor, "
-            "the fastest "
+            f"then {finite_res[0]['reps']} timed. Entries: median time in ms, and in parentheses "
+            "the ratio to the floor, the fastest "
             "of the plain one-pass reductions (`read:` rows: each reads every byte once and "
             "computes nothing a check needs; XLA cannot read all bytes faster than its fastest "
             "full reduction). `sound` = flags NaN/inf in a large leaf and passes a finite tree "
