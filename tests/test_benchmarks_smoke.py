@@ -108,3 +108,23 @@ def test_targets_print_this_runs_numbers_only():
             assert f"{limit}x" in text
     assert "XLA:CPU" in "\n".join(targets.table([(model, rows)], finite, 20, "cpu"))
     assert "XLA:CPU cannot" not in "\n".join(targets.table([(model, rows)], finite, 20, "gpu"))
+
+
+def test_gpu_sh_parses_and_uses_only_real_flags():
+    """benchmarks/gpu.sh is valid bash, and every flag it passes to the benchmark exists."""
+    import pathlib
+    import re
+
+    from benchmarks import cli
+
+    script = pathlib.Path(ROOT, "benchmarks", "gpu.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    options = {s for a in cli.parser()._actions for s in a.option_strings}
+    lines = [
+        line
+        for line in script.read_text().splitlines()
+        if not line.lstrip().startswith("#") and not re.search(r"nvidia-smi|pytest|git |sed ", line)
+    ]
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", "\n".join(lines)))
+    assert {"--quick", "--tiny", "--half-speedup", "--variants", "--all-peers"} <= flags
+    assert flags <= options, flags - options
