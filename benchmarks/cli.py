@@ -3,7 +3,8 @@
     python -m benchmarks            # full run (~8-10 min on 2 cores)
     python -m benchmarks --quick    # ~2-3 min: every peer on the MLP, a subset on the GPT
     python -m benchmarks --tiny     # seconds: smoke test (tiny models, few steps)
-    python benchmarks/run.py --out PATH
+    python benchmarks/run.py --out PATH   # the same entry point, as a script
+    bash benchmarks/gpu.sh [OUT_DIR]      # on a GPU: what ran where, then two runs
 
 Everything runs in one process; variants are interleaved round by round (a
 fresh seeded shuffle of the order each round) and every ratio is the median over rounds of the
