@@ -1,3 +1,3 @@
-from benchmarks.run import main
+from benchmarks.cli import main
 
 main()

@@ -1,23 +1,112 @@
 #!/usr/bin/env bash
-# The jamp benchmark on one GPU, in under 8 minutes. Not run yet (no GPU was
-# lent when the benchmarks were written, nor when jamp's rebuilt check was
-# measured); run from the repository root:
-#     bash benchmarks/gpu.sh [OUT_DIR]
-# Needs jax with CUDA (pip install -e '.[cuda12]'), optax, flax, jmp.
+# jamp on one GPU: the GPU-branch tests, then two benchmark runs (~8 minutes in all).
+#
+#     bash benchmarks/gpu.sh [OUT_DIR]      # from any directory
+#     PYTHON=/path/to/python bash benchmarks/gpu.sh
+#
+# Needs jax with CUDA (pip install -e '.[cuda12,test]'), optax, flax, jmp.
+# Everything it prints is also written to OUT_DIR/gpu.sh.log (default OUT_DIR:
+# benchmarks/gpu_results), next to where.txt (what ran where), each run's report
+# and log. It stops when JAX's default backend is not a GPU, unless
+# GPU_SH_ALLOW_CPU=1; GPU_SH_SMOKE=1 runs both benchmarks with --tiny (and
+# allows the CPU) to check this script itself in seconds.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-OUT=${1:-${OUT:-benchmarks/gpu_results}}
+
+ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+OUT=${1:-${OUT:-$ROOT/benchmarks/gpu_results}}
 mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)  # an OUT_DIR relative to the caller's directory stays there
 PY=${PYTHON:-python}
+SMOKE=${GPU_SH_SMOKE:-0}
+cd "$ROOT"  # `-m benchmarks` and the tests run from the repository root
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
-$PY -c "import jax; print(jax.__version__, jax.devices())" | tee -a "$OUT/gpu.txt"
-# 1. Same benchmark as on CPU (float32 steps, every peer on both models, finite
-#    checks up to 50M elements); ~3 min.
-timeout 300 $PY -m benchmarks --quick --all-peers --finite-sizes 1e6,1e7,5e7 --no-torch --out "$OUT/RESULTS_gpu_f32.md" 2> "$OUT/log_f32.txt" || echo "f32 run failed or timed out"
-# 2. Half-precision GPT step speed-up over float32, one process, interleaved:
-#    plain f32 vs plain and jamp.GradScaler.step with float16/bfloat16 matmuls; ~2 min.
-timeout 200 $PY -m benchmarks --quick --models GPT --no-finite --no-torch \
-  --variants jamp --half-speedup --out "$OUT/RESULTS_gpu_half.md" 2> "$OUT/log_half.txt" \
-  || echo "half-precision run failed or timed out"
-grep -h "^| " "$OUT/RESULTS_gpu_half.md" | head -40 || true
+
+# ---------------------------------------------------------------- GPU-branch tests
+# TO FILL IN: the test files that exercise jamp's GPU branches (one path per
+# entry, relative to the repository root), e.g. GPU_TESTS=(tests/test_x.py).
+GPU_TESTS=()
+# ----------------------------------------------------------------------------------
+
+if [[ $SMOKE == 1 ]]; then
+  MODE=(--tiny) FINITE_SIZES=()
+else
+  MODE=(--quick) FINITE_SIZES=(--finite-sizes 1e6,1e7,5e7)
+fi
+
+where() {
+  echo "== gpu.sh, $(date -Is), host $(hostname)"
+  echo "== repository $ROOT at $(git rev-parse --short HEAD 2>/dev/null || echo '?')$(
+    git diff --quiet HEAD 2>/dev/null || echo ' (with uncommitted changes)')"
+  if command -v nvidia-smi >/dev/null; then
+    nvidia-smi --query-gpu=index,name,memory.total,driver_version --format=csv,noheader |
+      sed 's/^/== nvidia-smi: GPU /'
+  else
+    echo "== nvidia-smi: not found"
+  fi
+  "$PY" - <<'EOF'
+import platform, sys
+
+import jax, jaxlib
+
+devices = jax.devices()
+print(f"== python {platform.python_version()} ({sys.executable})")
+print(f"== jax {jax.__version__}, jaxlib {jaxlib.__version__}; default backend "
+      f"{jax.default_backend()}; {len(devices)} device(s):")
+for d in devices:
+    print(f"==   {d.platform}:{d.id} {d.device_kind}")
+EOF
+}
+
+main() {
+  where | tee "$OUT/where.txt"
+  local backend
+  backend=$("$PY" -c 'import jax; print(jax.default_backend())')
+  if [[ $backend != gpu && $SMOKE != 1 && ${GPU_SH_ALLOW_CPU:-0} != 1 ]]; then
+    echo "== JAX's default backend is '$backend', not gpu: stopping (GPU_SH_ALLOW_CPU=1 runs anyway)"
+    return 1
+  fi
+  declare -A status
+
+  # 0. The GPU-branch tests.
+  if ((${#GPU_TESTS[@]})); then
+    echo "== 0. pytest ${GPU_TESTS[*]} on $backend"
+    if timeout 300 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 |
+      tee "$OUT/pytest_gpu.txt"; then
+      status[tests]=passed
+    else
+      status[tests]="FAILED (rc $?)"
+    fi
+  else
+    status[tests]="none listed (GPU_TESTS at the top of benchmarks/gpu.sh)"
+  fi
+
+  # 1. Same benchmark as on CPU (float32 steps, every peer on both models,
+  #    finite checks up to 50M elements); ~3 min.
+  echo "== 1. float32 benchmark on $backend: ${MODE[*]}"
+  if timeout 300 "$PY" -m benchmarks "${MODE[@]}" --all-peers "${FINITE_SIZES[@]}" --no-torch \
+    --out "$OUT/RESULTS_gpu_f32.md" 2>&1 | tee "$OUT/log_f32.txt"; then
+    status[f32]="ok: $OUT/RESULTS_gpu_f32.md"
+  else
+    status[f32]="FAILED or timed out (rc $?): see $OUT/log_f32.txt"
+  fi
+
+  # 2. Half-precision GPT step speed-up over float32, one process, interleaved:
+  #    plain f32 vs plain and jamp.GradScaler.step with float16/bfloat16 matmuls; ~2 min.
+  echo "== 2. half-precision GPT speed-up on $backend: ${MODE[*]}"
+  if timeout 200 "$PY" -m benchmarks "${MODE[@]}" --models GPT --no-finite --no-torch \
+    --variants jamp --half-speedup --out "$OUT/RESULTS_gpu_half.md" 2>&1 |
+    tee "$OUT/log_half.txt"; then
+    status[half]="ok: $OUT/RESULTS_gpu_half.md"
+    grep -h "^| \|^- ran on" "$OUT/RESULTS_gpu_half.md" | head -40 || true
+  else
+    status[half]="FAILED or timed out (rc $?): see $OUT/log_half.txt"
+  fi
+
+  echo "== summary (what ran where: $OUT/where.txt)"
+  echo "==   0. GPU-branch tests: ${status[tests]}"
+  echo "==   1. float32 benchmark: ${status[f32]}"
+  echo "==   2. half-precision speed-up: ${status[half]}"
+  [[ ${status[tests]} != FAILED* && ${status[f32]} == ok* && ${status[half]} == ok* ]]
+}
+
+main 2>&1 | tee "$OUT/gpu.sh.log"

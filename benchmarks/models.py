@@ -140,9 +140,9 @@ def gpt(
     )
 
 
-def tiny_mlp() -> Model:
-    return mlp(sizes=(16, 32, 10), batch=4)
+def tiny_mlp(compute_dtype=jnp.float32) -> Model:
+    return mlp(sizes=(16, 32, 10), batch=4, compute_dtype=compute_dtype)
 
 
-def tiny_gpt() -> Model:
-    return gpt(vocab=64, d=16, layers=1, heads=2, seq=8, batch=2)
+def tiny_gpt(compute_dtype=jnp.float32) -> Model:
+    return gpt(vocab=64, d=16, layers=1, heads=2, seq=8, batch=2, compute_dtype=compute_dtype)

@@ -53,6 +53,11 @@ def test_benchmarks_tiny_writes_every_table(tmp_path):
     ):
         assert row in text, row
     assert "float32" in text and "float16" in text and "bfloat16" in text
+    # The header says what ran where, read from JAX (JAX_PLATFORMS=cpu here), never assumed.
+    assert "- ran on: JAX backend `cpu`" in text
+    assert "ran on one device, `cpu:0`" in text
+    assert "not run in this session" not in text
+    assert "FINDINGS " not in text  # no section numbers: the report is part of the docs
     assert "| page faults per step |" in text
     # --json: the step rows of each section (what the caching-allocator child sends back).
     dump = json.loads((tmp_path / "rows.json").read_text())
@@ -67,3 +72,59 @@ def test_benchmarks_tiny_writes_every_table(tmp_path):
     assert len(jamp_rows) == 13, jamp_rows
     for line in jamp_rows:
         assert "| 1 | ok / ok |" in line, line
+
+
+def _step_row(name, ratio, bytes_ratio=1.0):
+    hlo = dict(temp_bytes=5e7, bytes_accessed=8e8 * bytes_ratio, fusions_total=90, conditionals=1)
+    return dict(
+        name=name, ms=10.0 * ratio, ratio=ratio, ratio_q1=ratio, ratio_q3=ratio, cpu_ratio=ratio,
+        faults=1e4, steps=30, hlo=hlo, bytes_ratio=bytes_ratio, compile_wall=[0.5],
+        compile_cpu=[0.5], compile_ratio=1.4, compile_cpu_ratio=1.4, traces=1,
+        guard_first="ok", guard_steps="ok",
+    )  # fmt: skip
+
+
+def test_targets_print_this_runs_numbers_only():
+    """Every number in the scorecard is a target constant or comes from the rows it is given."""
+    import re
+    import types
+
+    from benchmarks import finite_checks, steps, targets
+
+    names = list(steps.VARIANTS)  # plain first
+    rows = [_step_row(n, 1.0 if i == 0 else 0.9 + 0.05 * i, 1.1) for i, n in enumerate(names)]
+    model = types.SimpleNamespace(name="GPT", n_params=3_000_000)
+    med = {k: 1e-3 for k in (*finite_checks.CHECKS, *finite_checks.READS)}
+    finite = [
+        dict(n=n, dtype=dt, med=med, ratio=dict.fromkeys(med, 1.5), ok={}, floor="read: max")
+        for n in (1_000_000, 10_000_000)
+        for dt in ("float32", "float16", "bfloat16")
+    ]
+    for backend in ("cpu", "gpu"):
+        text = "\n".join(targets.table([(model, rows)], finite, 20, backend))
+        assert "**no**" in text and "| yes |" in text
+        assert not re.search(r"FINDINGS \d|~\d", text), text  # no section numbers, no estimates
+        for limit in (targets.STEP_LIMIT["GPT"], targets.COMPILE_LIMIT, targets.FINITE_LIMIT):
+            assert f"{limit}x" in text
+    assert "XLA:CPU" in "\n".join(targets.table([(model, rows)], finite, 20, "cpu"))
+    assert "XLA:CPU cannot" not in "\n".join(targets.table([(model, rows)], finite, 20, "gpu"))
+
+
+def test_gpu_sh_parses_and_uses_only_real_flags():
+    """benchmarks/gpu.sh is valid bash, and every flag it passes to the benchmark exists."""
+    import pathlib
+    import re
+
+    from benchmarks import cli
+
+    script = pathlib.Path(ROOT, "benchmarks", "gpu.sh")
+    subprocess.run(["bash", "-n", script], check=True)
+    options = {s for a in cli.parser()._actions for s in a.option_strings}
+    lines = [
+        line
+        for line in script.read_text().splitlines()
+        if not line.lstrip().startswith("#") and not re.search(r"nvidia-smi|pytest|git |sed ", line)
+    ]
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", "\n".join(lines)))
+    assert {"--quick", "--tiny", "--half-speedup", "--variants", "--all-peers"} <= flags
+    assert flags <= options, flags - options
