@@ -16,7 +16,7 @@
    input in ``jamp/``.
 4. Long-run counters saturate instead of wrapping.
 
-Figures for docs/reliability.md: ``pytest tests/test_reliability.py -s``
+Figures for docs/reliability.md: ``pytest tests/integration/test_reliability.py -s``
 prints them (lines starting with ``RELIABILITY``).
 """
 
@@ -41,7 +41,7 @@ import pytest
 import jamp
 from jamp._src import loss_scale as ls
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # tests/<folder>/this file
 
 # The soak's loss scale: powers of two only, bounds tight enough that a
 # 200-step burst pins the scale at min_scale for ~190 steps, and a growth
