@@ -21,6 +21,7 @@ from _autocast_helpers import (
     tree_dtypes,
     walk,
 )
+from _bad_input import assert_clear_error
 from flax import linen as nn
 from flax import nnx
 from hypothesis import given, settings
@@ -796,42 +797,139 @@ def test_dtype_default_and_policy_agreement():
         jamp.autocast_report(f, x, x, dtype=jnp.bfloat16, policy="mixed_float16")
 
 
-def test_errors():
-    with pytest.raises(
-        TypeError, match=r"Expected a floating dtype for `dtype`.*got int32 instead"
-    ):
-        jamp.autocast(jnp.sin, jnp.int32)
-    with pytest.raises(ValueError, match=r"Expected a dtype name for `dtype`.*got 'foo'"):
-        jamp.autocast(jnp.sin, "foo")
-    with pytest.raises(
-        ValueError, match=r"Expected a policy string .*'mixed_float16'.*got 'mixed'"
-    ):
-        jamp.autocast(jnp.sin, policy="mixed")
-    with pytest.raises(ValueError, match=r"Expected a policy key, one of .*got 'q'"):
-        jamp.autocast(jnp.sin, policy="q=f16")
-    with pytest.raises(TypeError, match=r"Expected a jamp.Policy or a policy string"):
-        jamp.autocast(jnp.sin, policy=3)
-    with pytest.raises(TypeError, match=r"Expected a callable for `fun`"):
-        jamp.autocast(3)
-    with pytest.raises(TypeError, match=r"Expected a bool for `enabled`"):
-        jamp.autocast(jnp.sin, enabled="yes")
+# Every invalid argument of autocast and autocast_report: id -> (call, exception,
+# match). A tuple of patterns: each must match (two tables checked that call).
+BAD_INPUT = {
+    "autocast dtype=int32": (
+        lambda: jamp.autocast(jnp.sin, dtype=jnp.int32),
+        TypeError,
+        (
+            r"floating dtype for `dtype`.*int32",
+            r"Expected a floating dtype for `dtype`.*got int32 instead",
+        ),
+    ),
+    "autocast dtype=int8": (
+        lambda: jamp.autocast(jnp.sin, dtype=np.int8),
+        TypeError,
+        r"floating dtype for `dtype`.*int8",
+    ),
+    "autocast dtype='int32'": (
+        lambda: jamp.autocast(jnp.sin, dtype="int32"),
+        TypeError,
+        r"`dtype`.*int32",
+    ),
+    "autocast dtype=bool": (lambda: jamp.autocast(jnp.sin, dtype=jnp.bool_), TypeError, r"`dtype`"),
+    "autocast dtype='foo'": (
+        lambda: jamp.autocast(jnp.sin, "foo"),
+        ValueError,
+        r"Expected a dtype name for `dtype`.*got 'foo'",
+    ),
+    "autocast fun=3": (
+        lambda: jamp.autocast(3),
+        TypeError,
+        (r"`fun`", r"Expected a callable for `fun`"),
+    ),
+    "autocast policy='mixed'": (
+        lambda: jamp.autocast(jnp.sin, policy="mixed"),
+        ValueError,
+        r"Expected a policy string .*'mixed_float16'.*got 'mixed'",
+    ),
+    "autocast policy='q=f16'": (
+        lambda: jamp.autocast(jnp.sin, policy="q=f16"),
+        ValueError,
+        r"Expected a policy key, one of .*got 'q'",
+    ),
+    "autocast policy=3": (
+        lambda: jamp.autocast(jnp.sin, policy=3),
+        TypeError,
+        r"Expected a jamp.Policy or a policy string",
+    ),
+    "autocast enabled='yes'": (
+        lambda: jamp.autocast(jnp.sin, enabled="yes"),
+        TypeError,
+        r"Expected a bool for `enabled`",
+    ),
+    # the dtype must be float16 or bfloat16, in autocast and in autocast_report
+    "autocast dtype=jnp.float32": (
+        lambda: jamp.autocast(jnp.sin, jnp.float32),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype=jnp.float32": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float32),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='float32'": (lambda: jamp.autocast(jnp.sin, "float32"), ValueError, r"`dtype`"),
+    "autocast_report dtype='float32'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="float32"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='full'": (lambda: jamp.autocast(jnp.sin, "full"), ValueError, r"`dtype`"),
+    "autocast_report dtype='full'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="full"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype=jnp.float64": (
+        lambda: jamp.autocast(jnp.sin, jnp.float64),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype=jnp.float64": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float64),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='f64'": (lambda: jamp.autocast(jnp.sin, "f64"), ValueError, r"`dtype`"),
+    "autocast_report dtype='f64'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="f64"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype=jnp.float8_e4m3fn": (
+        lambda: jamp.autocast(jnp.sin, jnp.float8_e4m3fn),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype=jnp.float8_e4m3fn": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float8_e4m3fn),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='float8_e5m2'": (
+        lambda: jamp.autocast(jnp.sin, "float8_e5m2"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype='float8_e5m2'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="float8_e5m2"),
+        ValueError,
+        r"`dtype`",
+    ),
+    # so must the policy's compute dtype
+    "autocast policy='full' (compute dtype)": (
+        lambda: jamp.autocast(jnp.sin, policy="full"),
+        ValueError,
+        r"float16 or bfloat16 for the compute dtype of `policy`",
+    ),
+    "autocast policy='f64' (compute dtype)": (
+        lambda: jamp.autocast(jnp.sin, policy="f64"),
+        ValueError,
+        r"float16 or bfloat16 for the compute dtype of `policy`",
+    ),
+    "autocast policy='p=f32,c=f32,o=bf16' (compute dtype)": (
+        lambda: jamp.autocast(jnp.sin, policy="p=f32,c=f32,o=bf16"),
+        ValueError,
+        r"float16 or bfloat16 for the compute dtype of `policy`",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "dtype", [jnp.float32, "float32", "full", jnp.float64, "f64", jnp.float8_e4m3fn,
-              "float8_e5m2"], ids=str,
-)  # fmt: skip
-def test_dtype_must_be_float16_or_bfloat16(dtype):
-    with pytest.raises(ValueError, match=r"`dtype`"):
-        jamp.autocast(jnp.sin, dtype)
-    with pytest.raises(ValueError, match=r"`dtype`"):
-        jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=dtype)
-
-
-@pytest.mark.parametrize("policy", ["full", "f64", "p=f32,c=f32,o=bf16"])
-def test_policy_compute_dtype_must_be_float16_or_bfloat16(policy):
-    with pytest.raises(ValueError, match=r"float16 or bfloat16 for the compute dtype of `policy`"):
-        jamp.autocast(jnp.sin, policy=policy)
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
 
 
 @settings(max_examples=12, deadline=None)

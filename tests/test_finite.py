@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from _bad_input import assert_clear_error
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax.sharding import Mesh, NamedSharding
@@ -60,11 +61,6 @@ def test_all_finite_ignores_non_float_and_empty():
     assert bool(jamp.all_finite({"i": jnp.arange(3), "n": None, "b": jnp.array([True])}))
     out = jamp.all_finite(jnp.ones(3))
     assert out.shape == () and out.dtype == jnp.bool_
-
-
-def test_all_finite_type_error_names_path():
-    with pytest.raises(TypeError, match=r"`jamp.all_finite`.*type str at path \['x'\]\[0\]"):
-        jamp.all_finite({"x": ["oops"]})
 
 
 @st.composite
@@ -412,3 +408,36 @@ def test_python_float_leaves_are_checked_as_unscale_makes_them():
             assert not bool(finite)
             grads, finite = wrap(lambda: jamp.unscale_and_check(state, {"g": 1e38}))()
             assert bool(finite) and np.isfinite(np.asarray(grads["g"]))
+
+
+# ---------------------------------------------------------------- bad input
+
+# Every invalid tree or state given to all_finite and unscale_and_check: id -> (call,
+# exception, match).
+BAD_INPUT = {
+    "all_finite leaf=str": (
+        lambda: jamp.all_finite({"s": "text"}),
+        TypeError,
+        r"jamp\.all_finite`.*str at path \['s'\]",
+    ),
+    "all_finite nested leaf=str": (
+        lambda: jamp.all_finite({"x": ["oops"]}),
+        TypeError,
+        r"`jamp.all_finite`.*type str at path \['x'\]\[0\]",
+    ),
+    "unscale_and_check leaf=str": (
+        lambda: jamp.unscale_and_check(jamp.dynamic_loss_scale(), ("x",)),
+        TypeError,
+        r"str at path \[0\]",
+    ),
+    "unscale_and_check state=dict": (
+        lambda: jamp.unscale_and_check({}, {"w": jnp.ones(2)}),
+        TypeError,
+        r"expected `state` to be a LossScaleState.*got dict",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bad_input import assert_clear_error
 from _problem import (
     X,
     assert_trees_equal,
@@ -100,17 +101,6 @@ def test_get_loss_scale_in_nnx_optimizer():
     )
 
 
-def test_get_loss_scale_errors():
-    with pytest.raises(ValueError, match=r"found none in ScaleByAdamState.*jamp.loss_scaling"):
-        jamp.get_loss_scale(optax.adam(1e-3).init(params0())[0])
-    two = optax.chain(jamp.loss_scaling(optax.sgd(0.1)), jamp.loss_scaling(optax.sgd(0.1)))
-    with pytest.raises(
-        ValueError,
-        match=r"exactly one loss-scale state.*found 2 at \[0\]\.loss_scale, \[1\]\.loss_scale",
-    ):
-        jamp.get_loss_scale(two.init(params0()))
-
-
 def test_get_loss_scale_and_metrics_find_a_train_state_field():
     """The flax ImageNet layout: a TrainState field beside a plain optimizer."""
     from flax.training import train_state
@@ -163,6 +153,54 @@ def test_metrics_from_train_state_and_nnx():
     assert all(isinstance(v, jax.Array) for v in m.values())
 
 
-def test_metrics_error_without_state():
-    with pytest.raises(ValueError, match=r"found none"):
-        jamp.metrics(optax.sgd(0.1).init({"w": jnp.ones(2)}))
+# ---------------------------------------------------------------- bad input
+
+
+def _lss():
+    return jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+
+
+def _two_in_a_chain():
+    two = optax.chain(jamp.loss_scaling(optax.sgd(0.1)), jamp.loss_scaling(optax.sgd(0.1)))
+    return two.init(params0())
+
+
+# Every state in which get_loss_scale or metrics finds no single loss-scale state:
+# id -> (call, exception, match).
+BAD_INPUT = {
+    "get_loss_scale(plain optax)": (
+        lambda: jamp.get_loss_scale(optax.sgd(0.1).init({"w": jnp.ones(2)})),
+        ValueError,
+        r"`opt_state` to contain a jamp loss-scale state, found none",
+    ),
+    "get_loss_scale(adam's state)": (
+        lambda: jamp.get_loss_scale(optax.adam(1e-3).init(params0())[0]),
+        ValueError,
+        r"found none in ScaleByAdamState.*jamp.loss_scaling",
+    ),
+    "get_loss_scale({})": (
+        lambda: jamp.get_loss_scale({}),
+        ValueError,
+        r"`opt_state`.*found none in dict",
+    ),
+    "get_loss_scale(two)": (
+        lambda: jamp.get_loss_scale((_lss(), _lss())),
+        ValueError,
+        r"exactly one loss-scale state in `opt_state`, found 2",
+    ),
+    "get_loss_scale(two in a chain)": (
+        lambda: jamp.get_loss_scale(_two_in_a_chain()),
+        ValueError,
+        r"exactly one loss-scale state.*found 2 at \[0\]\.loss_scale, \[1\]\.loss_scale",
+    ),
+    "metrics(plain optax)": (
+        lambda: jamp.metrics(optax.sgd(0.1).init({"w": jnp.ones(2)})),
+        ValueError,
+        r"found none",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

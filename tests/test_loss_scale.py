@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
+from _bad_input import assert_clear_error
 from _problem import X, assert_trees_equal, loss_fn, params0
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -99,22 +101,6 @@ def test_disabled_scale_is_identity():
     tree = {"x": jnp.ones(2, jnp.float16)}
     assert jamp.scale(n, tree) is tree
     assert jamp.unscale(n, tree) is tree
-
-
-@pytest.mark.parametrize("fn", [jamp.scale, jamp.unscale])
-def test_non_array_leaf_is_a_type_error_naming_the_path(fn):
-    s = jamp.static_loss_scale(2.0)
-    with pytest.raises(TypeError, match=r"leaf of type str at path \['params'\]\['name'\]"):
-        fn(s, {"params": {"w": jnp.ones(2), "name": "dense"}})
-    with pytest.raises(TypeError, match=r"leaf of type object at path \[1\]"):
-        fn(s, [jnp.ones(2), object()])
-
-
-def test_state_argument_checked():
-    with pytest.raises(
-        TypeError, match=r"`jamp.scale` expected `state` to be a LossScaleState.*got float"
-    ):
-        jamp.scale(2.0, jnp.ones(2))
 
 
 @settings(max_examples=60, deadline=None)
@@ -237,23 +223,6 @@ def test_update_static_and_none_return_state(kind):
     assert jamp.update(kind, jnp.bool_(False)) is kind
 
 
-@pytest.mark.parametrize(
-    "flag,exc,match",
-    [
-        (
-            jnp.ones(2, bool),
-            ValueError,
-            r"`finite` to be a scalar \(shape \(\)\), got shape \(2,\)",
-        ),
-        (jnp.float32(1.0), TypeError, r"`finite` to be a boolean scalar, got dtype float32"),
-        ("yes", TypeError, r"`finite` to be a boolean scalar array .* got str"),
-    ],
-)
-def test_update_checks_finite(flag, exc, match):
-    with pytest.raises(exc, match=match):
-        jamp.update(jamp.dynamic_loss_scale(), flag)
-
-
 def test_jitted_update_never_retraces_and_needs_no_transfers():
     traces = []
 
@@ -311,3 +280,110 @@ def test_several_losses_one_state():
     assert bool(finite)
     assert_trees_equal(unscaled, ref)
     assert_trees_equal(g_dict, g_sum)
+
+
+# ---------------------------------------------------------------- bad input
+
+DYN = jamp.dynamic_loss_scale
+STATIC2 = jamp.static_loss_scale(2.0)
+
+
+def _lss():
+    return jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+
+
+# Every invalid state, flag or leaf given to scale, unscale and update: id -> (call,
+# exception, match). A tuple of patterns: each must match (two tables checked that call).
+BAD_INPUT = {
+    # update's finite flag
+    "update finite=int32": (
+        lambda: jamp.update(DYN(), jnp.int32(1)),
+        TypeError,
+        r"`finite` to be a boolean scalar, got dtype int32",
+    ),
+    "update finite=float32": (
+        lambda: jamp.update(DYN(), jnp.float32(1.0)),
+        TypeError,
+        (r"`finite`.*dtype float32", r"`finite` to be a boolean scalar, got dtype float32"),
+    ),
+    "update finite=vector": (
+        lambda: jamp.update(DYN(), jnp.ones(2, bool)),
+        ValueError,
+        (
+            r"`finite` to be a scalar.*\(2,\)",
+            r"`finite` to be a scalar \(shape \(\)\), got shape \(2,\)",
+        ),
+    ),
+    "update finite=np [True]": (
+        lambda: jamp.update(DYN(), np.array([True])),
+        ValueError,
+        r"`finite` to be a scalar.*\(1,\)",
+    ),
+    "update finite=1": (lambda: jamp.update(DYN(), 1), TypeError, r"`finite`.*got int"),
+    "update finite=None": (lambda: jamp.update(DYN(), None), TypeError, r"`finite`.*got NoneType"),
+    "update finite='yes'": (
+        lambda: jamp.update(DYN(), "yes"),
+        TypeError,
+        r"`finite` to be a boolean scalar array .* got str",
+    ),
+    # a state of another structure
+    "unscale state=LossScalingState": (
+        lambda: jamp.unscale(_lss(), {"w": jnp.ones(2)}),
+        TypeError,
+        r"jamp\.unscale` expected `state` to be a LossScaleState.*got LossScalingState",
+    ),
+    "unscale state=dict": (
+        lambda: jamp.unscale({"scale": jnp.float32(2.0)}, {"w": jnp.ones(2)}),
+        TypeError,
+        r"jamp\.unscale` expected `state` to be a LossScaleState.*got dict",
+    ),
+    "scale state=float": (
+        lambda: jamp.scale(2.0, jnp.ones(2)),
+        TypeError,
+        (
+            r"jamp\.scale` expected `state` to be a LossScaleState.*got float",
+            r"`jamp.scale` expected `state` to be a LossScaleState.*got float",
+        ),
+    ),
+    "update state=LossScalingState": (
+        lambda: jamp.update(_lss(), jnp.bool_(True)),
+        TypeError,
+        r"jamp\.update` expected `state` to be a LossScaleState.*got LossScalingState",
+    ),
+    # trees with strings and objects: the message names the path
+    "scale leaf=str": (
+        lambda: jamp.scale(DYN(), {"a": jnp.ones(2), "b": "x"}),
+        TypeError,
+        r"jamp\.scale` expected a pytree of arrays.*str at path \['b'\]",
+    ),
+    "unscale leaf=object": (
+        lambda: jamp.unscale(DYN(), {"a": [jnp.ones(2), object()]}),
+        TypeError,
+        r"object at path \['a'\]\[1\]",
+    ),
+    "scale nested leaf=str": (
+        lambda: jamp.scale(STATIC2, {"params": {"w": jnp.ones(2), "name": "dense"}}),
+        TypeError,
+        r"leaf of type str at path \['params'\]\['name'\]",
+    ),
+    "scale list leaf=object": (
+        lambda: jamp.scale(STATIC2, [jnp.ones(2), object()]),
+        TypeError,
+        r"leaf of type object at path \[1\]",
+    ),
+    "unscale nested leaf=str": (
+        lambda: jamp.unscale(STATIC2, {"params": {"w": jnp.ones(2), "name": "dense"}}),
+        TypeError,
+        r"leaf of type str at path \['params'\]\['name'\]",
+    ),
+    "unscale list leaf=object": (
+        lambda: jamp.unscale(STATIC2, [jnp.ones(2), object()]),
+        TypeError,
+        r"leaf of type object at path \[1\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bad_input import assert_clear_error
 from _problem import (
     X,
     assert_trees_close,
@@ -147,21 +148,6 @@ def test_reduce_on_plateau_gets_the_value():
     s = tx.init(p)
     u, s = tx.update(scaled_grads(s, p), s, p, value=loss_fn(p, X))
     assert bool(s.last_finite)
-
-
-@pytest.mark.parametrize(
-    "args,exc,match",
-    [
-        (("adam",), TypeError, r"`inner` to be an optax.GradientTransformation, got str"),
-        ((optax.sgd(0.1), 2.0), TypeError, r"`loss_scale` to be a jamp.LossScaleState"),
-        ((optax.sgd(0.1), None, "where"), ValueError, r"`skip` to be one of .*got 'where'"),
-        ((optax.sgd(0.1), None, None), ValueError, r"`skip` to be one of .*got None"),
-    ],
-)
-def test_loss_scaling_argument_errors(args, exc, match):
-    kwargs = {"skip": args[2]} if len(args) > 2 else {}
-    with pytest.raises(exc, match=match):
-        jamp.loss_scaling(*args[:2], **kwargs)
 
 
 def test_static_and_no_loss_scale_still_skip_nonfinite():
@@ -401,21 +387,6 @@ def test_orbax_round_trip_continues_identically(tmp_path):
 # ---------------------------------------------------------------- multi_steps
 
 
-@pytest.mark.parametrize(
-    "args,exc,match",
-    [
-        ((optax.sgd, 2), TypeError, r"`inner`.*sgd.*call it"),
-        ((optax.sgd(0.1), 0), ValueError, r"every_k_schedule=0"),
-        ((optax.sgd(0.1), -2), ValueError, r"every_k_schedule=-2"),
-        ((optax.sgd(0.1), 2.5), TypeError, r"`every_k_schedule`.*2\.5"),
-        ((optax.sgd(0.1), True), TypeError, r"`every_k_schedule`.*True"),
-    ],
-)
-def test_multi_steps_argument_errors(args, exc, match):
-    with pytest.raises(exc, match=match):
-        jamp.multi_steps(*args)
-
-
 @pytest.mark.standard_promotion  # optax.MultiSteps multiplies int32 by float32 inside optax
 def test_multi_steps_has_updated_as_optax_multisteps():
     tx = jamp.multi_steps(jamp.loss_scaling(optax.sgd(0.1)), lambda step: 3)
@@ -430,3 +401,86 @@ def test_multi_steps_has_updated_as_optax_multisteps():
         flags.append(bool(tx.has_updated(s)))
         assert flags[-1] == bool(reference.has_updated(r))
     assert flags == [False, False, True, False, False, True, False]
+
+
+# ---------------------------------------------------------------- bad input
+
+SGD = optax.sgd(0.1)
+
+# Every invalid argument of loss_scaling, its update and multi_steps: id -> (call,
+# exception, match).
+BAD_INPUT = {
+    # loss_scaling
+    "inner=function": (
+        lambda: jamp.loss_scaling(optax.sgd),
+        TypeError,
+        r"`inner` to be an optax.GradientTransformation",
+    ),
+    "inner=None": (lambda: jamp.loss_scaling(None), TypeError, r"`inner`"),
+    "inner='adam'": (
+        lambda: jamp.loss_scaling("adam"),
+        TypeError,
+        r"`inner` to be an optax.GradientTransformation, got str",
+    ),
+    "loss_scale=1024.0": (
+        lambda: jamp.loss_scaling(SGD, 1024.0),
+        TypeError,
+        r"`loss_scale` to be a jamp.LossScaleState.*got float",
+    ),
+    "loss_scale=2.0": (
+        lambda: jamp.loss_scaling(SGD, 2.0),
+        TypeError,
+        r"`loss_scale` to be a jamp.LossScaleState",
+    ),
+    "loss_scale=GradScaler": (
+        lambda: jamp.loss_scaling(SGD, jamp.GradScaler()),
+        TypeError,
+        r"`loss_scale`.*got GradScaler",
+    ),
+    "skip='where'": (
+        lambda: jamp.loss_scaling(SGD, None, skip="where"),
+        ValueError,
+        r"`skip` to be one of .*got 'where'",
+    ),
+    "skip=None": (
+        lambda: jamp.loss_scaling(SGD, None, skip=None),
+        ValueError,
+        r"`skip` to be one of .*got None",
+    ),
+    "update(state=dict)": (
+        lambda: jamp.loss_scaling(SGD).update({"w": jnp.ones(2)}, {}, None),
+        TypeError,
+        r"`state` to be the LossScalingState.*got dict",
+    ),
+    # multi_steps
+    "multi_steps inner=function": (
+        lambda: jamp.multi_steps(optax.sgd, 2),
+        TypeError,
+        r"`inner`.*sgd.*call it",
+    ),
+    "multi_steps every_k_schedule=0": (
+        lambda: jamp.multi_steps(SGD, 0),
+        ValueError,
+        r"every_k_schedule=0",
+    ),
+    "multi_steps every_k_schedule=-2": (
+        lambda: jamp.multi_steps(SGD, -2),
+        ValueError,
+        r"every_k_schedule=-2",
+    ),
+    "multi_steps every_k_schedule=2.5": (
+        lambda: jamp.multi_steps(SGD, 2.5),
+        TypeError,
+        r"`every_k_schedule`.*2\.5",
+    ),
+    "multi_steps every_k_schedule=True": (
+        lambda: jamp.multi_steps(SGD, True),
+        TypeError,
+        r"`every_k_schedule`.*True",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

@@ -8,6 +8,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _bad_input import assert_clear_error
 from _problem import grads_tree
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -98,18 +99,6 @@ def test_log_every_nth_overflow(caplog):
     assert "g: 0 inf, 1 nan" in caplog.records[0].getMessage()
 
 
-@pytest.mark.parametrize(
-    "kwargs,match",
-    [
-        (dict(every=0), r"`every` to be an int >= 1, got every=0"),
-        (dict(every=2), r"Expected `count`"),
-    ],
-)
-def test_log_nonfinite_errors(kwargs, match):
-    with pytest.raises(ValueError, match=match):
-        jamp.log_nonfinite({"g": jnp.ones(1)}, **kwargs)
-
-
 # ---------------------------------------------------------------- review fixes
 
 
@@ -149,3 +138,30 @@ def test_log_under_vmap_calls_back_only_when_a_member_overflows(caplog, nested):
 def test_prefix_must_be_a_str():
     with pytest.raises(TypeError, match=r"`prefix` to be a str"):
         jax.jit(lambda g, s: jamp.log_nonfinite(g, prefix=s))({"w": jnp.ones(2)}, jnp.int32(3))
+
+
+# ---------------------------------------------------------------- bad input
+
+# Every invalid argument of log_nonfinite: id -> (call, exception, match).
+BAD_INPUT = {
+    "every=0": (
+        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=0),
+        ValueError,
+        r"`every` to be an int >= 1, got every=0",
+    ),
+    "every=2 without count": (
+        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2),
+        ValueError,
+        r"Expected `count`",
+    ),
+    "prefix=3": (
+        lambda: jamp.log_nonfinite({"w": jnp.ones(2)}, prefix=3),
+        TypeError,
+        r"`prefix` to be a str",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _bad_input import assert_clear_error
 from _problem import (
     X,
     assert_trees_equal,
@@ -65,27 +66,6 @@ def test_value_and_grad_overflow():
     assert not bool(out.finite) and float(out.loss_scale.scale) == 2.0**15
 
 
-@pytest.mark.parametrize(
-    "kwargs,call,exc,match",
-    [
-        (dict(argnums="x"), False, TypeError, r"`argnums` to be an int or a sequence of ints"),
-        (dict(argnums=5), True, ValueError, r"`argnums` to index one of the 2 positional"),
-    ],
-)
-def test_value_and_grad_errors(kwargs, call, exc, match):
-    with pytest.raises(exc, match=match):
-        vg = jamp.value_and_grad(loss_fn, **kwargs)
-        if call:
-            vg(jamp.dynamic_loss_scale(), params0(), X)
-
-
-def test_value_and_grad_needs_state_first():
-    with pytest.raises(
-        TypeError, match=r"takes the loss-scale state as its first argument, got dict"
-    ):
-        jamp.value_and_grad(loss_fn)(params0(), X)
-
-
 # ---------------------------------------------------------------- retries
 
 
@@ -141,7 +121,43 @@ def test_every_failed_retry_ignores_hysteresis_the_last_too():
     assert float(out.loss_scale.scale) == 2.0**12  # four failed attempts, four backoffs
 
 
-def test_has_aux_needs_a_pair():
-    vg = jamp.value_and_grad(lambda w: jnp.sum(w), has_aux=True)
-    with pytest.raises(TypeError, match=r"`fun` to return a pair \(loss, aux\)"):
-        vg(jamp.dynamic_loss_scale(), jnp.ones(2))
+# ---------------------------------------------------------------- bad input
+
+# Every invalid argument of value_and_grad and of the function it returns: id -> (call,
+# exception, match).
+BAD_INPUT = {
+    "fun=3": (lambda: jamp.value_and_grad(3), TypeError, r"`fun` to be callable"),
+    "argnums='a'": (lambda: jamp.value_and_grad(jnp.sum, argnums="a"), TypeError, r"`argnums`"),
+    "argnums='x'": (
+        lambda: jamp.value_and_grad(loss_fn, argnums="x"),
+        TypeError,
+        r"`argnums` to be an int or a sequence of ints",
+    ),
+    "argnums=5 called with 2": (
+        lambda: jamp.value_and_grad(loss_fn, argnums=5)(jamp.dynamic_loss_scale(), params0(), X),
+        ValueError,
+        r"`argnums` to index one of the 2 positional",
+    ),
+    "state=GradScaler": (
+        lambda: jamp.value_and_grad(jnp.sum)(jamp.GradScaler(), jnp.ones(2)),
+        TypeError,
+        r"loss-scale state as its first argument, got GradScaler",
+    ),
+    "state=dict (no state first)": (
+        lambda: jamp.value_and_grad(loss_fn)(params0(), X),
+        TypeError,
+        r"takes the loss-scale state as its first argument, got dict",
+    ),
+    "has_aux without a pair": (
+        lambda: jamp.value_and_grad(lambda w: jnp.sum(w), has_aux=True)(
+            jamp.dynamic_loss_scale(), jnp.ones(2)
+        ),
+        TypeError,
+        r"`fun` to return a pair \(loss, aux\)",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
