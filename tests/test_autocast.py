@@ -1,4 +1,4 @@
-"""Tests for jamp.autocast, jamp.autocast_disabled and jamp.autocast_report."""
+"""jamp.autocast, autocast_disabled, autocast_report; and autocast_interpreter, reached via them."""
 
 import functools
 
@@ -7,6 +7,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _autocast_helpers import (
+    BF16,
+    EPS,
+    F16,
+    F32,
+    HALF,
+    assert_close_tree,
+    eqns_named,
+    in_dtypes,
+    randn,
+    rel_err,
+    tree_dtypes,
+    walk,
+)
+from _bad_input import assert_clear_error
 from flax import linen as nn
 from flax import nnx
 from hypothesis import given, settings
@@ -17,43 +32,16 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 import jamp
-from jamp._src.autocast import RULES
 
-F16, BF16, F32 = jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32)
-HALF = (F16, BF16)
 SENSITIVE = {
     "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "sqrt", "logistic", "erf",
     "erf_inv", "lgamma", "digamma", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
     "cumlogsumexp", "div",
 }  # fmt: skip
-# Relative error of one rounding, used to size tolerances.
-EPS = {F16: 2.0**-11, BF16: 2.0**-8}
 
 
 # --------------------------------------------------------------------------
 # helpers
-
-
-def walk(jaxpr):
-    """Every equation of ``jaxpr`` and of its sub-jaxprs, recursively."""
-    if isinstance(jaxpr, jex_core.ClosedJaxpr):
-        jaxpr = jaxpr.jaxpr
-    for eqn in jaxpr.eqns:
-        yield eqn
-        for value in eqn.params.values():
-            for sub in value if isinstance(value, (tuple, list)) else (value,):
-                if isinstance(sub, (jex_core.ClosedJaxpr, jex_core.Jaxpr)):
-                    yield from walk(sub)
-
-
-def eqns_named(jaxpr, *names):
-    return [e for e in walk(jaxpr) if e.primitive.name in names]
-
-
-def in_dtypes(eqn):
-    return [
-        jnp.dtype(v.aval.dtype) for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)
-    ]
 
 
 def assert_autocast_jaxpr(jaxpr, dtype, min_dots=1):
@@ -70,11 +58,6 @@ def assert_autocast_jaxpr(jaxpr, dtype, min_dots=1):
             assert not set(in_dtypes(eqn)) & set(HALF), eqn
 
 
-def randn(seed, *shape, scale=1.0):
-    """Float32 normal samples from NumPy: no XLA compilation, unlike jax.random."""
-    return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)
-
-
 def init_params(model, x):
     """Flax parameters with the shapes of ``model.init``, filled cheaply and deterministically."""
     shapes = jax.eval_shape(model.init, jax.random.key(0), x)
@@ -88,21 +71,6 @@ def init_params(model, x):
         return randn(len(name), *s.shape, scale=float(np.prod(s.shape[:-1])) ** -0.5)
 
     return jax.tree_util.tree_map_with_path(fill, shapes)
-
-
-def tree_dtypes(tree):
-    return jax.tree_util.tree_map(lambda x: jnp.dtype(x.dtype), tree)
-
-
-def rel_err(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def assert_close_tree(got, want, tol):
-    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want), strict=True):
-        assert jnp.dtype(g.dtype) == jnp.dtype(w.dtype)
-        assert rel_err(g, w) < tol, (rel_err(g, w), tol)
 
 
 # --------------------------------------------------------------------------
@@ -485,39 +453,6 @@ def test_a_wider_preferred_element_type_is_kept():
     np.testing.assert_allclose(np.float32(got), np.float32(want), atol=2 * EPS[BF16])
 
 
-F32_ONLY = {
-    "complex": lambda h: jnp.abs(lax.complex(h, 2.0 * h)),
-    "conj": lambda h: jnp.real(lax.conj(h)),
-    "fft": lambda h: jnp.abs(jnp.fft.rfft(h)),
-    "qr": lambda h: jnp.abs(jnp.linalg.qr(h)[1]),
-    "cholesky": lambda h: jnp.linalg.cholesky(h @ h.T + 4.0 * jnp.eye(4)),
-    "eigh": lambda h: jnp.linalg.eigh(h + h.T)[0],
-    "svd": lambda h: jnp.linalg.svd(h, compute_uv=False),
-    "solve": lambda h: jnp.linalg.solve(h + 4.0 * jnp.eye(4), h),
-    "triangular_solve": lambda h: jax.scipy.linalg.solve_triangular(
-        jnp.tril(h) + 4.0 * jnp.eye(4), h, lower=True),
-    "slogdet": lambda h: jnp.linalg.slogdet(h + 4.0 * jnp.eye(4))[1],
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("op", list(F32_ONLY))
-def test_primitives_that_accept_only_float32_run_in_float32(op):
-    def f(x, w):
-        return F32_ONLY[op](x @ w)  # the matmul output arrives in float16
-
-    x, w = randn(0, 4, 4), randn(1, 4, 4, scale=0.5)
-    report = jamp.autocast_report(f, x, w, dtype=F16)
-    assert report.unknown == ()
-    jaxpr = jax.make_jaxpr(jamp.autocast(f, F16))(x, w)
-    assert in_dtypes(eqns_named(jaxpr, "dot_general")[0]) == [F16, F16]
-    for eqn in walk(jaxpr):
-        if RULES.get(eqn.primitive.name) == "float32":
-            assert not set(in_dtypes(eqn)) & set(HALF), eqn
-    got, want = jax.jit(jamp.autocast(f, F16))(x, w), jax.jit(f)(x, w)
-    assert got.dtype == want.dtype
-    assert_close_tree(got, want, 20 * EPS[F16])
-
-
 @pytest.mark.parametrize("dtype", HALF, ids=str)
 def test_softmax_family_computes_in_float32_from_its_half_inputs(dtype):
     # torch's recipe: the low-precision logits upcast, then max, x - max, exp,
@@ -551,21 +486,6 @@ def test_stack_and_checkpoint_name_keep_the_autocast_dtype():
     assert saved == ["bfloat16", "float32"]  # the named residual, and the argument x
     got, want = jax.jit(jax.grad(jamp.autocast(g)))(w, x), jax.jit(jax.grad(g))(w, x)
     assert_close_tree(got, want, 20 * EPS[BF16])
-
-
-def test_primitives_found_in_review_are_in_the_table():
-    edges = jnp.linspace(0.0, 1.0, 5)
-
-    def f(x):
-        h = x @ x
-        jax.debug.print("{}", h[0, 0])
-        return (jnp.searchsorted(edges, h), jnp.linalg.solve(h + 4.0 * jnp.eye(4), h),
-                jnp.linalg.slogdet(h + 4.0 * jnp.eye(4))[1])  # fmt: skip
-
-    report = jamp.autocast_report(f, randn(0, 4, 4))
-    names = {row[0] for row in report.rows}
-    assert {"le_to", "debug_print", "custom_linear_solve", "platform_index"} <= names
-    assert report.unknown == ()
 
 
 # --------------------------------------------------------------------------
@@ -877,42 +797,139 @@ def test_dtype_default_and_policy_agreement():
         jamp.autocast_report(f, x, x, dtype=jnp.bfloat16, policy="mixed_float16")
 
 
-def test_errors():
-    with pytest.raises(
-        TypeError, match=r"Expected a floating dtype for `dtype`.*got int32 instead"
-    ):
-        jamp.autocast(jnp.sin, jnp.int32)
-    with pytest.raises(ValueError, match=r"Expected a dtype name for `dtype`.*got 'foo'"):
-        jamp.autocast(jnp.sin, "foo")
-    with pytest.raises(
-        ValueError, match=r"Expected a policy string .*'mixed_float16'.*got 'mixed'"
-    ):
-        jamp.autocast(jnp.sin, policy="mixed")
-    with pytest.raises(ValueError, match=r"Expected a policy key, one of .*got 'q'"):
-        jamp.autocast(jnp.sin, policy="q=f16")
-    with pytest.raises(TypeError, match=r"Expected a jamp.Policy or a policy string"):
-        jamp.autocast(jnp.sin, policy=3)
-    with pytest.raises(TypeError, match=r"Expected a callable for `fun`"):
-        jamp.autocast(3)
-    with pytest.raises(TypeError, match=r"Expected a bool for `enabled`"):
-        jamp.autocast(jnp.sin, enabled="yes")
+# Every invalid argument of autocast and autocast_report: id -> (call, exception,
+# match). A tuple of patterns: each must match (two tables checked that call).
+BAD_INPUT = {
+    "autocast dtype=int32": (
+        lambda: jamp.autocast(jnp.sin, dtype=jnp.int32),
+        TypeError,
+        (
+            r"floating dtype for `dtype`.*int32",
+            r"Expected a floating dtype for `dtype`.*got int32 instead",
+        ),
+    ),
+    "autocast dtype=int8": (
+        lambda: jamp.autocast(jnp.sin, dtype=np.int8),
+        TypeError,
+        r"floating dtype for `dtype`.*int8",
+    ),
+    "autocast dtype='int32'": (
+        lambda: jamp.autocast(jnp.sin, dtype="int32"),
+        TypeError,
+        r"`dtype`.*int32",
+    ),
+    "autocast dtype=bool": (lambda: jamp.autocast(jnp.sin, dtype=jnp.bool_), TypeError, r"`dtype`"),
+    "autocast dtype='foo'": (
+        lambda: jamp.autocast(jnp.sin, "foo"),
+        ValueError,
+        r"Expected a dtype name for `dtype`.*got 'foo'",
+    ),
+    "autocast fun=3": (
+        lambda: jamp.autocast(3),
+        TypeError,
+        (r"`fun`", r"Expected a callable for `fun`"),
+    ),
+    "autocast policy='mixed'": (
+        lambda: jamp.autocast(jnp.sin, policy="mixed"),
+        ValueError,
+        r"Expected a policy string .*'mixed_float16'.*got 'mixed'",
+    ),
+    "autocast policy='q=f16'": (
+        lambda: jamp.autocast(jnp.sin, policy="q=f16"),
+        ValueError,
+        r"Expected a policy key, one of .*got 'q'",
+    ),
+    "autocast policy=3": (
+        lambda: jamp.autocast(jnp.sin, policy=3),
+        TypeError,
+        r"Expected a jamp.Policy or a policy string",
+    ),
+    "autocast enabled='yes'": (
+        lambda: jamp.autocast(jnp.sin, enabled="yes"),
+        TypeError,
+        r"Expected a bool for `enabled`",
+    ),
+    # the dtype must be float16 or bfloat16, in autocast and in autocast_report
+    "autocast dtype=jnp.float32": (
+        lambda: jamp.autocast(jnp.sin, jnp.float32),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype=jnp.float32": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float32),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='float32'": (lambda: jamp.autocast(jnp.sin, "float32"), ValueError, r"`dtype`"),
+    "autocast_report dtype='float32'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="float32"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='full'": (lambda: jamp.autocast(jnp.sin, "full"), ValueError, r"`dtype`"),
+    "autocast_report dtype='full'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="full"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype=jnp.float64": (
+        lambda: jamp.autocast(jnp.sin, jnp.float64),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype=jnp.float64": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float64),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='f64'": (lambda: jamp.autocast(jnp.sin, "f64"), ValueError, r"`dtype`"),
+    "autocast_report dtype='f64'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="f64"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype=jnp.float8_e4m3fn": (
+        lambda: jamp.autocast(jnp.sin, jnp.float8_e4m3fn),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype=jnp.float8_e4m3fn": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float8_e4m3fn),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast dtype='float8_e5m2'": (
+        lambda: jamp.autocast(jnp.sin, "float8_e5m2"),
+        ValueError,
+        r"`dtype`",
+    ),
+    "autocast_report dtype='float8_e5m2'": (
+        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="float8_e5m2"),
+        ValueError,
+        r"`dtype`",
+    ),
+    # so must the policy's compute dtype
+    "autocast policy='full' (compute dtype)": (
+        lambda: jamp.autocast(jnp.sin, policy="full"),
+        ValueError,
+        r"float16 or bfloat16 for the compute dtype of `policy`",
+    ),
+    "autocast policy='f64' (compute dtype)": (
+        lambda: jamp.autocast(jnp.sin, policy="f64"),
+        ValueError,
+        r"float16 or bfloat16 for the compute dtype of `policy`",
+    ),
+    "autocast policy='p=f32,c=f32,o=bf16' (compute dtype)": (
+        lambda: jamp.autocast(jnp.sin, policy="p=f32,c=f32,o=bf16"),
+        ValueError,
+        r"float16 or bfloat16 for the compute dtype of `policy`",
+    ),
+}
 
 
-@pytest.mark.parametrize(
-    "dtype", [jnp.float32, "float32", "full", jnp.float64, "f64", jnp.float8_e4m3fn,
-              "float8_e5m2"], ids=str,
-)  # fmt: skip
-def test_dtype_must_be_float16_or_bfloat16(dtype):
-    with pytest.raises(ValueError, match=r"`dtype`"):
-        jamp.autocast(jnp.sin, dtype)
-    with pytest.raises(ValueError, match=r"`dtype`"):
-        jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=dtype)
-
-
-@pytest.mark.parametrize("policy", ["full", "f64", "p=f32,c=f32,o=bf16"])
-def test_policy_compute_dtype_must_be_float16_or_bfloat16(policy):
-    with pytest.raises(ValueError, match=r"float16 or bfloat16 for the compute dtype of `policy`"):
-        jamp.autocast(jnp.sin, policy=policy)
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
 
 
 @settings(max_examples=12, deadline=None)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bad_input import assert_clear_error
 
 import jamp
 from jamp._src import loss_scale as ls
@@ -32,24 +33,10 @@ def test_defaults_hashable_immutable():
     assert float(out) == 2.0**17
 
 
-@pytest.mark.parametrize(
-    "kwargs,exc,match",
-    [
-        (dict(growth_factor=1.0), ValueError, r"growth_factor=1\.0"),
-        (dict(backoff_factor=1.0), ValueError, r"backoff_factor=1\.0"),
-        (dict(growth_interval=0), ValueError, r"growth_interval=0"),
-        (dict(init_scale=-2.0), ValueError, r"init_scale=-2\.0"),
-        (dict(enabled="yes"), TypeError, r"`enabled` to be a bool"),
-        (dict(skip="jnp.where"), ValueError, r"`skip` to be one of \('cond', 'select'\)"),
-        (dict(skip="select", enabled=False, growth_factor=0.5), None, None),
-    ],
-)
-def test_constructor_validation(kwargs, exc, match):
-    if exc is None:  # disabled: no validation, as in torch; a valid `skip` is accepted
-        assert jamp.GradScaler(**kwargs).skip == kwargs["skip"]
-        return
-    with pytest.raises(exc, match=match):
-        jamp.GradScaler(**kwargs)
+def test_disabled_skips_validation_and_keeps_a_valid_skip():
+    # disabled: no validation, as in torch; a valid `skip` is accepted
+    kwargs = dict(skip="select", enabled=False, growth_factor=0.5)
+    assert jamp.GradScaler(**kwargs).skip == kwargs["skip"]
 
 
 def test_disabled_skips_validation_like_torch():
@@ -158,23 +145,6 @@ def test_update_new_scale_keeps_tracker():
     assert float(traced.scale) == 7.0
 
 
-@pytest.mark.parametrize(
-    "kwargs,exc,match",
-    [
-        (dict(), ValueError, r"no inf checks were recorded prior to update"),
-        (dict(new_scale=0.0), ValueError, r"`new_scale` to be positive and finite"),
-        (dict(new_scale=math.inf), ValueError, r"new_scale=inf"),
-        (dict(found_inf=jnp.ones(2, bool)), ValueError, r"`found_inf` to be a scalar"),
-        (dict(found_inf=jnp.float32(1.0)), TypeError, r"`found_inf` to be a boolean scalar"),
-        (dict(found_inf=[]), ValueError, r"at least one `found_inf`"),
-    ],
-)
-def test_update_errors(kwargs, exc, match):
-    scaler = jamp.GradScaler()
-    with pytest.raises(exc, match=match):
-        scaler.update(scaler.init(), **kwargs)
-
-
 def test_getters_and_setters():
     scaler = jamp.GradScaler()
     state = scaler.init()
@@ -261,56 +231,6 @@ def test_loads_every_torch_state_dict_and_writes_it_back(name):
             continue
         state = scaler.load_state_dict(d)
         assert scaler.state_dict(state) == d
-
-
-@pytest.mark.parametrize(
-    "d,exc,match",
-    [
-        ({}, ValueError, r"The source state dict is empty"),
-        (
-            {"scale": 1.0},
-            ValueError,
-            r"missing \['growth_factor', 'backoff_factor', 'growth_interval', '_growth_tracker'\]",
-        ),
-        ([("scale", 1.0)], TypeError, r"`state_dict` to be a mapping"),
-        (
-            dict(
-                scale=0.0,
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=10,
-                _growth_tracker=0,
-            ),
-            ValueError,
-            r"collapsed to 0",
-        ),
-        (
-            dict(
-                scale=1.0,
-                growth_factor=2.0,
-                backoff_factor=0.5,
-                growth_interval=10,
-                _growth_tracker=-1,
-            ),
-            ValueError,
-            r"_growth_tracker",
-        ),
-        (
-            dict(
-                scale=1.0,
-                growth_factor=0.5,
-                backoff_factor=0.5,
-                growth_interval=10,
-                _growth_tracker=0,
-            ),
-            ValueError,
-            r"growth_factor=0\.5",
-        ),
-    ],
-)
-def test_load_state_dict_errors(d, exc, match):
-    with pytest.raises(exc, match=match):
-        jamp.GradScaler().load_state_dict(d)
 
 
 # ---------------------------------------------------------------- golden trajectories
@@ -449,33 +369,6 @@ def test_replay_trajectory_with_optimizer(name, path, skip):
 # ---------------------------------------------------------------- what a porting user gets wrong
 
 
-def test_torch_device_argument_gets_a_clear_error():
-    with pytest.raises(TypeError, match=r"`init_scale`.*'cuda'.*device"):
-        jamp.GradScaler("cuda")
-
-
-def test_step_rejects_an_optimizer_factory():
-    scaler = jamp.GradScaler()
-    params = {"w": jnp.ones(2)}
-    with pytest.raises(TypeError, match=r"`tx`.*sgd.*call it"):
-        scaler.step(scaler.init(), optax.sgd, params, optax.sgd(0.1).init(params), params)
-
-
-def test_methods_given_an_optimizer_state_point_to_get_loss_scale():
-    scaler = jamp.GradScaler()
-    opt_state = jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-    for call in (
-        lambda: scaler.get_scale(opt_state),
-        lambda: scaler.update(opt_state, jnp.bool_(False)),
-        lambda: scaler.state_dict(opt_state),
-        lambda: scaler.set_growth_interval(opt_state, 10),
-    ):
-        with pytest.raises(TypeError, match=r"LossScaleState.*jamp\.get_loss_scale\(opt_state\)"):
-            call()
-    with pytest.raises(TypeError, match=r"`GradScaler.scale` expected `state`.*dict"):
-        scaler.scale({"w": 1.0}, jnp.float32(1.0))
-
-
 def test_lowering_the_growth_interval_below_the_tracker_grows_on_the_next_finite_step():
     scaler = jamp.GradScaler(init_scale=8.0, growth_interval=10)
     state = scaler.init()
@@ -520,3 +413,151 @@ def test_load_state_dict_takes_zero_d_arrays(to_array):
     assert loaded.growth_tracker.dtype == jnp.int32 and loaded.scale.dtype == jnp.float32
     with pytest.raises(ValueError, match="_growth_tracker"):
         scaler.load_state_dict({**saved, "_growth_tracker": to_array(1.5)})
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def valid_state_dict(**changes):
+    """A valid PyTorch GradScaler state dict, with ``changes``."""
+    d = dict(scale=1.0, growth_factor=2.0, backoff_factor=0.5, growth_interval=10)
+    return {**d, "_growth_tracker": 0, **changes}
+
+
+GS = jamp.GradScaler
+INIT = jamp.GradScaler().init()
+# What a porting user passes where the LossScaleState belongs: the optimizer state.
+OPT_STATE = jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+TO_GET_LOSS_SCALE = r"LossScaleState.*jamp\.get_loss_scale\(opt_state\)"
+PARAMS = {"w": jnp.ones(2)}
+
+# Every invalid argument of GradScaler and its methods: id -> (call, exception, match).
+# A tuple of patterns: each must match (two tables checked that call).
+BAD_INPUT = {
+    # the constructor
+    "init_scale=0": (lambda: GS(init_scale=0.0), ValueError, r"init_scale=0\.0"),
+    "init_scale=-2": (lambda: GS(init_scale=-2.0), ValueError, r"init_scale=-2\.0"),
+    "init_scale=bfloat16": (
+        lambda: GS(init_scale=jnp.asarray(8, jnp.bfloat16)),
+        TypeError,
+        r"`init_scale`.*bfloat16",
+    ),
+    "init_scale='cuda' (torch's device argument)": (
+        lambda: GS("cuda"),
+        TypeError,
+        r"`init_scale`.*'cuda'.*device",
+    ),
+    "growth_factor=0.5": (lambda: GS(growth_factor=0.5), ValueError, r"growth_factor=0\.5"),
+    "growth_factor=1": (lambda: GS(growth_factor=1.0), ValueError, r"growth_factor=1\.0"),
+    "backoff_factor=0": (lambda: GS(backoff_factor=0.0), ValueError, r"backoff_factor=0\.0"),
+    "backoff_factor=1": (lambda: GS(backoff_factor=1.0), ValueError, r"backoff_factor=1\.0"),
+    "growth_interval=0": (lambda: GS(growth_interval=0), ValueError, r"growth_interval=0"),
+    "enabled=1": (lambda: GS(enabled=1), TypeError, r"`enabled` to be a bool, got 1"),
+    "enabled='yes'": (lambda: GS(enabled="yes"), TypeError, r"`enabled` to be a bool"),
+    "skip='jnp.where'": (
+        lambda: GS(skip="jnp.where"),
+        ValueError,
+        r"`skip` to be one of \('cond', 'select'\)",
+    ),
+    # setters
+    "set_growth_interval(0)": (
+        lambda: GS().set_growth_interval(INIT, 0),
+        ValueError,
+        r"growth_interval=0",
+    ),
+    # update
+    "update(neither)": (
+        lambda: GS().update(INIT),
+        ValueError,
+        (r"`found_inf`.*`new_scale`", r"no inf checks were recorded prior to update"),
+    ),
+    "update(new_scale=0)": (
+        lambda: GS().update(INIT, new_scale=0.0),
+        ValueError,
+        (r"`new_scale`.*new_scale=0\.0", r"`new_scale` to be positive and finite"),
+    ),
+    "update(new_scale=inf)": (
+        lambda: GS().update(INIT, new_scale=math.inf),
+        ValueError,
+        r"new_scale=inf",
+    ),
+    "update(found_inf=float)": (
+        lambda: GS().update(INIT, jnp.float32(1.0)),
+        TypeError,
+        r"`found_inf` to be a boolean scalar",
+    ),
+    "update(found_inf=vector)": (
+        lambda: GS().update(INIT, found_inf=jnp.ones(2, bool)),
+        ValueError,
+        r"`found_inf` to be a scalar",
+    ),
+    "update(found_inf=[])": (
+        lambda: GS().update(INIT, []),
+        ValueError,
+        (r"`found_inf`", r"at least one `found_inf`"),
+    ),
+    # load_state_dict
+    "load_state_dict({})": (
+        lambda: GS().load_state_dict({}),
+        ValueError,
+        (r"state dict is empty", r"The source state dict is empty"),
+    ),
+    "load_state_dict(scale only)": (
+        lambda: GS().load_state_dict({"scale": 1.0}),
+        ValueError,
+        r"missing \['growth_factor', 'backoff_factor', 'growth_interval', '_growth_tracker'\]",
+    ),
+    "load_state_dict(list)": (
+        lambda: GS().load_state_dict([("scale", 1.0)]),
+        TypeError,
+        r"`state_dict` to be a mapping",
+    ),
+    "load_state_dict(scale=0)": (
+        lambda: GS().load_state_dict(valid_state_dict(scale=0.0)),
+        ValueError,
+        (r"state_dict\['scale'\]", r"collapsed to 0"),
+    ),
+    "load_state_dict(scale='inf')": (
+        lambda: GS().load_state_dict(valid_state_dict(scale="inf")),
+        TypeError,
+        r"state_dict\['scale'\]",
+    ),
+    "load_state_dict(tracker=-1)": (
+        lambda: GS().load_state_dict(valid_state_dict(_growth_tracker=-1)),
+        ValueError,
+        r"_growth_tracker",
+    ),
+    "load_state_dict(growth_factor=0.5)": (
+        lambda: GS().load_state_dict(valid_state_dict(growth_factor=0.5)),
+        ValueError,
+        r"growth_factor=0\.5",
+    ),
+    # what a porting user gets wrong: an optimizer factory, the optimizer state
+    "step(tx=optax.sgd)": (
+        lambda: GS().step(INIT, optax.sgd, PARAMS, optax.sgd(0.1).init(PARAMS), PARAMS),
+        TypeError,
+        r"`tx`.*sgd.*call it",
+    ),
+    "get_scale(opt_state)": (lambda: GS().get_scale(OPT_STATE), TypeError, TO_GET_LOSS_SCALE),
+    "update(opt_state)": (
+        lambda: GS().update(OPT_STATE, jnp.bool_(False)),
+        TypeError,
+        TO_GET_LOSS_SCALE,
+    ),
+    "state_dict(opt_state)": (lambda: GS().state_dict(OPT_STATE), TypeError, TO_GET_LOSS_SCALE),
+    "set_growth_interval(opt_state)": (
+        lambda: GS().set_growth_interval(OPT_STATE, 10),
+        TypeError,
+        TO_GET_LOSS_SCALE,
+    ),
+    "scale(state=dict)": (
+        lambda: GS().scale({"w": 1.0}, jnp.float32(1.0)),
+        TypeError,
+        r"`GradScaler.scale` expected `state`.*dict",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

@@ -1,7 +1,6 @@
 """The loss-scale state, its constructors, scale/unscale and the update rule."""
 
 import dataclasses
-import math
 
 import _golden
 import hypothesis.extra.numpy as hnp
@@ -9,7 +8,10 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
+from _bad_input import assert_clear_error
+from _problem import X, assert_trees_equal, loss_fn, params0
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,86 +71,6 @@ def test_min_scale_survives_jit():
     assert s.min_scale == 128.0
 
 
-BAD_CTOR = [
-    (
-        dict(init_scale=0.0),
-        ValueError,
-        r"`init_scale` to be positive and finite, got init_scale=0\.0",
-    ),
-    (dict(init_scale=-1.0), ValueError, r"init_scale=-1\.0"),
-    (dict(init_scale=math.inf), ValueError, r"init_scale=inf"),
-    (dict(init_scale=math.nan), ValueError, r"init_scale=nan"),
-    (dict(init_scale=1e39), ValueError, r"`init_scale` within \[min_scale, max_scale\]"),
-    (dict(init_scale=2.0**127), ValueError, r"init_scale=1\.7"),
-    (dict(init_scale=1.0, min_scale=2.0), ValueError, r"init_scale=1\.0"),
-    (dict(init_scale="big"), TypeError, r"`init_scale` to be a real number, got 'big'"),
-    (dict(init_scale=np.float16(4.0)), TypeError, r"`init_scale`.*dtype float16"),
-    (dict(init_scale=jnp.asarray(4.0, jnp.bfloat16)), TypeError, r"`init_scale`.*dtype bfloat16"),
-    (
-        dict(init_scale=jnp.ones(2)),
-        ValueError,
-        r"`init_scale` to be a scalar, got an array of shape \(2,\)",
-    ),
-    (
-        dict(growth_factor=1.0),
-        ValueError,
-        r"`growth_factor` > 1 and finite, got growth_factor=1\.0",
-    ),
-    (dict(growth_factor=0.5), ValueError, r"growth_factor=0\.5"),
-    (dict(growth_factor=math.inf), ValueError, r"growth_factor=inf"),
-    (
-        dict(backoff_factor=1.0),
-        ValueError,
-        r"`backoff_factor` in the open interval \(0, 1\), got backoff_factor=1\.0",
-    ),
-    (dict(backoff_factor=0.0), ValueError, r"backoff_factor=0\.0"),
-    (dict(backoff_factor=-0.5), ValueError, r"backoff_factor=-0\.5"),
-    (dict(growth_interval=0), ValueError, r"`growth_interval`.*growth_interval=0"),
-    (dict(growth_interval=-1), ValueError, r"growth_interval=-1"),
-    (
-        dict(growth_interval=2.5),
-        TypeError,
-        r"`growth_interval` to be an integer >= 1, got growth_interval=2\.5",
-    ),
-    (dict(growth_interval=True), TypeError, r"growth_interval=True"),
-    (dict(growth_interval=2**31), ValueError, r"growth_interval=2147483648"),
-    (
-        dict(min_scale=4.0, max_scale=2.0, init_scale=3.0),
-        ValueError,
-        r"`min_scale` <= `max_scale`, got min_scale=4\.0 > max_scale=2\.0",
-    ),
-    (dict(min_scale=0.0), ValueError, r"`min_scale` in \[2\*\*-126, 2\*\*126\].*min_scale=0\.0"),
-    (dict(max_scale=2.0**127), ValueError, r"`max_scale` in \[2\*\*-126, 2\*\*126\]"),
-    (dict(hysteresis=0), ValueError, r"`hysteresis` to be an integer >= 1, got hysteresis=0"),
-    (dict(hysteresis=1.5), TypeError, r"hysteresis=1\.5"),
-]
-
-
-@pytest.mark.parametrize("kwargs,exc,match", BAD_CTOR)
-def test_dynamic_validation(kwargs, exc, match):
-    with pytest.raises(exc, match=match):
-        jamp.dynamic_loss_scale(**kwargs)
-
-
-@pytest.mark.parametrize(
-    "value,exc,match",
-    [
-        (0.0, ValueError, r"`scale` to be positive and finite, got scale=0\.0"),
-        (math.inf, ValueError, r"scale=inf"),
-        (2.0**127, ValueError, r"`scale` within"),
-        ("1", TypeError, r"`scale` to be a real number"),
-    ],
-)
-def test_static_validation(value, exc, match):
-    with pytest.raises(exc, match=match):
-        jamp.static_loss_scale(value)
-
-
-def test_validation_rejects_tracers():
-    with pytest.raises(TypeError, match=r"`init_scale`.*traced value"):
-        jax.jit(lambda x: jamp.dynamic_loss_scale(x))(jnp.float32(2.0))
-
-
 def test_init_scale_array_accepted_and_rounded():
     s = jamp.dynamic_loss_scale(jnp.float32(512.0))
     assert float(s.scale) == 512.0
@@ -157,36 +79,6 @@ def test_init_scale_array_accepted_and_rounded():
 
 
 # ---------------------------------------------------------------- scale / unscale
-
-
-@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES)
-def test_scale_keeps_dtype_and_scalar_half_loss_is_float32(wrap, dtype):
-    s = jamp.static_loss_scale(1024.0)
-    tree = {"vec": jnp.ones((3,), dtype), "loss": jnp.asarray(2.0, dtype), "i": jnp.arange(3)}
-    out = wrap(jamp.scale)(s, tree)
-    assert out["vec"].dtype == dtype
-    assert out["loss"].dtype == (jnp.float32 if dtype != jnp.float32 else jnp.float32)
-    assert float(out["loss"]) == 2048.0
-    assert out["i"].dtype == tree["i"].dtype and np.array_equal(out["i"], tree["i"])
-
-
-def test_scalar_half_loss_cannot_overflow():
-    # 60000 * 2**16 overflows float16; the float32 result does not.
-    s = jamp.dynamic_loss_scale()
-    out = jamp.scale(s, jnp.asarray(60000.0, jnp.float16))
-    assert out.dtype == jnp.float32 and float(out) == 60000.0 * 65536
-
-
-def test_scale_half_vector_rounds_once():
-    # torch: round_to_dtype(float32(x) * scale), from api_facts.json.
-    facts = _golden.load("api_facts.json")["facts"]
-    for key in ["scale(bfloat16 1-dim, scale=3000.3)", "scale(bfloat16 1-dim, scale=65536)"]:
-        fact = facts[key]
-        value = 3000.3 if "3000.3" in key else 65536.0
-        x = _golden.array(fact["input"])
-        got = jamp.scale(jamp.static_loss_scale(value), jnp.asarray(x))
-        assert _golden.bits_equal(np.asarray(got), _golden.array(fact["output"])), key
 
 
 def test_api_facts_scalar_and_mixed_dtypes():
@@ -204,38 +96,11 @@ def test_api_facts_scalar_and_mixed_dtypes():
         assert _golden.bits_equal(np.asarray(o), _golden.array(c["grads_out"][0]))
 
 
-def test_passthrough_leaves():
-    s = jamp.static_loss_scale(8.0)
-    f0 = np.zeros((2,), dtype=jax.dtypes.float0)
-    tree = {"none": None, "b": jnp.array([True]), "i": jnp.int8(3), "f0": f0, "py": 3}
-    for fn in (jamp.scale, jamp.unscale):
-        out = fn(s, tree)
-        assert out["none"] is None and out["py"] == 3
-        assert out["f0"] is f0
-        assert out["b"].dtype == jnp.bool_ and out["i"].dtype == jnp.int8
-
-
 def test_disabled_scale_is_identity():
     n = jamp.no_loss_scale()
     tree = {"x": jnp.ones(2, jnp.float16)}
     assert jamp.scale(n, tree) is tree
     assert jamp.unscale(n, tree) is tree
-
-
-@pytest.mark.parametrize("fn", [jamp.scale, jamp.unscale])
-def test_non_array_leaf_is_a_type_error_naming_the_path(fn):
-    s = jamp.static_loss_scale(2.0)
-    with pytest.raises(TypeError, match=r"leaf of type str at path \['params'\]\['name'\]"):
-        fn(s, {"params": {"w": jnp.ones(2), "name": "dense"}})
-    with pytest.raises(TypeError, match=r"leaf of type object at path \[1\]"):
-        fn(s, [jnp.ones(2), object()])
-
-
-def test_state_argument_checked():
-    with pytest.raises(
-        TypeError, match=r"`jamp.scale` expected `state` to be a LossScaleState.*got float"
-    ):
-        jamp.scale(2.0, jnp.ones(2))
 
 
 @settings(max_examples=60, deadline=None)
@@ -260,22 +125,6 @@ def test_unscale_inverts_scale_for_powers_of_two(dtype, exponent, data):
     s = np.abs(np.asarray(scaled).astype(np.float32))
     if np.isfinite(s).all() and ((s == 0) | (s >= float(jnp.finfo(dtype).tiny))).all():
         np.testing.assert_array_equal(np.asarray(back), x)
-
-
-@settings(max_examples=40, deadline=None)
-@given(
-    dtype=st.sampled_from(FLOAT_DTYPES),
-    ndim=st.integers(0, 3),
-    scale=st.floats(2.0**-126, 2.0**126),
-)
-def test_dtype_preserved_property(dtype, ndim, scale):
-    x = jnp.ones((2,) * ndim, dtype)
-    state = jamp.static_loss_scale(scale)
-    out = jamp.unscale(state, x)
-    assert out.dtype == dtype and out.shape == x.shape
-    out = jamp.scale(state, x)
-    assert out.shape == x.shape
-    assert out.dtype == (jnp.float32 if ndim == 0 else dtype)
 
 
 # ---------------------------------------------------------------- update rule
@@ -315,24 +164,6 @@ def test_unit_update_scale_golden_bit_for_bit():
             out = fn(state, jnp.asarray(found == 0))  # torch: any non-zero found_inf is "found"
             assert _golden.bits_equal(np.asarray(out.scale), expected), c
             assert int(out.growth_tracker) == c["growth_tracker_out"], c
-
-
-@pytest.mark.parametrize(
-    "factor", [1.1, 0.3, 1.0001, 0.9999, 1 + 2.0**-24, 1 + 2.0**-23 + 2.0**-30, 0.7, 3.3]
-)
-def test_double_rounding_emulation_matches_torch_arithmetic(factor):
-    rng = np.random.default_rng(0)
-    # Random float32 bit patterns over the whole normal range, plus edge mantissas.
-    bits = rng.integers(0x00800000, 0x7F000000, size=20000, dtype=np.uint32)
-    edges = np.array([0x3F800000, 0x3FFFFFFF, 0x3F7FFFFF, 0x00800000, 0x7E7FFFFF], np.uint32)
-    s = np.concatenate([bits, edges]).view(np.float32)
-    with np.errstate(over="ignore"):
-        expected = (s.astype(np.float64) * factor).astype(np.float32)  # torch's arithmetic
-    got = np.asarray(jax.jit(jax.vmap(lambda v: ls.mul_as_torch(v, factor)))(jnp.asarray(s)))
-    normal = np.abs(expected) >= np.finfo(np.float32).tiny
-    np.testing.assert_array_equal(got[normal].view(np.uint32), expected[normal].view(np.uint32))
-    assert np.all(got[~normal & np.isfinite(expected)] == 0)
-    assert np.all(np.isinf(got[np.isinf(expected)]))
 
 
 def test_growth_and_backoff_sequence():
@@ -392,23 +223,6 @@ def test_update_static_and_none_return_state(kind):
     assert jamp.update(kind, jnp.bool_(False)) is kind
 
 
-@pytest.mark.parametrize(
-    "flag,exc,match",
-    [
-        (
-            jnp.ones(2, bool),
-            ValueError,
-            r"`finite` to be a scalar \(shape \(\)\), got shape \(2,\)",
-        ),
-        (jnp.float32(1.0), TypeError, r"`finite` to be a boolean scalar, got dtype float32"),
-        ("yes", TypeError, r"`finite` to be a boolean scalar array .* got str"),
-    ],
-)
-def test_update_checks_finite(flag, exc, match):
-    with pytest.raises(exc, match=match):
-        jamp.update(jamp.dynamic_loss_scale(), flag)
-
-
 def test_jitted_update_never_retraces_and_needs_no_transfers():
     traces = []
 
@@ -448,12 +262,128 @@ def test_scale_always_within_bounds(flags, init, growth, backoff, interval):
         assert s.min_scale <= float(s.scale) <= s.max_scale
 
 
-def test_numpy_scalars_keep_their_dtype_python_floats_become_float32():
-    state = jamp.dynamic_loss_scale(4.0)
-    with jax.enable_x64(True):
-        for fn in (jamp.scale, jamp.unscale):
-            assert fn(state, np.float64(1.5)).dtype == jnp.float64
-            assert fn(state, np.complex128(1.5)).dtype == jnp.complex128
-            assert fn(state, 1.5).dtype == jnp.float32  # a Python float: float32, as in torch
-            assert fn(state, np.float32(1.5)).dtype == jnp.float32
-        assert float(jamp.scale(state, np.float64(1.5))) == 6.0
+def test_several_losses_one_state():
+    ls = jamp.dynamic_loss_scale(2.0**10)
+
+    def two_losses(p):
+        a = loss_fn(p, X)
+        b = 0.5 * jnp.mean(p["w"] ** 2)
+        return a, b
+
+    # Summed after scaling, as a list, and as a dict: all the same grads.
+    g_sum = jax.grad(lambda p: sum(jamp.scale(ls, list(two_losses(p)))))(params0())
+    g_dict = jax.grad(
+        lambda p: sum(jamp.scale(ls, dict(zip("ab", two_losses(p), strict=True))).values())
+    )(params0())
+    ref = jax.grad(lambda p: sum(two_losses(p)))(params0())
+    unscaled, finite = jamp.unscale_and_check(ls, g_sum)
+    assert bool(finite)
+    assert_trees_equal(unscaled, ref)
+    assert_trees_equal(g_dict, g_sum)
+
+
+# ---------------------------------------------------------------- bad input
+
+DYN = jamp.dynamic_loss_scale
+STATIC2 = jamp.static_loss_scale(2.0)
+
+
+def _lss():
+    return jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+
+
+# Every invalid state, flag or leaf given to scale, unscale and update: id -> (call,
+# exception, match). A tuple of patterns: each must match (two tables checked that call).
+BAD_INPUT = {
+    # update's finite flag
+    "update finite=int32": (
+        lambda: jamp.update(DYN(), jnp.int32(1)),
+        TypeError,
+        r"`finite` to be a boolean scalar, got dtype int32",
+    ),
+    "update finite=float32": (
+        lambda: jamp.update(DYN(), jnp.float32(1.0)),
+        TypeError,
+        (r"`finite`.*dtype float32", r"`finite` to be a boolean scalar, got dtype float32"),
+    ),
+    "update finite=vector": (
+        lambda: jamp.update(DYN(), jnp.ones(2, bool)),
+        ValueError,
+        (
+            r"`finite` to be a scalar.*\(2,\)",
+            r"`finite` to be a scalar \(shape \(\)\), got shape \(2,\)",
+        ),
+    ),
+    "update finite=np [True]": (
+        lambda: jamp.update(DYN(), np.array([True])),
+        ValueError,
+        r"`finite` to be a scalar.*\(1,\)",
+    ),
+    "update finite=1": (lambda: jamp.update(DYN(), 1), TypeError, r"`finite`.*got int"),
+    "update finite=None": (lambda: jamp.update(DYN(), None), TypeError, r"`finite`.*got NoneType"),
+    "update finite='yes'": (
+        lambda: jamp.update(DYN(), "yes"),
+        TypeError,
+        r"`finite` to be a boolean scalar array .* got str",
+    ),
+    # a state of another structure
+    "unscale state=LossScalingState": (
+        lambda: jamp.unscale(_lss(), {"w": jnp.ones(2)}),
+        TypeError,
+        r"jamp\.unscale` expected `state` to be a LossScaleState.*got LossScalingState",
+    ),
+    "unscale state=dict": (
+        lambda: jamp.unscale({"scale": jnp.float32(2.0)}, {"w": jnp.ones(2)}),
+        TypeError,
+        r"jamp\.unscale` expected `state` to be a LossScaleState.*got dict",
+    ),
+    "scale state=float": (
+        lambda: jamp.scale(2.0, jnp.ones(2)),
+        TypeError,
+        (
+            r"jamp\.scale` expected `state` to be a LossScaleState.*got float",
+            r"`jamp.scale` expected `state` to be a LossScaleState.*got float",
+        ),
+    ),
+    "update state=LossScalingState": (
+        lambda: jamp.update(_lss(), jnp.bool_(True)),
+        TypeError,
+        r"jamp\.update` expected `state` to be a LossScaleState.*got LossScalingState",
+    ),
+    # trees with strings and objects: the message names the path
+    "scale leaf=str": (
+        lambda: jamp.scale(DYN(), {"a": jnp.ones(2), "b": "x"}),
+        TypeError,
+        r"jamp\.scale` expected a pytree of arrays.*str at path \['b'\]",
+    ),
+    "unscale leaf=object": (
+        lambda: jamp.unscale(DYN(), {"a": [jnp.ones(2), object()]}),
+        TypeError,
+        r"object at path \['a'\]\[1\]",
+    ),
+    "scale nested leaf=str": (
+        lambda: jamp.scale(STATIC2, {"params": {"w": jnp.ones(2), "name": "dense"}}),
+        TypeError,
+        r"leaf of type str at path \['params'\]\['name'\]",
+    ),
+    "scale list leaf=object": (
+        lambda: jamp.scale(STATIC2, [jnp.ones(2), object()]),
+        TypeError,
+        r"leaf of type object at path \[1\]",
+    ),
+    "unscale nested leaf=str": (
+        lambda: jamp.unscale(STATIC2, {"params": {"w": jnp.ones(2), "name": "dense"}}),
+        TypeError,
+        r"leaf of type str at path \['params'\]\['name'\]",
+    ),
+    "unscale list leaf=object": (
+        lambda: jamp.unscale(STATIC2, [jnp.ones(2), object()]),
+        TypeError,
+        r"leaf of type object at path \[1\]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _bad_input import assert_clear_error
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -96,57 +97,6 @@ def test_get_policy_passes_a_policy_through_and_half_dtype():
     assert jamp.half_dtype() == (BF16 if jax.default_backend() == "tpu" else F16)
 
 
-@pytest.mark.parametrize(
-    "spec, error, match",
-    [
-        ("mixed", ValueError,
-         r"Expected a policy string .*\['mixed_bfloat16', 'mixed_float16'\].*'bf16'.*"
-         r"got 'mixed' instead"),
-        ("q=f16", ValueError,
-         r"Expected a policy key, one of \['c', 'compute', 'o', 'output', 'p', 'param', "
-         r"'params'\].*got 'q' instead"),
-        ("c=f8", ValueError,
-         r"Expected a dtype name for compute_dtype in policy 'c=f8', one of \[.*'bf16'.*\] "
-         r"\(or a dtype such as jnp.bfloat16\), got 'f8' instead"),
-        ("c=int32", TypeError,
-         r"Expected a floating dtype for compute_dtype in policy 'c=int32'.*got int32 instead"),
-        ("o=float8_e5m2", ValueError,
-         r"Expected one of float16, bfloat16, float32, float64 for output_dtype in policy "
-         r"'o=float8_e5m2', got float8_e5m2 instead"),
-        ("p", ValueError, r"Expected a policy string .*got 'p' instead"),  # not NumPy's code
-        ("bf16,o=f32", ValueError, r"Expected 'key=dtype' parts.*got 'bf16' instead"),
-        ("c=f16,c=bf16", ValueError, r"at most once.*got compute twice instead"),
-        ("", ValueError, r"Expected a non-empty policy string"),
-        (3, TypeError, r"Expected a policy string .* for `spec`, got 3 \(type int\) instead"),
-    ],
-)  # fmt: skip
-def test_get_policy_errors(spec, error, match):
-    with pytest.raises(error, match=match):
-        jamp.get_policy(spec)
-
-
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        ({"param_dtype": jnp.int32},
-         r"Expected a floating dtype for `param_dtype`.*got int32 instead"),
-        ({"compute_dtype": jnp.bool_},
-         r"Expected a floating dtype for `compute_dtype`.*got bool instead"),
-        ({"output_dtype": jnp.complex64}, r"`output_dtype`.*got complex64 instead"),
-        ({"compute_dtype": None}, r"`compute_dtype`.*got None \(type NoneType\) instead"),
-        ({"compute_dtype": "foo"},
-         r"Expected a dtype name for `compute_dtype`.*got 'foo' instead"),
-        ({"param_dtype": jnp.float8_e4m3fn},
-         r"Expected one of float16, bfloat16, float32, float64 for `param_dtype`.*float8_e4m3fn"),
-    ],
-)  # fmt: skip
-def test_policy_constructor_validates(kwargs, match):
-    args = {"param_dtype": F32, "compute_dtype": BF16, "output_dtype": F32, **kwargs}
-    error = ValueError if "one of" in match or "name" in match else TypeError
-    with pytest.raises(error, match=match):
-        jamp.Policy(**args)
-
-
 def test_parse_dtype():
     assert jamp.parse_dtype("BF16") == BF16
     assert jamp.parse_dtype(" float64 ") == F64
@@ -192,3 +142,107 @@ def test_string_round_trip_and_cast_dtypes(param, compute, output):
     tree = {"a": np.ones(3, np.float32), "i": np.arange(3)}
     assert p.cast_to_compute(tree)["a"].dtype == compute
     assert p.cast_to_output(tree)["i"].dtype == tree["i"].dtype
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _policy(**kwargs):
+    args = {"param_dtype": F32, "compute_dtype": BF16, "output_dtype": F32, **kwargs}
+    return lambda: jamp.Policy(**args)
+
+
+# Every invalid policy string and Policy argument: id -> (call, exception, match).
+BAD_INPUT = {
+    # get_policy's grammar
+    "get_policy('mixed')": (
+        lambda: jamp.get_policy("mixed"),
+        ValueError,
+        r"Expected a policy string .*\['mixed_bfloat16', 'mixed_float16'\].*'bf16'.*"
+        r"got 'mixed' instead",
+    ),
+    "get_policy('q=f16')": (
+        lambda: jamp.get_policy("q=f16"),
+        ValueError,
+        r"Expected a policy key, one of \['c', 'compute', 'o', 'output', 'p', 'param', "
+        r"'params'\].*got 'q' instead",
+    ),
+    "get_policy('c=f8')": (
+        lambda: jamp.get_policy("c=f8"),
+        ValueError,
+        r"Expected a dtype name for compute_dtype in policy 'c=f8', one of \[.*'bf16'.*\] "
+        r"\(or a dtype such as jnp.bfloat16\), got 'f8' instead",
+    ),
+    "get_policy('c=int32')": (
+        lambda: jamp.get_policy("c=int32"),
+        TypeError,
+        r"Expected a floating dtype for compute_dtype in policy 'c=int32'.*got int32 instead",
+    ),
+    "get_policy('o=float8_e5m2')": (
+        lambda: jamp.get_policy("o=float8_e5m2"),
+        ValueError,
+        r"Expected one of float16, bfloat16, float32, float64 for output_dtype in policy "
+        r"'o=float8_e5m2', got float8_e5m2 instead",
+    ),
+    "get_policy('p')": (  # not NumPy's code
+        lambda: jamp.get_policy("p"),
+        ValueError,
+        r"Expected a policy string .*got 'p' instead",
+    ),
+    "get_policy('bf16,o=f32')": (
+        lambda: jamp.get_policy("bf16,o=f32"),
+        ValueError,
+        r"Expected 'key=dtype' parts.*got 'bf16' instead",
+    ),
+    "get_policy('c=f16,c=bf16')": (
+        lambda: jamp.get_policy("c=f16,c=bf16"),
+        ValueError,
+        r"at most once.*got compute twice instead",
+    ),
+    "get_policy('')": (
+        lambda: jamp.get_policy(""),
+        ValueError,
+        r"Expected a non-empty policy string",
+    ),
+    "get_policy(3)": (
+        lambda: jamp.get_policy(3),
+        TypeError,
+        r"Expected a policy string .* for `spec`, got 3 \(type int\) instead",
+    ),
+    # the Policy constructor
+    "Policy(param_dtype=int32)": (
+        _policy(param_dtype=jnp.int32),
+        TypeError,
+        r"Expected a floating dtype for `param_dtype`.*got int32 instead",
+    ),
+    "Policy(compute_dtype=bool)": (
+        _policy(compute_dtype=jnp.bool_),
+        TypeError,
+        r"Expected a floating dtype for `compute_dtype`.*got bool instead",
+    ),
+    "Policy(output_dtype=complex64)": (
+        _policy(output_dtype=jnp.complex64),
+        TypeError,
+        r"`output_dtype`.*got complex64 instead",
+    ),
+    "Policy(compute_dtype=None)": (
+        _policy(compute_dtype=None),
+        TypeError,
+        r"`compute_dtype`.*got None \(type NoneType\) instead",
+    ),
+    "Policy(compute_dtype='foo')": (
+        _policy(compute_dtype="foo"),
+        ValueError,
+        r"Expected a dtype name for `compute_dtype`.*got 'foo' instead",
+    ),
+    "Policy(param_dtype=float8_e4m3fn)": (
+        _policy(param_dtype=jnp.float8_e4m3fn),
+        ValueError,
+        r"Expected one of float16, bfloat16, float32, float64 for `param_dtype`.*float8_e4m3fn",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

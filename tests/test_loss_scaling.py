@@ -1,48 +1,27 @@
-"""jamp.loss_scaling, get_loss_scale, value_and_grad, and composition with Optax and Flax."""
+"""jamp.loss_scaling and jamp.multi_steps: the Optax wrapper, and its composition with Optax."""
+
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bad_input import assert_clear_error
+from _problem import (
+    X,
+    assert_trees_close,
+    assert_trees_equal,
+    grads_tree,
+    loss_fn,
+    params0,
+    poison,
+    scaled_grads,
+)
 
 import jamp
 
 EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]
-
-
-def params0():
-    return {"w": jnp.array([[0.5, -1.0], [2.0, 0.25]], jnp.float32), "b": jnp.array([0.1, -0.2])}
-
-
-def loss_fn(p, x):
-    return jnp.mean((x @ p["w"] + p["b"][None, :]) ** 2)
-
-
-X = jnp.array([[1.0, 2.0], [3.0, -1.0]])
-
-
-def scaled_grads(opt_state, p, x=X):
-    ls = jamp.get_loss_scale(opt_state)
-    return jax.grad(lambda q: jamp.scale(ls, loss_fn(q, x)))(p)
-
-
-def poison(tree, value=jnp.inf):
-    return jax.tree_util.tree_map(lambda g: g.at[(0,) * g.ndim].set(value), tree)
-
-
-def assert_trees_equal(a, b):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
-
-
-def assert_trees_close(a, b, rtol=2e-7):
-    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
-    assert len(la) == len(lb)
-    for x, y in zip(la, lb, strict=True):
-        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=rtol, atol=0)
 
 
 # ---------------------------------------------------------------- the wrapper
@@ -171,21 +150,6 @@ def test_reduce_on_plateau_gets_the_value():
     assert bool(s.last_finite)
 
 
-@pytest.mark.parametrize(
-    "args,exc,match",
-    [
-        (("adam",), TypeError, r"`inner` to be an optax.GradientTransformation, got str"),
-        ((optax.sgd(0.1), 2.0), TypeError, r"`loss_scale` to be a jamp.LossScaleState"),
-        ((optax.sgd(0.1), None, "where"), ValueError, r"`skip` to be one of .*got 'where'"),
-        ((optax.sgd(0.1), None, None), ValueError, r"`skip` to be one of .*got None"),
-    ],
-)
-def test_loss_scaling_argument_errors(args, exc, match):
-    kwargs = {"skip": args[2]} if len(args) > 2 else {}
-    with pytest.raises(exc, match=match):
-        jamp.loss_scaling(*args[:2], **kwargs)
-
-
 def test_static_and_no_loss_scale_still_skip_nonfinite():
     for ls in (jamp.static_loss_scale(8.0), jamp.no_loss_scale()):
         tx = jamp.loss_scaling(optax.sgd(0.1), ls)
@@ -217,172 +181,6 @@ def test_bfloat16_params_and_grads_keep_dtype():
     u, s = jax.jit(tx.update)(g, s, p)
     assert all(x.dtype == jnp.bfloat16 for x in jax.tree_util.tree_leaves(u))
     assert bool(s.last_finite)
-
-
-# ---------------------------------------------------------------- get_loss_scale
-
-
-def _nesting_cases():
-    inner = jamp.loss_scaling(optax.adam(1e-3), jamp.dynamic_loss_scale(256.0))
-    return {
-        "plain": inner,
-        "chain": optax.chain(optax.clip(1.0), inner),
-        "multisteps": optax.MultiSteps(inner, every_k_schedule=2),
-        "inject_hyperparams": optax.inject_hyperparams(
-            lambda learning_rate: jamp.loss_scaling(
-                optax.adam(learning_rate), jamp.dynamic_loss_scale(256.0)
-            )
-        )(learning_rate=1e-3),
-        "named_chain": optax.named_chain(("clip", optax.clip(1.0)), ("scaled", inner)),
-    }
-
-
-@pytest.mark.parametrize("name", list(_nesting_cases()))
-def test_get_loss_scale_in_any_nesting(name):
-    tx = _nesting_cases()[name]
-    state = tx.init(params0())
-    ls = jamp.get_loss_scale(state)
-    assert isinstance(ls, jamp.LossScaleState) and float(ls.scale) == 256.0
-    assert float(jax.jit(jamp.get_loss_scale)(state).scale) == 256.0
-
-
-@pytest.mark.standard_promotion
-def test_get_loss_scale_in_flax_train_state():
-    from flax.training import train_state
-
-    tx = jamp.loss_scaling(optax.adam(1e-3), jamp.dynamic_loss_scale(64.0))
-    ts = train_state.TrainState.create(apply_fn=None, params=params0(), tx=tx)
-    assert float(jamp.get_loss_scale(ts).scale) == 64.0
-    assert float(jamp.get_loss_scale(ts.opt_state).scale) == 64.0
-
-    @jax.jit
-    def step(ts):
-        ls = jamp.get_loss_scale(ts.opt_state)
-        grads = jax.grad(lambda p: jamp.scale(ls, loss_fn(p, X)))(ts.params)
-        return ts.apply_gradients(grads=grads)
-
-    ts = step(ts)
-    assert int(ts.opt_state.inner_state[0].count) == 1
-    bad = jax.jit(lambda ts: ts.apply_gradients(grads=poison(ts.params)))(ts)
-    assert_trees_equal(bad.params, ts.params)
-    assert float(jamp.get_loss_scale(bad).scale) == 32.0
-
-
-@pytest.mark.standard_promotion
-def test_get_loss_scale_in_nnx_optimizer():
-    from flax import nnx
-
-    class Model(nnx.Module):
-        def __init__(self, rngs):
-            self.lin = nnx.Linear(2, 2, rngs=rngs)
-
-        def __call__(self, x):
-            return self.lin(x)
-
-    model = Model(nnx.Rngs(0))
-    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(128.0))
-    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-    ls = jamp.get_loss_scale(opt)
-    assert isinstance(ls.scale, jax.Array) and float(ls.scale) == 128.0
-    assert float(jamp.get_loss_scale(opt.opt_state).scale) == 128.0
-
-    @nnx.jit
-    def step(model, opt, x, poison_it):
-        ls = jamp.get_loss_scale(opt)
-        grads = nnx.grad(lambda m: jamp.scale(ls, jnp.mean(m(x) ** 2)))(model)
-        grads = jax.tree_util.tree_map(lambda g: jnp.where(poison_it, jnp.inf, g), grads)
-        opt.update(model, grads)
-
-    before = jax.tree_util.tree_map(jnp.copy, nnx.state(model, nnx.Param))
-    step(model, opt, X, jnp.bool_(True))
-    assert_trees_equal(nnx.state(model, nnx.Param), before)
-    assert float(jamp.get_loss_scale(opt).scale) == 64.0
-    step(model, opt, X, jnp.bool_(False))
-    after = nnx.state(model, nnx.Param)
-    assert not np.array_equal(
-        np.asarray(after["lin"]["kernel"][...]), np.asarray(before["lin"]["kernel"][...])
-    )
-
-
-def test_get_loss_scale_errors():
-    with pytest.raises(ValueError, match=r"found none in ScaleByAdamState.*jamp.loss_scaling"):
-        jamp.get_loss_scale(optax.adam(1e-3).init(params0())[0])
-    two = optax.chain(jamp.loss_scaling(optax.sgd(0.1)), jamp.loss_scaling(optax.sgd(0.1)))
-    with pytest.raises(
-        ValueError,
-        match=r"exactly one loss-scale state.*found 2 at \[0\]\.loss_scale, \[1\]\.loss_scale",
-    ):
-        jamp.get_loss_scale(two.init(params0()))
-
-
-# ---------------------------------------------------------------- value_and_grad
-
-
-@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
-def test_value_and_grad_matches_direct_computation(wrap):
-    ls = jamp.dynamic_loss_scale(2.0**12)
-    vg = wrap(jamp.value_and_grad(loss_fn))
-    out = vg(ls, params0(), X)
-    value, grads = jax.value_and_grad(loss_fn)(params0(), X)
-    assert float(out.value) == float(value) and out.aux is None
-    assert_trees_equal(out.grads, grads)
-    assert bool(out.finite) and int(out.retries) == 0
-    assert int(out.loss_scale.growth_tracker) == 1
-
-
-def test_value_and_grad_aux_argnums_kwargs():
-    def f(x, p, *, k):
-        loss = loss_fn(p, x) * k
-        return loss, {"k": k}
-
-    vg = jamp.value_and_grad(f, argnums=(1,), has_aux=True)
-    out = vg(jamp.dynamic_loss_scale(8.0), X, params0(), k=jnp.float32(2.0))
-    assert float(out.aux["k"]) == 2.0
-    ref = jax.grad(lambda p: f(X, p, k=jnp.float32(2.0))[0])(params0())
-    assert_trees_equal(out.grads[0], ref)
-    out_neg = jamp.value_and_grad(f, argnums=-1, has_aux=True)(
-        jamp.dynamic_loss_scale(8.0), X, params0(), k=jnp.float32(2.0)
-    )
-    assert_trees_equal(out_neg.grads, ref)
-
-
-def test_value_and_grad_grows_on_the_interval_th_step_not_one_later():
-    # flax's DynamicScale grows on the (growth_interval + 1)-th finite step.
-    ls = jamp.dynamic_loss_scale(8.0, growth_interval=3)
-    vg = jax.jit(jamp.value_and_grad(loss_fn))
-    scales = []
-    for _ in range(4):
-        out = vg(ls, params0(), X)
-        ls = out.loss_scale
-        scales.append(float(ls.scale))
-    assert scales == [8.0, 8.0, 16.0, 16.0]
-
-
-def test_value_and_grad_overflow():
-    vg = jamp.value_and_grad(lambda w: jnp.sum(w.astype(jnp.float16) ** 2).astype(jnp.float32))
-    out = vg(jamp.dynamic_loss_scale(2.0**16), jnp.array([200.0, 1.0]))
-    assert not bool(out.finite) and float(out.loss_scale.scale) == 2.0**15
-
-
-@pytest.mark.parametrize(
-    "kwargs,call,exc,match",
-    [
-        (dict(argnums="x"), False, TypeError, r"`argnums` to be an int or a sequence of ints"),
-        (dict(argnums=5), True, ValueError, r"`argnums` to index one of the 2 positional"),
-    ],
-)
-def test_value_and_grad_errors(kwargs, call, exc, match):
-    with pytest.raises(exc, match=match):
-        vg = jamp.value_and_grad(loss_fn, **kwargs)
-        if call:
-            vg(jamp.dynamic_loss_scale(), params0(), X)
-
-
-def test_value_and_grad_needs_state_first():
-    with pytest.raises(
-        TypeError, match=r"takes the loss-scale state as its first argument, got dict"
-    ):
-        jamp.value_and_grad(loss_fn)(params0(), X)
 
 
 # ---------------------------------------------------------------- composition
@@ -509,24 +307,47 @@ def test_schedule_does_not_drift_on_skipped_steps(skip):
     np.testing.assert_allclose(float(inner.hyperparams["learning_rate"]), float(sched(2)))
 
 
-def test_several_losses_one_state():
-    ls = jamp.dynamic_loss_scale(2.0**10)
+# ---------------------------------------------------------------- report_nonfinite
 
-    def two_losses(p):
-        a = loss_fn(p, X)
-        b = 0.5 * jnp.mean(p["w"] ** 2)
-        return a, b
 
-    # Summed after scaling, as a list, and as a dict: all the same grads.
-    g_sum = jax.grad(lambda p: sum(jamp.scale(ls, list(two_losses(p)))))(params0())
-    g_dict = jax.grad(
-        lambda p: sum(jamp.scale(ls, dict(zip("ab", two_losses(p), strict=True))).values())
-    )(params0())
-    ref = jax.grad(lambda p: sum(two_losses(p)))(params0())
-    unscaled, finite = jamp.unscale_and_check(ls, g_sum)
-    assert bool(finite)
-    assert_trees_equal(unscaled, ref)
-    assert_trees_equal(g_dict, g_sum)
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_loss_scaling_report_nonfinite(caplog, skip):
+    tx = jamp.loss_scaling(optax.sgd(0.1), report_nonfinite=True, skip=skip)
+    params = grads_tree(jnp.bool_(False))
+    state = tx.init(params)
+    step = jax.jit(tx.update)
+    with caplog.at_level(logging.WARNING, logger="jamp"):
+        _, state = step(grads_tree(jnp.bool_(False)), state, params)
+        jax.effects_barrier()
+        assert not caplog.records
+        _, state = step(grads_tree(jnp.bool_(True)), state, params)
+        jax.effects_barrier()
+    assert not bool(state.last_finite)
+    (record,) = caplog.records
+    assert (
+        record.getMessage()
+        == "skipped step: non-finite values in params/Dense_3/kernel: 4 inf, 0 nan"
+    )
+    with pytest.raises(TypeError, match=r"`report_nonfinite` to be a bool"):
+        jamp.loss_scaling(optax.sgd(0.1), report_nonfinite="yes")
+
+
+@pytest.mark.parametrize("skip", ["cond", "select"])
+def test_report_counts_the_unscaled_values(caplog, skip):
+    # A scale below 1 makes a finite gradient overflow once unscaled: the
+    # report names it, counted on the unscaled values of a large leaf.
+    tx = jamp.loss_scaling(
+        optax.sgd(0.1), jamp.static_loss_scale(2.0**-4), report_nonfinite=True, skip=skip
+    )
+    params = {"w": jnp.ones(3 * 2**16 + 1)}
+    state = tx.init(params)
+    grads = {"w": jnp.ones(3 * 2**16 + 1).at[2**17 + 3].set(3e38)}
+    with caplog.at_level(logging.WARNING, logger="jamp"):
+        _, state = jax.jit(tx.update)(grads, state, params)
+        jax.effects_barrier()
+    assert not bool(state.last_finite)
+    (record,) = caplog.records
+    assert record.getMessage() == "skipped step: non-finite values in w: 1 inf, 0 nan"
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -563,92 +384,7 @@ def test_orbax_round_trip_continues_identically(tmp_path):
     assert_trees_equal((p, s), (p2, s2))
 
 
-@pytest.mark.standard_promotion
-def test_flax_msgpack_round_trip_continues_identically():
-    """flax.serialization.to_bytes / from_bytes, the Linen checkpoint path."""
-    from flax import serialization
-    from flax.training import train_state
-
-    tx = jamp.loss_scaling(
-        optax.adam(1e-2), jamp.dynamic_loss_scale(2.0**10, growth_interval=2, min_scale=1.0)
-    )
-
-    @jax.jit
-    def step(ts, x):
-        ls = jamp.get_loss_scale(ts)
-        grads = jax.grad(lambda p: jamp.scale(ls, loss_fn(p, x)))(ts.params)
-        return ts.apply_gradients(grads=grads)
-
-    xs = [X, X.at[0, 1].set(jnp.inf), X * 0.5, X, X.at[1, 0].set(jnp.nan), X * 3.0, X]
-    ts = train_state.TrainState.create(apply_fn=None, params=params0(), tx=tx)
-    for x in xs[:3]:
-        ts = step(ts, x)
-    saved = serialization.to_state_dict(ts)["opt_state"]["loss_scale"]
-    assert set(saved) == {"scale", "growth_tracker", "overflow_streak"}
-    blob = serialization.to_bytes(ts)
-    target = train_state.TrainState.create(apply_fn=None, params=params0(), tx=tx)
-    ts2 = serialization.from_bytes(target, blob)
-    restored = jamp.get_loss_scale(ts2)
-    assert restored.min_scale == 1.0 and restored.growth_interval == 2  # the target's config
-    assert_trees_equal(jax.tree_util.tree_leaves(ts2), jax.tree_util.tree_leaves(ts))
-    for x in xs[3:]:
-        ts, ts2 = step(ts, x), step(ts2, x)
-    assert_trees_equal(jax.tree_util.tree_leaves(ts2), jax.tree_util.tree_leaves(ts))
-    assert int(ts2.opt_state.skipped_steps) == 2
-
-
-def test_flax_state_dict_of_a_loss_scale_state_names_a_missing_key():
-    from flax import serialization
-
-    state = jamp.dynamic_loss_scale(8.0)
-    d = serialization.to_state_dict(state)
-    assert float(serialization.from_state_dict(state, {**d, "scale": np.float32(4.0)}).scale) == 4.0
-    with pytest.raises(ValueError, match="overflow_streak"):
-        serialization.from_state_dict(state, {k: d[k] for k in ("scale", "growth_tracker")})
-
-
-# ---------------------------------------------------------------- finding the state
-
-
-def test_get_loss_scale_and_metrics_find_a_train_state_field():
-    """The flax ImageNet layout: a TrainState field beside a plain optimizer."""
-    from flax.training import train_state
-
-    class TrainState(train_state.TrainState):
-        loss_scale: jamp.LossScaleState
-
-    ts = TrainState.create(
-        apply_fn=None, params=params0(), tx=optax.sgd(0.1), loss_scale=jamp.dynamic_loss_scale(8.0)
-    )
-    assert float(jamp.get_loss_scale(ts).scale) == 8.0
-    assert sorted(jamp.metrics(ts)) == ["growth_tracker", "loss_scale"]
-    # A loss-scaling optimizer state still comes first.
-    ts = TrainState.create(
-        apply_fn=None,
-        params=params0(),
-        tx=jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(4.0)),
-        loss_scale=jamp.dynamic_loss_scale(8.0),
-    )
-    assert float(jamp.get_loss_scale(ts).scale) == 4.0
-    assert "skipped_steps" in jamp.metrics(ts)
-
-
 # ---------------------------------------------------------------- multi_steps
-
-
-@pytest.mark.parametrize(
-    "args,exc,match",
-    [
-        ((optax.sgd, 2), TypeError, r"`inner`.*sgd.*call it"),
-        ((optax.sgd(0.1), 0), ValueError, r"every_k_schedule=0"),
-        ((optax.sgd(0.1), -2), ValueError, r"every_k_schedule=-2"),
-        ((optax.sgd(0.1), 2.5), TypeError, r"`every_k_schedule`.*2\.5"),
-        ((optax.sgd(0.1), True), TypeError, r"`every_k_schedule`.*True"),
-    ],
-)
-def test_multi_steps_argument_errors(args, exc, match):
-    with pytest.raises(exc, match=match):
-        jamp.multi_steps(*args)
 
 
 @pytest.mark.standard_promotion  # optax.MultiSteps multiplies int32 by float32 inside optax
@@ -665,3 +401,86 @@ def test_multi_steps_has_updated_as_optax_multisteps():
         flags.append(bool(tx.has_updated(s)))
         assert flags[-1] == bool(reference.has_updated(r))
     assert flags == [False, False, True, False, False, True, False]
+
+
+# ---------------------------------------------------------------- bad input
+
+SGD = optax.sgd(0.1)
+
+# Every invalid argument of loss_scaling, its update and multi_steps: id -> (call,
+# exception, match).
+BAD_INPUT = {
+    # loss_scaling
+    "inner=function": (
+        lambda: jamp.loss_scaling(optax.sgd),
+        TypeError,
+        r"`inner` to be an optax.GradientTransformation",
+    ),
+    "inner=None": (lambda: jamp.loss_scaling(None), TypeError, r"`inner`"),
+    "inner='adam'": (
+        lambda: jamp.loss_scaling("adam"),
+        TypeError,
+        r"`inner` to be an optax.GradientTransformation, got str",
+    ),
+    "loss_scale=1024.0": (
+        lambda: jamp.loss_scaling(SGD, 1024.0),
+        TypeError,
+        r"`loss_scale` to be a jamp.LossScaleState.*got float",
+    ),
+    "loss_scale=2.0": (
+        lambda: jamp.loss_scaling(SGD, 2.0),
+        TypeError,
+        r"`loss_scale` to be a jamp.LossScaleState",
+    ),
+    "loss_scale=GradScaler": (
+        lambda: jamp.loss_scaling(SGD, jamp.GradScaler()),
+        TypeError,
+        r"`loss_scale`.*got GradScaler",
+    ),
+    "skip='where'": (
+        lambda: jamp.loss_scaling(SGD, None, skip="where"),
+        ValueError,
+        r"`skip` to be one of .*got 'where'",
+    ),
+    "skip=None": (
+        lambda: jamp.loss_scaling(SGD, None, skip=None),
+        ValueError,
+        r"`skip` to be one of .*got None",
+    ),
+    "update(state=dict)": (
+        lambda: jamp.loss_scaling(SGD).update({"w": jnp.ones(2)}, {}, None),
+        TypeError,
+        r"`state` to be the LossScalingState.*got dict",
+    ),
+    # multi_steps
+    "multi_steps inner=function": (
+        lambda: jamp.multi_steps(optax.sgd, 2),
+        TypeError,
+        r"`inner`.*sgd.*call it",
+    ),
+    "multi_steps every_k_schedule=0": (
+        lambda: jamp.multi_steps(SGD, 0),
+        ValueError,
+        r"every_k_schedule=0",
+    ),
+    "multi_steps every_k_schedule=-2": (
+        lambda: jamp.multi_steps(SGD, -2),
+        ValueError,
+        r"every_k_schedule=-2",
+    ),
+    "multi_steps every_k_schedule=2.5": (
+        lambda: jamp.multi_steps(SGD, 2.5),
+        TypeError,
+        r"`every_k_schedule`.*2\.5",
+    ),
+    "multi_steps every_k_schedule=True": (
+        lambda: jamp.multi_steps(SGD, True),
+        TypeError,
+        r"`every_k_schedule`.*True",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])

@@ -6,7 +6,7 @@
   and ``loss_scaling(..., axis_name="data")``, and the same steps without
   ``axis_name`` to show the replicas would otherwise disagree;
 * two processes on JAX's distributed runtime with gloo CPU collectives
-  (``tests/_multiprocess_worker.py``), compared bit for bit.
+  (``tests/integration/_multiprocess_worker.py``), compared bit for bit.
 """
 
 import functools

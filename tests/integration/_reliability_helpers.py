@@ -1,4 +1,4 @@
-"""Shared pieces of tests/test_reliability.py (not a test module).
+"""Shared pieces of tests/integration/test_reliability.py (not a test module).
 
 A seeded fault schedule, a small Flax MLP, and jitted training loops that run
 a whole chunk of steps inside one ``lax.scan`` and record per-step flags, so

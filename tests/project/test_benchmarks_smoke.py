@@ -2,10 +2,11 @@
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = pathlib.Path(__file__).resolve().parents[2]  # tests/<folder>/this file
 
 
 def test_benchmarks_tiny_writes_every_table(tmp_path):

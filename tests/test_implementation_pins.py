@@ -1,0 +1,172 @@
+"""Implementation pins: these pin how the current implementation compiles, not what it does.
+
+Jaxpr shapes and primitive counts, HLO text, fusion counts and temp-memory bytes of the
+finite check and the report. An honest refactor may change them: update them
+deliberately, with the reason (benchmarks/FINDINGS.md records why each shape was
+chosen). They are not behaviour; the behaviour is tested in test_finite.py,
+test_finite_cpu.py, test_finite_default.py and test_report.py.
+"""
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jamp
+from jamp._src.finite import check_unscaled
+
+# ---------------------------------------------------------------- the finite check
+
+
+def _cpu_jaxpr(fn, *args):
+    """The CPU branch of the platform switch in ``fn``'s jaxpr, and the other one."""
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert prims.count("platform_index") == 1 and prims.count("cond") == 1, prims
+    (switch,) = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    return [b.jaxpr for b in switch.params["branches"]]
+
+
+def test_clean_path_reads_each_leaf_once():
+    # Outside the exact branch: no unscaled copy, and no per-element flags but
+    # those of float16 leaves. On a CPU, one product per large float32 leaf,
+    # one vector for the small leaves and rows, one sum for the other leaves.
+    state = jamp.dynamic_loss_scale()
+    g = {
+        "rows": jnp.ones((256, 256)),
+        "small": jnp.ones((1000,), jnp.bfloat16),
+        "other": jnp.ones((100_000, 3)),
+        "half": jnp.ones((200, 200), jnp.float16),
+    }
+    cpu, other = _cpu_jaxpr(check_unscaled, state, g)
+    top = [e.primitive.name for e in cpu.eqns]
+    # On a CPU the check waits for every gradient first.
+    assert top[0] == "optimization_barrier" and top.count("dot_general") == 1, top
+    assert top.count("concatenate") == 1 and top.count("reduce_sum") == 1, top
+    for e in cpu.eqns:
+        if e.primitive.name == "is_finite":
+            (v,) = e.invars
+            # the scalar sum, the vector of 256 rows and 1000 small values, float16 flags
+            assert v.aval.shape in ((), (1256,), (200, 200)), v.aval
+        if e.primitive.name == "mul":
+            assert all(v.aval.ndim == 0 for v in e.invars), e
+    (cond,) = [e for e in cpu.eqns if e.primitive.name == "cond"]
+    exact = [x.primitive.name for b in cond.params["branches"] for x in b.jaxpr.eqns]
+    # the exact branch: max |x| of the large float32 leaf and of the small
+    # bfloat16 values, max and min of the float16 leaf; the other leaf is
+    # unscaled and checked element by element
+    assert exact.count("abs") == 2 and exact.count("reduce_min") == 1, exact
+    for b in cond.params["branches"]:
+        for e in b.jaxpr.eqns:
+            if e.primitive.name == "mul" and e.invars[0].aval.ndim:
+                assert e.invars[0].aval.shape == (100_000, 3), e
+    prims = [e.primitive.name for e in other.eqns]
+    assert "dot_general" not in prims and prims.count("reduce_sum") == 3, prims
+    for e in other.eqns:
+        if e.primitive.name == "is_finite":
+            assert e.invars[0].aval.shape in ((), (200, 200)), e
+
+
+def test_cpu_check_compiles_to_few_kernels():
+    # XLA:CPU compiles every kernel at a near-fixed cost (benchmarks/FINDINGS.md,
+    # section 12), so the check's kernels must not grow with the small leaves
+    # (one reduction covers them all), and a large leaf adds at most its max|x|
+    # in the exact branch.
+    state = jamp.dynamic_loss_scale()
+
+    def kernels(n_small, n_large):
+        tree = [jnp.ones((1000,)) for _ in range(n_small)]
+        tree += [jnp.ones((256, 256)) for _ in range(n_large)]
+        compiled = jax.jit(lambda t: check_unscaled(state, t)).lower(tree).compile()
+        return compiled.as_text().count(" fusion(")
+
+    few = kernels(4, 4)
+    assert kernels(40, 4) <= few
+    assert kernels(4, 8) <= few + 4
+    assert few <= 16, few  # 8 leaves; the per-leaf form compiled 3-5 kernels per leaf
+
+
+def test_check_adds_no_gradient_sized_temporary():
+    # The check must not copy the gradients (e.g. by concatenating them): XLA
+    # allocates a branch's temporaries on every step, taken or not. On XLA:CPU
+    # the fallback's per-leaf is-finite flags (1 byte per element) remain.
+    g = {f"l{i}": jnp.ones((1024, 1024)) for i in range(4)}
+    grad_bytes = 4 * 1024 * 1024 * 4
+    for fn in (check_unscaled, lambda s, g: jamp.all_finite(g)):
+        mem = jax.jit(fn).lower(jamp.dynamic_loss_scale(), g).compile().memory_analysis()
+        assert mem.temp_size_in_bytes <= grad_bytes // 4 + 65536, mem.temp_size_in_bytes
+
+
+@pytest.mark.parametrize("shape", [(128, 128), (3, 40, 1024), (100_003,), (784, 2048), (5000,)])
+def test_cpu_all_finite_needs_no_exact_branch(shape):
+    # For large float32 leaves (the product's rows) and small ones (gathered),
+    # the CPU's one read is exact (test_finite.py), so all_finite needs no
+    # exact branch at all.
+    (cpu, _) = _cpu_jaxpr(jamp.all_finite, jnp.ones(shape))
+    assert "cond" not in [e.primitive.name for e in cpu.eqns]
+
+
+@pytest.mark.parametrize("spec", [P("data", None), P(None, "data"), P(("data",), None)])
+def test_sharded_large_leaf_compiles_without_gathering(spec):
+    # The CPU check contracts the last dimension without reshaping, so a leaf
+    # sharded along either dimension is checked where it lies: no gathering of
+    # gradients, only scalars and per-row totals cross devices.
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    x = jax.device_put(jnp.ones((512, 1024), jnp.float32), NamedSharding(mesh, spec))
+    hlo = jax.jit(jamp.all_finite).lower(x).compile().as_text()
+    assert "all-gather" not in hlo and "all-to-all" not in hlo
+
+
+def test_other_platforms_get_the_plain_sum():
+    # The matrix-vector sum and the barrier are for XLA:CPU only: lowered for a
+    # GPU or TPU, the check is one reduction per leaf.
+    from jax import export
+
+    x = jnp.ones((256, 256))
+    for platform in ("cuda", "rocm", "tpu"):
+        text = export.export(jax.jit(jamp.all_finite), platforms=(platform,))(x).mlir_module()
+        assert "dot_general" not in text and "optimization_barrier" not in text, platform
+    both = export.export(jax.jit(jamp.all_finite), platforms=("cpu", "cuda"))(x)
+    assert "dot_general" in both.mlir_module()
+
+
+# ---------------------------------------------------------------- the report
+
+
+def test_report_adds_no_gradient_sized_temporary():
+    # XLA allocates a branch's temporaries on every call; counting a whole leaf
+    # at once made XLA:CPU copy it as int32 (a step's temp memory doubled).
+    g = {f"l{i}": jnp.ones((1024, 1024)) for i in range(4)}
+    mem = jax.jit(jamp.log_nonfinite).lower(g).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < 4 * 1024 * 1024, mem.temp_size_in_bytes
+
+
+def test_leaves_past_int32_offsets_are_not_sliced_by_element():
+    """A dynamic slice's element offset is an int32: past 2**31 elements a leaf
+    is counted by whole chunks (a view) or in one reduction, never by offsets
+    that would wrap (traced only: no 2 GB array is made)."""
+    for n, chunked in [(2**31, True), (2**31 + 2**17 + 3, False)]:
+        jaxpr = jax.make_jaxpr(jamp.nonfinite_report)(jax.ShapeDtypeStruct((n,), jnp.float8_e5m2))
+        text = str(jaxpr)
+        assert ("dynamic_slice" in text) == chunked, n
+        if chunked:
+            assert "f8_e5m2[32768,65536]" in text
+
+
+def test_log_under_vmap_has_no_callback_outside_a_cond():
+    jaxpr = jax.make_jaxpr(jax.vmap(jamp.log_nonfinite))({"w": jnp.ones((4, 3))})
+
+    def callbacks_outside_cond(j):
+        n = 0
+        for eqn in j.eqns:
+            if eqn.primitive.name == "debug_callback":
+                n += 1
+            elif eqn.primitive.name != "cond":
+                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                    n += callbacks_outside_cond(sub)
+        return n
+
+    assert callbacks_outside_cond(jaxpr.jaxpr) == 0

@@ -1,0 +1,206 @@
+"""jamp.get_loss_scale and jamp.metrics: finding the loss-scale state in any optimizer state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _bad_input import assert_clear_error
+from _problem import (
+    X,
+    assert_trees_equal,
+    loss_fn,
+    params0,
+    poison,
+)
+
+import jamp
+
+# ---------------------------------------------------------------- get_loss_scale
+
+
+def _nesting_cases():
+    inner = jamp.loss_scaling(optax.adam(1e-3), jamp.dynamic_loss_scale(256.0))
+    return {
+        "plain": inner,
+        "chain": optax.chain(optax.clip(1.0), inner),
+        "multisteps": optax.MultiSteps(inner, every_k_schedule=2),
+        "inject_hyperparams": optax.inject_hyperparams(
+            lambda learning_rate: jamp.loss_scaling(
+                optax.adam(learning_rate), jamp.dynamic_loss_scale(256.0)
+            )
+        )(learning_rate=1e-3),
+        "named_chain": optax.named_chain(("clip", optax.clip(1.0)), ("scaled", inner)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_nesting_cases()))
+def test_get_loss_scale_in_any_nesting(name):
+    tx = _nesting_cases()[name]
+    state = tx.init(params0())
+    ls = jamp.get_loss_scale(state)
+    assert isinstance(ls, jamp.LossScaleState) and float(ls.scale) == 256.0
+    assert float(jax.jit(jamp.get_loss_scale)(state).scale) == 256.0
+
+
+@pytest.mark.standard_promotion
+def test_get_loss_scale_in_flax_train_state():
+    from flax.training import train_state
+
+    tx = jamp.loss_scaling(optax.adam(1e-3), jamp.dynamic_loss_scale(64.0))
+    ts = train_state.TrainState.create(apply_fn=None, params=params0(), tx=tx)
+    assert float(jamp.get_loss_scale(ts).scale) == 64.0
+    assert float(jamp.get_loss_scale(ts.opt_state).scale) == 64.0
+
+    @jax.jit
+    def step(ts):
+        ls = jamp.get_loss_scale(ts.opt_state)
+        grads = jax.grad(lambda p: jamp.scale(ls, loss_fn(p, X)))(ts.params)
+        return ts.apply_gradients(grads=grads)
+
+    ts = step(ts)
+    assert int(ts.opt_state.inner_state[0].count) == 1
+    bad = jax.jit(lambda ts: ts.apply_gradients(grads=poison(ts.params)))(ts)
+    assert_trees_equal(bad.params, ts.params)
+    assert float(jamp.get_loss_scale(bad).scale) == 32.0
+
+
+@pytest.mark.standard_promotion
+def test_get_loss_scale_in_nnx_optimizer():
+    from flax import nnx
+
+    class Model(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(2, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.lin(x)
+
+    model = Model(nnx.Rngs(0))
+    tx = jamp.loss_scaling(optax.adam(1e-2), jamp.dynamic_loss_scale(128.0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    ls = jamp.get_loss_scale(opt)
+    assert isinstance(ls.scale, jax.Array) and float(ls.scale) == 128.0
+    assert float(jamp.get_loss_scale(opt.opt_state).scale) == 128.0
+
+    @nnx.jit
+    def step(model, opt, x, poison_it):
+        ls = jamp.get_loss_scale(opt)
+        grads = nnx.grad(lambda m: jamp.scale(ls, jnp.mean(m(x) ** 2)))(model)
+        grads = jax.tree_util.tree_map(lambda g: jnp.where(poison_it, jnp.inf, g), grads)
+        opt.update(model, grads)
+
+    before = jax.tree_util.tree_map(jnp.copy, nnx.state(model, nnx.Param))
+    step(model, opt, X, jnp.bool_(True))
+    assert_trees_equal(nnx.state(model, nnx.Param), before)
+    assert float(jamp.get_loss_scale(opt).scale) == 64.0
+    step(model, opt, X, jnp.bool_(False))
+    after = nnx.state(model, nnx.Param)
+    assert not np.array_equal(
+        np.asarray(after["lin"]["kernel"][...]), np.asarray(before["lin"]["kernel"][...])
+    )
+
+
+def test_get_loss_scale_and_metrics_find_a_train_state_field():
+    """The flax ImageNet layout: a TrainState field beside a plain optimizer."""
+    from flax.training import train_state
+
+    class TrainState(train_state.TrainState):
+        loss_scale: jamp.LossScaleState
+
+    ts = TrainState.create(
+        apply_fn=None, params=params0(), tx=optax.sgd(0.1), loss_scale=jamp.dynamic_loss_scale(8.0)
+    )
+    assert float(jamp.get_loss_scale(ts).scale) == 8.0
+    assert sorted(jamp.metrics(ts)) == ["growth_tracker", "loss_scale"]
+    # A loss-scaling optimizer state still comes first.
+    ts = TrainState.create(
+        apply_fn=None,
+        params=params0(),
+        tx=jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(4.0)),
+        loss_scale=jamp.dynamic_loss_scale(8.0),
+    )
+    assert float(jamp.get_loss_scale(ts).scale) == 4.0
+    assert "skipped_steps" in jamp.metrics(ts)
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def test_metrics_are_device_scalars():
+    tx = jamp.loss_scaling(optax.sgd(0.1))
+    state = tx.init({"w": jnp.ones(2)})
+    m = jax.jit(jamp.metrics)(state)
+    assert set(m) == {"loss_scale", "growth_tracker", "last_finite", "skipped_steps"}
+    assert all(isinstance(v, jax.Array) and v.shape == () for v in m.values())
+    m = jamp.metrics(jamp.dynamic_loss_scale())
+    assert set(m) == {"loss_scale", "growth_tracker"}
+    out = jamp.value_and_grad(jnp.sum, max_retries=1)(jamp.dynamic_loss_scale(), jnp.ones(2))
+    assert set(jamp.metrics(out)) == {"loss_scale", "growth_tracker", "last_finite", "retries"}
+
+
+def test_metrics_from_train_state_and_nnx():
+    from flax import nnx
+    from flax.training import train_state
+
+    tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(32.0))
+    ts = train_state.TrainState.create(apply_fn=None, params={"w": jnp.ones(2)}, tx=tx)
+    assert float(jamp.metrics(ts)["loss_scale"]) == 32.0
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+    m = jamp.metrics(opt)
+    assert float(m["loss_scale"]) == 32.0 and int(m["skipped_steps"]) == 0
+    assert all(isinstance(v, jax.Array) for v in m.values())
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _lss():
+    return jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+
+
+def _two_in_a_chain():
+    two = optax.chain(jamp.loss_scaling(optax.sgd(0.1)), jamp.loss_scaling(optax.sgd(0.1)))
+    return two.init(params0())
+
+
+# Every state in which get_loss_scale or metrics finds no single loss-scale state:
+# id -> (call, exception, match).
+BAD_INPUT = {
+    "get_loss_scale(plain optax)": (
+        lambda: jamp.get_loss_scale(optax.sgd(0.1).init({"w": jnp.ones(2)})),
+        ValueError,
+        r"`opt_state` to contain a jamp loss-scale state, found none",
+    ),
+    "get_loss_scale(adam's state)": (
+        lambda: jamp.get_loss_scale(optax.adam(1e-3).init(params0())[0]),
+        ValueError,
+        r"found none in ScaleByAdamState.*jamp.loss_scaling",
+    ),
+    "get_loss_scale({})": (
+        lambda: jamp.get_loss_scale({}),
+        ValueError,
+        r"`opt_state`.*found none in dict",
+    ),
+    "get_loss_scale(two)": (
+        lambda: jamp.get_loss_scale((_lss(), _lss())),
+        ValueError,
+        r"exactly one loss-scale state in `opt_state`, found 2",
+    ),
+    "get_loss_scale(two in a chain)": (
+        lambda: jamp.get_loss_scale(_two_in_a_chain()),
+        ValueError,
+        r"exactly one loss-scale state.*found 2 at \[0\]\.loss_scale, \[1\]\.loss_scale",
+    ),
+    "metrics(plain optax)": (
+        lambda: jamp.metrics(optax.sgd(0.1).init({"w": jnp.ones(2)})),
+        ValueError,
+        r"found none",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
