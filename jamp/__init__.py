@@ -12,8 +12,9 @@ from jamp._src.autocast import (
     autocast_report,
 )
 from jamp._src.finite import all_finite, unscale_and_check
+from jamp._src.flax_support import from_flax_dynamic_scale
 from jamp._src.grad_scaler import GradScaler
-from jamp._src.lookup import get_loss_scale, metrics
+from jamp._src.lookup import check_restored, get_loss_scale, metrics
 from jamp._src.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -46,6 +47,8 @@ __all__ = [
     "NonfiniteCount",
     "log_nonfinite",
     "metrics",
+    "check_restored",
+    "from_flax_dynamic_scale",
     "multi_steps",
     "nonfinite_report",
     "LossScalingState",

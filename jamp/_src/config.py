@@ -28,7 +28,7 @@ NO_SCALE: Any = object()  # check_config's scale when there is no scale to check
 
 
 class Config(NamedTuple):
-    """A checked configuration; ``scale`` is ``None`` when none was checked."""
+    """A checked configuration; ``scale`` and the counters are ``None`` when not given."""
 
     scale: float | None
     growth_factor: float
@@ -37,6 +37,8 @@ class Config(NamedTuple):
     min_scale: float
     max_scale: float
     hysteresis: int
+    growth_tracker: int | None = None
+    overflow_streak: int | None = None
 
 
 def _scalar_float(name: str, value: Any) -> float:
@@ -80,27 +82,79 @@ def _count(name: str, value: Any) -> int:
     return int(value)
 
 
+def _float32(v: float) -> float:
+    """``v`` rounded to float32, as the state holds it (inf past float32's range)."""
+    return (
+        float(np.float32(v))
+        if abs(v) <= float(np.finfo(np.float32).max)
+        else math.copysign(math.inf, v)
+    )
+
+
 def _bound(name: str, value: Any) -> float:
-    v = _scalar_float(name, value)
+    """A bound rounded to float32: construction compares what the update rule compares."""
+    v = _float32(_scalar_float(name, value))
     if not (math.isfinite(v) and MIN_SCALE <= v <= MAX_SCALE):
         raise ValueError(
             f"Expected `{name}` in [2**-126, 2**126] (so that 1/scale is a normal float32), "
-            f"got {name}={v!r} instead."
+            f"got {name}={value!r} instead."
         )
     return v
 
 
-def _scale(name: str, value: Any, lo: float, hi: float) -> float:
+def _scale(name: str, value: Any, lo: float, hi: float, clamp: bool) -> float:
     v = _scalar_float(name, value)
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"Expected `{name}` to be positive and finite, got {name}={v!r} instead.")
-    f32 = float(np.float32(v)) if v <= float(np.finfo(np.float32).max) else math.inf
+    f32 = _float32(v)
+    if clamp:
+        return min(max(f32, lo), hi)
     if not (lo <= f32 <= hi):
         raise ValueError(
             f"Expected `{name}` within [min_scale, max_scale] = [{lo!r}, {hi!r}] after rounding "
             f"to float32, got {name}={v!r} instead."
         )
     return v
+
+
+def _moves(factor: float, grows: bool) -> bool:
+    """Whether torch's ``float32(float64(s) * factor)`` moves every normal float32 ``s``.
+
+    A factor too close to 1 rounds some scales back to themselves (after an
+    overflow the scale would never back off, and every later step would be
+    skipped). Rounding is relative, so the mantissas where the spacing of
+    float32 numbers is widest relative to ``s`` decide: 1.0 and its
+    neighbours.
+    """
+    for m in (1.0, 1.0 + 2.0**-23, 2.0 - 2.0**-23):
+        s = np.float32(m)
+        out = np.float32(np.float64(s) * factor)
+        if (out <= s) if grows else (out >= s):
+            return False
+    return True
+
+
+def _counter(name: str, value: Any) -> int:
+    """A restored counter: a concrete integer >= 0 (a Python int or an integer 0-d array)."""
+    if isinstance(value, jax.core.Tracer):
+        raise TypeError(
+            f"Expected `{name}` to be a concrete integer, got a traced value instead; restore "
+            "the loss-scale state outside `jit`."
+        )
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        if np.ndim(value) != 0 or not np.issubdtype(np.dtype(value.dtype), np.integer):
+            raise TypeError(
+                f"Expected `{name}` to be an integer scalar, got an array of dtype "
+                f"{value.dtype} and shape {np.shape(value)} instead."
+            )
+        value = int(np.asarray(value))
+    if not is_integer(value):
+        raise TypeError(f"Expected `{name}` to be an integer, got {name}={value!r} instead.")
+    if not 0 <= int(value) <= INT32_MAX:
+        raise ValueError(
+            f"Expected `{name}` to be an integer in [0, 2**31 - 1], got {name}={value!r} instead."
+        )
+    return int(value)
 
 
 def check_config(
@@ -113,17 +167,34 @@ def check_config(
     min_scale: Any = MIN_SCALE,
     max_scale: Any = MAX_SCALE,
     hysteresis: Any = 1,
+    growth_tracker: Any = None,
+    overflow_streak: Any = None,
+    restore: bool = False,
+    names: Any = None,
 ) -> Config:
     """Checks a loss-scale configuration (and a scale, when given) and normalises it.
 
     Args:
       scale: a scale to check against the bounds (:data:`NO_SCALE`: none to check).
       scale_name: the argument name ``scale`` came from, for messages.
-      growth_factor: > 1 and finite.
-      backoff_factor: in (0, 1).
+      growth_factor: > 1 and finite, and far enough from 1 to move a float32
+        scale (more than 1 + 2**-24).
+      backoff_factor: in (0, 1), and far enough from 1 to move a float32
+        scale (below about 1 - 2**-24).
       growth_interval: an int in [1, 2**31 - 1].
-      min_scale, max_scale: in [2**-126, 2**126], ``min_scale <= max_scale``.
+      min_scale, max_scale: in [2**-126, 2**126], ``min_scale <= max_scale``,
+        rounded to float32 (the state's dtype) before anything is compared.
       hysteresis: an int in [1, 2**31 - 1].
+      growth_tracker, overflow_streak: restored counters (``None``: not given),
+        integers >= 0.
+      restore: the values come from a checkpoint, not from the user's code: a
+        non-finite or non-positive scale is still an error, but a scale
+        outside ``[min_scale, max_scale]`` is clamped into it, a growth
+        tracker at or past ``growth_interval`` is held one short of it (so
+        the scale grows on the next finite step instead of never), and an
+        overflow streak past ``hysteresis`` is held at it.
+      names: how to name ``growth_tracker`` and ``overflow_streak`` in
+        messages (a mapping), e.g. ``{"growth_tracker": "state_dict['_growth_tracker']"}``.
 
     Returns:
       A :class:`Config` of Python numbers.
@@ -133,6 +204,7 @@ def check_config(
         ``growth_interval``, a traced value, an integer array scale ...).
       ValueError: a value out of range; the message names the argument.
     """
+    names = dict(names or {})
     gf = _scalar_float("growth_factor", growth_factor)
     if not (math.isfinite(gf) and gf > 1.0):
         raise ValueError(
@@ -144,6 +216,14 @@ def check_config(
             f"Expected `backoff_factor` in the open interval (0, 1), got backoff_factor={bf!r} "
             "instead."
         )
+    for name, factor, grows in (("growth_factor", gf, True), ("backoff_factor", bf, False)):
+        if not _moves(factor, grows):
+            raise ValueError(
+                f"Expected `{name}` to move a float32 scale, got {name}={factor!r} instead: it is "
+                "so close to 1 that the scale rounds back to itself, so it would never "
+                f"{'grow' if grows else 'back off'} (and after an overflow every step would be "
+                "skipped)."
+            )
     interval = _count("growth_interval", growth_interval)
     hyst = _count("hysteresis", hysteresis)
     lo, hi = _bound("min_scale", min_scale), _bound("max_scale", max_scale)
@@ -151,5 +231,19 @@ def check_config(
         raise ValueError(
             f"Expected `min_scale` <= `max_scale`, got min_scale={lo!r} > max_scale={hi!r} instead."
         )
-    checked = None if scale is NO_SCALE else _scale(scale_name, scale, lo, hi)
-    return Config(checked, gf, bf, interval, lo, hi, hyst)
+    checked = None if scale is NO_SCALE else _scale(scale_name, scale, lo, hi, restore)
+    tracker = streak = None
+    if growth_tracker is not None:
+        name = names.get("growth_tracker", "growth_tracker")
+        tracker = _counter(name, growth_tracker)
+        if tracker >= interval:
+            if not restore:
+                raise ValueError(
+                    f"Expected `{name}` < growth_interval={interval}, got {name}={tracker} instead."
+                )
+            tracker = interval - 1
+    if overflow_streak is not None:
+        streak = min(
+            _counter(names.get("overflow_streak", "overflow_streak"), overflow_streak), hyst
+        )
+    return Config(checked, gf, bf, interval, lo, hi, hyst, tracker, streak)

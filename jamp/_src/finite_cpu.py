@@ -62,7 +62,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jamp._src.finite_default import exact, sum32
-from jamp._src.leaves import unscale_leaf
+from jamp._src.leaves import is_sharded, unscale_leaf
 
 SMALL = 2**14
 ROWS_MIN_COLS = 32
@@ -82,10 +82,7 @@ def kind(x: Any) -> str:
 
 def _unsharded(x: jax.Array) -> jax.Array:
     """``x`` replicated, if its type carries a sharding (JAX's explicit sharding mode)."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    if spec is None or all(p is None for p in spec):
-        return x
-    return jax.sharding.reshard(x, jax.sharding.PartitionSpec())
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec()) if is_sharded(x) else x
 
 
 def rows(x: jax.Array) -> jax.Array:

@@ -1,4 +1,4 @@
-"""Flax checkpoints: ``flax.serialization`` learns :class:`jamp.LossScaleState`.
+"""Flax: checkpoints of :class:`jamp.LossScaleState`, and flax's ``DynamicScale`` converted.
 
 ``flax.serialization.to_bytes`` / ``to_state_dict`` handle only types they
 know (NamedTuples, dicts, flax dataclasses, registered types), so without this
@@ -8,16 +8,18 @@ installed; jamp itself never needs flax.
 
 The state dict holds the dynamic leaves (``scale``, ``growth_tracker``,
 ``overflow_streak``); the configuration is static and comes from the target
-restored into, as for every other flax checkpoint.
+restored into, as for every other flax checkpoint. Restoring goes through
+``loss_scale.restore``, the one validation of restored values.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 from jamp._src import loss_scale as ls
+from jamp._src.config import MIN_SCALE, check_config
 
 _FIELDS = ("scale", "growth_tracker", "overflow_streak")
 
@@ -38,9 +40,16 @@ def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, Any]) -> l
             f"{serialization.current_path()} to have the keys {list(_FIELDS)}, missing "
             f"{missing}."
         )
-    return dataclasses.replace(
+    # Validated as every restored state is (loss_scale.restore): a NaN or
+    # non-positive scale is an error, the scale is clamped into the target's
+    # bounds, the tracker held below its interval, numbers become arrays.
+    where = serialization.current_path().removeprefix("./").strip("/")
+    return ls.restore(
         target,
-        **{f: serialization.from_state_dict(getattr(target, f), state_dict[f], f) for f in _FIELDS},
+        state_dict["scale"],
+        state_dict["growth_tracker"],
+        state_dict["overflow_streak"],
+        where=f"{where}/" if where else "",
     )
 
 
@@ -55,3 +64,89 @@ def register() -> None:
     serialization.register_serialization_state(
         ls.LossScaleState, _to_state_dict, _from_state_dict, override=True
     )
+
+
+def from_flax_dynamic_scale(
+    dynamic_scale: Any,
+    *,
+    growth_factor: float | None = None,
+    backoff_factor: float | None = None,
+    growth_interval: int | None = None,
+    minimum_scale: float | None = None,
+) -> ls.LossScaleState:
+    """A :class:`jamp.LossScaleState` from a flax ``DynamicScale`` or its checkpoint.
+
+    Accepts a ``flax.training.dynamic_scale.DynamicScale`` (its configuration
+    is read from it) or the state dict of one, ``{"fin_steps": ..., "scale":
+    ...}``, as ``flax.serialization.to_state_dict`` saved it inside a
+    ``TrainState`` checkpoint (the configuration is not in the checkpoint:
+    pass the one the run used, or flax's defaults apply: ``growth_factor=2.0``,
+    ``backoff_factor=0.5``, ``growth_interval=2000``, ``minimum_scale`` float32's
+    smallest normal number, ``2**-126``, which is also jamp's default
+    ``min_scale``; flax's ``minimum_scale=None`` means no floor, jamp's
+    default floor then applies).
+
+    The values go through the same validation as every restored state: a NaN
+    or non-positive scale is a ``ValueError``, a scale outside jamp's bounds is
+    clamped into them, and flax's ``fin_steps``, which reaches
+    ``growth_interval`` before flax grows (one step later than torch and
+    jamp), is held at ``growth_interval - 1``: the scale grows on the next
+    finite step, as flax's would.
+
+    Args:
+      dynamic_scale: a ``DynamicScale``, or a mapping with ``fin_steps`` and ``scale``.
+      growth_factor: overrides the ``DynamicScale``'s (flax's default: 2.0).
+      backoff_factor: overrides the ``DynamicScale``'s (flax's default: 0.5).
+      growth_interval: overrides the ``DynamicScale``'s (flax's default: 2000).
+      minimum_scale: overrides the ``DynamicScale``'s (flax's default:
+        float32's ``tiny``, 2**-126); a smaller floor, or ``None``, becomes
+        jamp's 2**-126.
+
+    Returns:
+      A dynamic :class:`jamp.LossScaleState` with torch's update rule.
+
+    Examples:
+      >>> import jamp
+      >>> state = jamp.from_flax_dynamic_scale({"fin_steps": 2000, "scale": 32768.0})
+      >>> float(state.scale), int(state.growth_tracker)
+      (32768.0, 1999)
+    """
+    if isinstance(dynamic_scale, Mapping):
+        missing = [k for k in ("fin_steps", "scale") if k not in dynamic_scale]
+        if missing:
+            raise ValueError(
+                "Expected the state dict of a flax DynamicScale, with the keys "
+                f"['fin_steps', 'scale'], missing {missing}."
+            )
+        values, config = dynamic_scale, {}
+    elif all(hasattr(dynamic_scale, k) for k in ("fin_steps", "scale", "growth_interval")):
+        values = {"fin_steps": dynamic_scale.fin_steps, "scale": dynamic_scale.scale}
+        config = {
+            k: getattr(dynamic_scale, k)
+            for k in ("growth_factor", "backoff_factor", "growth_interval", "minimum_scale")
+        }
+    else:
+        raise TypeError(
+            "Expected `dynamic_scale` to be a flax DynamicScale or its state dict "
+            f"{{'fin_steps': ..., 'scale': ...}}, got {type(dynamic_scale).__name__} instead."
+        )
+    given = dict(
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        minimum_scale=minimum_scale,
+    )
+    config.update({k: v for k, v in given.items() if v is not None})
+    floor = config.get("minimum_scale")
+    checked = check_config(
+        scale=values["scale"],
+        scale_name="scale",
+        growth_factor=config.get("growth_factor", 2.0),
+        backoff_factor=config.get("backoff_factor", 0.5),
+        growth_interval=config.get("growth_interval", 2000),
+        min_scale=MIN_SCALE if floor is None else max(float(floor), MIN_SCALE),
+        growth_tracker=values["fin_steps"],
+        restore=True,
+        names={"growth_tracker": "fin_steps"},
+    )
+    return ls.from_config(ls.DYNAMIC, checked)

@@ -25,10 +25,10 @@ import numpy as np
 import optax
 
 from jamp._src import loss_scale as ls
-from jamp._src.config import INT32_MAX, check_config
+from jamp._src.config import check_config
 from jamp._src.finite import agree, check_axis_name, check_unscaled, refuse_axis_name
 from jamp._src.finite import unscale_and_check as _unscale_and_check
-from jamp._src.leaves import check_bool_scalar, is_integer, is_real_number
+from jamp._src.leaves import check_bool_scalar, is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import apply_or_keep, check_skip
@@ -375,12 +375,6 @@ class GradScaler:
             )
         # Orbax and np.load hand back 0-d arrays where torch saved numbers.
         state_dict = {k: _python_scalar(state_dict[k]) for k in _TORCH_KEYS}
-        tracker = state_dict["_growth_tracker"]
-        if not is_integer(tracker) or not 0 <= tracker <= INT32_MAX:
-            raise ValueError(
-                "Expected state_dict['_growth_tracker'] to be an int in [0, 2**31), got "
-                f"{tracker!r} instead."
-            )
         scale_value = state_dict["scale"]
         if is_real_number(scale_value) and not (
             math.isfinite(float(scale_value)) and float(scale_value) > 0
@@ -389,12 +383,16 @@ class GradScaler:
                 f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r} "
                 "instead; a PyTorch scaler whose scale collapsed to 0 cannot be resumed."
             )
+        # A restore: a scale torch let grow past max_scale (up to 2**127) is
+        # clamped to it, and a tracker at or past the interval held one short.
         config = check_config(
             scale=scale_value,
             scale_name="state_dict['scale']",
             growth_factor=state_dict["growth_factor"],
             backoff_factor=state_dict["backoff_factor"],
             growth_interval=state_dict["growth_interval"],
+            growth_tracker=state_dict["_growth_tracker"],
+            restore=True,
+            names={"growth_tracker": "state_dict['_growth_tracker']"},
         )
-        tracker = jnp.asarray(int(tracker), jnp.int32)
-        return ls.from_config(ls.DYNAMIC, config, growth_tracker=tracker)
+        return ls.from_config(ls.DYNAMIC, config)

@@ -86,6 +86,28 @@ def unscale_leaf(x: Any, inv: jax.Array) -> Any:
     return x * inv.astype(x.dtype)
 
 
+def explicit_sharding(like: Any) -> Any:
+    """The sharding in ``like``'s type under JAX's explicit sharding mode, else ``None``.
+
+    ``like`` is an array, a tracer or a ``ShapeDtypeStruct``. In the default
+    (auto) mode, and outside a mesh, types carry no sharding: ``None``.
+    """
+    if isinstance(like, jax.ShapeDtypeStruct):
+        sharding = like.sharding
+    else:
+        sharding = getattr(jax.typeof(like), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if any(t == jax.sharding.AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return sharding
+    return None
+
+
+def is_sharded(like: Any) -> bool:
+    """Whether ``like``'s type shards some dimension (JAX's explicit sharding mode)."""
+    sharding = explicit_sharding(like)
+    return sharding is not None and any(p is not None for p in sharding.spec)
+
+
 def map_floating(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
     """Apply ``fn`` to every floating leaf; pass the others through."""
 

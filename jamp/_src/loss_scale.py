@@ -83,21 +83,17 @@ def saturating_increment(count: jax.Array, where: Any) -> jax.Array:
     return jnp.where(where & (count < INT32_MAX), count + 1, count)
 
 
-def from_config(kind: str, config: Config, **arrays: jax.Array) -> LossScaleState:
-    """A state of ``kind`` from a checked configuration; ``arrays`` replace the fresh counters.
+def from_config(kind: str, config: Config) -> LossScaleState:
+    """A state of ``kind`` from a checked configuration, with fresh counters unless restored.
 
     Every leaf is a strongly typed device array, built anew on each call, so a
     jitted step never sees a weak type, never copies a host value on its first
     call, and donating one state never deletes another's buffers.
     """
-    fields = dict(
-        scale=jnp.asarray(config.scale, dtype=jnp.float32),
-        growth_tracker=jnp.zeros((), dtype=jnp.int32),
-        overflow_streak=jnp.zeros((), dtype=jnp.int32),
-    )
-    fields.update(arrays)
     return LossScaleState(
-        **fields,
+        scale=jnp.asarray(config.scale, dtype=jnp.float32),
+        growth_tracker=jnp.asarray(config.growth_tracker or 0, dtype=jnp.int32),
+        overflow_streak=jnp.asarray(config.overflow_streak or 0, dtype=jnp.int32),
         kind=kind,
         growth_factor=config.growth_factor,
         backoff_factor=config.backoff_factor,
@@ -119,6 +115,50 @@ def config_of(state: LossScaleState, scale: Any = NO_SCALE) -> dict[str, Any]:
         max_scale=state.max_scale,
         hysteresis=state.hysteresis,
     )
+
+
+def restore(
+    target: LossScaleState,
+    scale: Any,
+    growth_tracker: Any = 0,
+    overflow_streak: Any = 0,
+    *,
+    where: str = "",
+) -> LossScaleState:
+    """``target``'s configuration with values read from a checkpoint, validated.
+
+    The one validation (``check_config(restore=True)``): a scale that is not
+    positive and finite is a ``ValueError``; a scale outside ``target``'s
+    ``[min_scale, max_scale]`` is clamped into it; a growth tracker at or
+    past ``growth_interval`` is held one short of it, so the scale grows on
+    the next finite step (it would never grow again otherwise); an overflow
+    streak past ``hysteresis`` is held at it. Python numbers and NumPy values
+    become float32/int32 device arrays.
+
+    Args:
+      target: the state restored into; its configuration is kept.
+      scale, growth_tracker, overflow_streak: the checkpoint's values.
+      where: a prefix naming the values in messages (e.g. a checkpoint path).
+
+    Returns:
+      A new :class:`LossScaleState`.
+    """
+    check_state(target, "restore")
+    names = {f: f"{where}{f}" for f in ("scale", "growth_tracker", "overflow_streak")}
+    config = check_config(
+        **config_of(target, scale),
+        scale_name=names["scale"],
+        growth_tracker=growth_tracker,
+        overflow_streak=overflow_streak,
+        restore=True,
+        names=names,
+    )
+    return from_config(target.kind, config)
+
+
+def fresh(state: LossScaleState) -> LossScaleState:
+    """A copy of ``state`` with new buffers, so donating one never deletes the other."""
+    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
 
 
 def check_state(state: Any, fn: str) -> LossScaleState:
@@ -345,7 +385,8 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     lo, hi = jnp.float32(state.min_scale), jnp.float32(state.max_scale)
 
     # Non-finite branch.
-    streak_bad = jnp.minimum(streak + 1, jnp.int32(state.hysteresis))
+    # Saturating: hysteresis may be 2**31 - 1, where streak + 1 would wrap.
+    streak_bad = jnp.minimum(saturating_increment(streak, True), jnp.int32(state.hysteresis))
     backed_off = jnp.maximum(mul_as_torch(s, state.backoff_factor), lo)
     s_bad = jnp.where(streak_bad >= state.hysteresis, backed_off, s)
 

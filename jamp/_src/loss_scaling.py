@@ -19,6 +19,7 @@ from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
 from jamp._src.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
+    fresh,
     saturating_increment,
     unscale,
     update,
@@ -135,8 +136,10 @@ def loss_scaling(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:
+        # New buffers on every call, as optax's states: a train step that
+        # donates one state must not delete another made by the same `tx`.
         return LossScalingState(
-            loss_scale=loss_scale,
+            loss_scale=fresh(loss_scale),
             inner_state=inner.init(params),
             last_finite=jnp.asarray(True),
             skipped_steps=jnp.zeros((), jnp.int32),
@@ -206,21 +209,34 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
 
 
 def multi_steps(
-    inner: optax.GradientTransformation, every_k_schedule: Any, **kwargs: Any
+    inner: optax.GradientTransformation,
+    every_k_schedule: Any,
+    *,
+    use_grad_mean: bool = True,
+    should_skip_update_fn: Any = None,
+    accumulator_dtype: Any = jnp.float32,
 ) -> MultiStepsTransformation:
-    """``optax.MultiSteps(inner, every_k_schedule, **kwargs)`` that survives an overflow.
+    """``optax.MultiSteps(inner, every_k_schedule, ...)`` that survives an overflow.
 
     Gradient accumulation over a loss-scaled optimizer with the scale constant
     across micro-steps (torch's recipe)::
 
         tx = jamp.multi_steps(jamp.loss_scaling(optax.adamw(1e-3)), every_k_schedule=4)
 
-    An inf in any micro-batch makes the accumulated step non-finite, and
-    ``loss_scaling`` skips it at the boundary. ``optax.MultiSteps`` then resets
-    its accumulator as ``(1 - emit) * acc``, and ``0 * inf`` is NaN, so with
-    plain ``optax.MultiSteps`` every later accumulated step is non-finite too
-    and training silently stops. This wrapper starts each accumulation from
-    zeros instead. The state is the same ``optax.MultiStepsState``.
+    The arguments, the state (``optax.MultiStepsState``), the accumulation and
+    the updates are ``optax.MultiSteps``'s, with two differences:
+
+    - An inf in any micro-batch makes the accumulated step non-finite, and
+      ``loss_scaling`` skips it at the boundary. ``optax.MultiSteps`` then
+      resets its accumulator as ``(1 - emit) * acc``, and ``0 * inf`` is NaN,
+      so every later accumulated step is non-finite too and training silently
+      stops. Here each accumulation starts from zeros.
+    - ``optax.MultiSteps`` runs ``inner`` on every micro-step and throws the
+      result away but on the last one; here ``inner`` runs only on the last
+      micro-step (under ``lax.cond``), so ``loss_scaling(...,
+      report_nonfinite=True)`` logs once per real skip, not on every
+      micro-step after a bad micro-batch, and the micro-steps cost only the
+      accumulation.
 
     The other nesting, ``jamp.loss_scaling(optax.MultiSteps(inner, k))``,
     checks every micro-batch and drops only the one that overflowed; the scale
@@ -231,8 +247,8 @@ def multi_steps(
     (``optax.skip_not_finite``) hides every overflow from it, so the scale
     never backs off and every later step is skipped too.
 
-    The result is an Optax transformation with ``optax.MultiSteps``'s
-    ``has_updated(state)``.
+    Returns:
+      An Optax transformation with ``optax.MultiSteps``'s ``has_updated(state)``.
     """
     inner = check_inner(inner)
     k = every_k_schedule
@@ -243,15 +259,76 @@ def multi_steps(
         )
     if not callable(k) and k < 1:
         raise ValueError(f"Expected `every_k_schedule` >= 1, got every_k_schedule={k} instead.")
-    ms = optax.MultiSteps(inner, every_k_schedule, **kwargs).gradient_transformation()
+    reference = optax.MultiSteps(
+        inner,
+        every_k_schedule,
+        use_grad_mean=use_grad_mean,
+        should_skip_update_fn=should_skip_update_fn,
+        accumulator_dtype=accumulator_dtype,
+    )
+    schedule = k if callable(k) else (lambda step: k)
+    acc_dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
-    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> Any:
-        new_updates, new_state = ms.update(updates, state, params, **extra_args)
+    def accumulate(grad: Any, acc: Any, n: jax.Array) -> Any:
+        # optax.MultiSteps's rules: Welford's running mean, or a sum, with the
+        # casts standard promotion makes written out (strict promotion passes).
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.promote_types(grad.dtype, acc.dtype)
+        grad, acc = grad.astype(dtype), acc.astype(dtype)
+        if not use_grad_mean:
+            return grad + acc
+        delta = grad - acc
+        return acc + delta / (n + 1).astype(delta.dtype)
 
-        def zeros() -> Any:
-            return jax.tree_util.tree_map(jnp.zeros_like, new_state.acc_grads)
+    def should_skip(updates: Any, step: jax.Array, params: Any) -> tuple[jax.Array, Any]:
+        if should_skip_update_fn is None:
+            return jnp.asarray(False), ()
+        return should_skip_update_fn(updates, step, params)
 
-        acc = cond_or_keep(new_state.mini_step == 0, zeros, lambda _: new_state.acc_grads)
-        return new_updates, new_state._replace(acc_grads=acc)
+    def update_fn(
+        updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, optax.MultiStepsState]:
+        k_steps = schedule(state.gradient_step)
+        skip, skip_state = should_skip(updates, state.gradient_step, params)
+        acc = jax.tree_util.tree_map(
+            lambda g, a: accumulate(g, a, state.mini_step), updates, state.acc_grads
+        )
+        emit = state.mini_step == k_steps - 1
 
-    return MultiStepsTransformation(ms.init, update_fn)
+        def apply() -> tuple[Any, Any]:
+            final, new_inner = inner.update(
+                optax.tree.cast_like(acc, updates), state.inner_opt_state, params, **extra_args
+            )
+            # optax.MultiSteps keeps the inner state in its dtypes.
+            new_inner = jax.tree_util.tree_map(
+                lambda old, new: new.astype(old.dtype), state.inner_opt_state, new_inner
+            )
+            return final, new_inner
+
+        final, new_inner = cond_or_keep(
+            emit & jnp.logical_not(skip),
+            apply,
+            lambda shapes: (zeros(shapes[0]), state.inner_opt_state),
+        )
+
+        def reset(a: jax.Array) -> jax.Array:
+            # A select, not (1 - emit) * acc: 0 * inf would be NaN.
+            out = jnp.where(emit, jnp.zeros((), a.dtype), a)
+            return out if acc_dtype is None else out.astype(acc_dtype)
+
+        advanced = optax.MultiStepsState(
+            mini_step=optax.safe_increment(state.mini_step) % k_steps,
+            gradient_step=jnp.where(
+                emit, optax.safe_increment(state.gradient_step), state.gradient_step
+            ),
+            inner_opt_state=new_inner,
+            acc_grads=jax.tree_util.tree_map(reset, acc),
+            skip_state=skip_state,
+        )
+        if should_skip_update_fn is None:
+            return final, advanced
+        # A skipped micro-batch leaves the state as it was, bar skip_state.
+        kept = state._replace(skip_state=skip_state)
+        return final, jax.tree_util.tree_map(lambda a, b: jnp.where(skip, a, b), kept, advanced)
+
+    return MultiStepsTransformation(reference.init, update_fn)

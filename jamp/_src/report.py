@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp._src.leaves import FLOAT, leaf_kind
+from jamp._src.leaves import FLOAT, is_sharded, leaf_kind
 
 logger = logging.getLogger("jamp")
 
@@ -49,8 +49,13 @@ def _count(path: Any, leaf: Any, transform: Transform = None) -> NonfiniteCount:
     if leaf_kind(path, leaf, "nonfinite_report") != FLOAT:
         zero = jnp.zeros((), jnp.int32)
         return NonfiniteCount(zero, zero)
-    flat = jnp.asarray(leaf).ravel()
     f = transform or (lambda v: v)
+    leaf = jnp.asarray(leaf)
+    if is_sharded(leaf):
+        # JAX's explicit sharding mode: flattening or slicing a sharded
+        # dimension is a type error. Each device reduces its own shard.
+        return _count_flat(f(leaf))
+    flat = leaf.ravel()
     full, rest = divmod(flat.size, _CHUNK)
     if full <= 1:
         return _count_flat(f(flat))

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.leaves import check_bool_scalar
+from jamp._src.leaves import check_bool_scalar, explicit_sharding
 
 SKIP_MODES = ("cond", "select")
 
@@ -42,13 +42,39 @@ def match_varying(tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like)
 
 
+def typed_like(tree: Any, like: Any) -> Any:
+    """``tree`` with each leaf in the dtype (and explicit sharding) of ``like``'s leaf.
+
+    The kept branch of a skipped step returns the old values, typed like the
+    applied branch's outputs: an optimizer whose state dtype changes on update
+    (Adam's moments of float16 parameters meeting float32 gradients) or a
+    sharding in the types (JAX's explicit mode) must not make the branches
+    disagree. Leaves that already match are returned as they are.
+    """
+
+    def one(x: Any, ref: Any) -> Any:
+        if not hasattr(x, "dtype") or not hasattr(ref, "dtype"):
+            return x
+        if x.dtype != ref.dtype:
+            x = x.astype(ref.dtype)
+        want = explicit_sharding(ref)
+        if want is not None:
+            have = explicit_sharding(x)
+            if have is None or have.spec != want.spec:
+                x = jax.sharding.reshard(x, want.spec)
+        return x
+
+    return jax.tree_util.tree_map(one, tree, like)
+
+
 def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
     """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
 
-    ``keep`` is called with ``apply``'s output shapes (``jax.eval_shape(apply)``).
+    ``keep`` is called with ``apply``'s output shapes (``jax.eval_shape(apply)``);
+    its outputs are cast to ``apply``'s dtypes (:func:`typed_like`).
     """
     shapes = jax.eval_shape(apply)
-    return lax.cond(pred, apply, lambda: match_varying(keep(shapes), shapes))
+    return lax.cond(pred, apply, lambda: match_varying(typed_like(keep(shapes), shapes), shapes))
 
 
 def check_skip(skip: Any) -> str:
@@ -72,25 +98,31 @@ def apply_or_keep(
 
     ``"cond"`` runs only the chosen branch. ``"select"`` runs both and picks
     leaf by leaf; a non-finite value in the dropped branch never reaches the
-    result (a select, unlike ``a * pred``, does not propagate it).
+    result (a select, unlike ``a * pred``, does not propagate it). Either way
+    the kept values are typed like the applied ones (:func:`typed_like`).
     """
     if skip == "cond":
         return cond_or_keep(pred, apply, keep)
     new = apply()
-    old = match_varying(keep(new), new)
+    old = match_varying(typed_like(keep(new), new), new)
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
 def zeros(shapes: Any) -> Any:
-    """Zeros shaped like ``shapes`` (arrays or ``ShapeDtypeStruct``s), leaf by leaf."""
-    return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    """Zeros shaped like ``shapes`` (arrays or ``ShapeDtypeStruct``s), leaf by leaf.
+
+    Under JAX's explicit sharding mode the zeros carry ``shapes``' shardings.
+    """
+    return jax.tree_util.tree_map(
+        lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=explicit_sharding(s)), shapes
+    )
 
 
 def same_or_zeros(tree: Any, shapes: Any) -> Any:
-    """``tree`` where it matches ``shapes`` leaf for leaf, else zeros of ``shapes``."""
+    """``tree`` where it matches ``shapes``' structure and shapes, else zeros of ``shapes``."""
     leaves = jax.tree_util.tree_leaves(tree)
     same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(shapes) and all(
-        getattr(a, "shape", None) == b.shape and getattr(a, "dtype", None) == b.dtype
+        getattr(a, "shape", None) == b.shape
         for a, b in zip(leaves, jax.tree_util.tree_leaves(shapes), strict=True)
     )
     return tree if same else zeros(shapes)
