@@ -12,7 +12,7 @@ from jamp._src.autocast import (
     autocast_report,
 )
 from jamp._src.finite import all_finite, unscale_and_check
-from jamp._src.grad_scaler import GradScaler
+from jamp._src.grad_scaler import GradScaler, GradScalerState
 from jamp._src.lookup import get_loss_scale, metrics
 from jamp._src.loss_scale import (
     LossScaleState,
@@ -43,6 +43,7 @@ __all__ = [
     "half_dtype",
     "parse_dtype",
     "GradScaler",
+    "GradScalerState",
     "NonfiniteCount",
     "log_nonfinite",
     "metrics",
