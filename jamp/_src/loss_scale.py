@@ -121,13 +121,26 @@ def config_of(state: LossScaleState, scale: Any = NO_SCALE) -> dict[str, Any]:
     )
 
 
+def _holds_state(tree: Any) -> bool:
+    """Whether a loss-scale state is inside ``tree`` (or its ``opt_state``, for Flax objects)."""
+    tree = getattr(tree, "opt_state", tree)
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
+    return any(isinstance(x, LossScaleState) for x in nodes)
+
+
 def check_state(state: Any, fn: str) -> LossScaleState:
     """``state`` if it is a :class:`LossScaleState`, else a TypeError naming ``jamp.{fn}``."""
     if not isinstance(state, LossScaleState):
+        hint = ""
+        if _holds_state(state):
+            hint = (
+                "; this holds one, like the state of jamp.loss_scaling(...): pass "
+                f"`jamp.{fn}(jamp.get_loss_scale(opt_state), ...)`"
+            )
         raise TypeError(
             f"`jamp.{fn}` expected `state` to be a LossScaleState (from "
             f"jamp.dynamic_loss_scale, static_loss_scale or no_loss_scale), got "
-            f"{type(state).__name__} instead."
+            f"{type(state).__name__} instead{hint}."
         )
     return state
 
