@@ -698,7 +698,8 @@ def test_the_stage_costs_nothing_in_the_compiled_step():
     x = jnp.ones((2, 4))
 
     def grads_of(state, params):
-        return jax.grad(lambda p: jamp.scale(state, jnp.sum((x @ p["w"] + p["b"][None, :]) ** 2)))(params)
+        loss = lambda p: jnp.sum((x @ p["w"] + p["b"][None, :]) ** 2)  # noqa: E731
+        return jax.grad(lambda p: jamp.scale(state, loss(p)))(params)
 
     def with_scaler(state, params, opt_state, unscale_first):
         grads = grads_of(state, params)

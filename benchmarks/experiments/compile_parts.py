@@ -47,7 +47,7 @@ def plain_under_cond(model, update_scale=False):
             return optax.apply_updates(params, updates), new_opt
 
         params, opt_state = lax.cond(finite, apply, lambda: (params, opt_state))
-        return params, opt_state, jamp.update(sc, finite) if update_scale else sc
+        return params, opt_state, scaler.update(sc, ~finite) if update_scale else sc
 
     return (params, tx.init(params), scaler.init()), step
 
