@@ -71,16 +71,20 @@ def jamp_loss_scaling(model, report_nonfinite=False, skip="cond"):
 
 
 def jamp_grad_scaler(model, step_fn=None, skip="cond"):
+    """``jamp.GradScaler``'s step and update; or an experiment's ``step_fn``, which takes
+    ``scaler.step``'s arguments and returns ``(params, opt_state, found_inf)``."""
     scaler = jamp.GradScaler(init_scale=INIT_SCALE, skip=skip)
     tx = _adamw()
     params = fresh(model.params)
-    do_step = step_fn or scaler.step
 
     def step(state, batch):
         params, opt_state, sc = state
         grads = jax.grad(lambda p: scaler.scale(sc, model.loss(p, batch)))(params)
-        params, opt_state, found_inf = do_step(sc, tx, grads, opt_state, params)
-        return params, opt_state, scaler.update(sc, found_inf)
+        if step_fn is None:
+            params, opt_state, sc = scaler.step(sc, tx, grads, opt_state, params)
+            return params, opt_state, scaler.update(sc)
+        params, opt_state, found_inf = step_fn(sc, tx, grads, opt_state, params)
+        return params, opt_state, jamp.update(sc, jnp.logical_not(found_inf))
 
     return (params, tx.init(params), scaler.init()), step
 

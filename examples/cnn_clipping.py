@@ -10,8 +10,9 @@ PyTorch's "working with unscaled gradients" example::
 
 Clipping the *scaled* gradients would clip at ``max_norm * scale``, i.e. not
 at all (a common bug). jamp offers the same loop with ``jamp.GradScaler``
-(``--style grad-scaler``: ``unscale``, ``optax.clip_by_global_norm``,
-``step(found_inf=...)``) and the Optax way (``--style optax``: clipping
+(``--style grad-scaler``: ``unscale``, ``optax.clip_by_global_norm``, then
+``step`` with the state ``unscale`` returned, which does not unscale again)
+and the Optax way (``--style optax``: clipping
 inside the chain that ``jamp.loss_scaling`` wraps, which always sees
 unscaled gradients). Both compute the same update. The model is a small Flax
 CNN in float16 (``jamp.autocast``) on scikit-learn's 8x8 digits.
@@ -66,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     if args.style == "grad-scaler":
         tx = sgd
     else:
-        tx = jamp.loss_scaling(optax.chain(clip, sgd), scaler.init())
+        tx = scaler.as_optax(optax.chain(clip, sgd))
     opt_state = tx.init(params)
     state = scaler.init()
 
@@ -75,14 +76,13 @@ def main(argv: Sequence[str] | None = None) -> dict:
         scale = state if args.style == "grad-scaler" else jamp.get_loss_scale(opt_state)
         loss, grads = jax.value_and_grad(lambda p: scaler.scale(scale, loss_fn(p, xb, yb)))(params)
         if args.style == "grad-scaler":
-            grads, found_inf = scaler.unscale(state, grads)  # scaler.unscale_(optimizer)
+            grads, state = scaler.unscale(state, grads)  # scaler.unscale_(optimizer)
             norm = optax.tree.norm(grads)
             grads, _ = clip.update(grads, clip.init(grads))  # clip_grad_norm_(..., max_norm)
             clipped_norm = optax.tree.norm(grads)
-            params, opt_state, found_inf = scaler.step(
-                state, tx, grads, opt_state, params, found_inf=found_inf
-            )
-            state = scaler.update(state, found_inf)
+            params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+            found_inf = scaler.found_inf(state)  # not in torch: was the step skipped?
+            state = scaler.update(state)  # scaler.update()
         else:
             norm = optax.tree.norm(jamp.unscale(scale, grads))
             updates, opt_state = tx.update(grads, opt_state, params)

@@ -11,7 +11,10 @@ optimizer state (loss scale included) are replicated, XLA inserts the
 all-reduce of the gradients, and the finite check inside
 ``jamp.loss_scaling`` is a reduction over the *global* gradients, so every
 device takes the same skip decision. No ``axis_name`` is needed under
-``jit``; with ``shard_map``/``pmap`` pass ``loss_scaling(..., axis_name=...)``.
+``jit``; with ``shard_map``/``pmap`` pass ``loss_scaling(..., axis_name=...)``,
+which agrees on skipping but does not average the gradients (under ``pmap``,
+``lax.pmean`` them yourself): ``docs/data-parallel.md`` has a tested recipe
+for each style.
 
 Runs on however many devices there are (1 included). On a CPU, try
 ``XLA_FLAGS=--xla_force_host_platform_device_count=8 python examples/data_parallel.py``.

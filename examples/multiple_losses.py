@@ -19,8 +19,10 @@ gradient of the sum of the scaled losses. ``scaler.scale`` takes any pytree,
 so the losses can be scaled one by one and summed (``--form sum``), or
 scaled together as a list (``--form list``) or a dict (``--form dict``,
 which PyTorch turns into a ``map`` over the keys). All three give the same
-gradients. One update with both ``found_inf`` flags backs the scale off once
-if either optimizer saw an inf/NaN. ``python examples/multiple_losses.py``.
+gradients. The state records one inf check per optimizer (the unscaled
+gradients of ``optimizer0`` are not unscaled again by its ``step``), and one
+``update`` backs the scale off once if either optimizer saw an inf/NaN.
+``python examples/multiple_losses.py``.
 """
 
 from __future__ import annotations
@@ -89,10 +91,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
         g0, g1 = jax.grad(lambda ps: total_scaled_loss(scaler, state, ps, x, y, args.form))(
             (p0, p1)
         )
-        g0, found_inf0 = scaler.unscale(state, g0)  # scaler.unscale_(optimizer0)
-        p0, o0, found_inf0 = scaler.step(state, tx0, g0, o0, p0, found_inf=found_inf0)
-        p1, o1, found_inf1 = scaler.step(state, tx1, g1, o1, p1)
-        state = scaler.update(state, [found_inf0, found_inf1])
+        g0, state = scaler.unscale(state, g0)  # scaler.unscale_(optimizer0)
+        p0, o0, state = scaler.step(state, tx0, g0, o0, p0)  # scaler.step(optimizer0)
+        p1, o1, state = scaler.step(state, tx1, g1, o1, p1)  # scaler.step(optimizer1)
+        state = scaler.update(state)  # scaler.update()
         return state, p0, p1, o0, o1
 
     history = []

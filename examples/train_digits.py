@@ -13,12 +13,17 @@ downloaded) in four modes and compares them:
 ``bfloat16``
     ``jamp.autocast(..., jnp.bfloat16)``, no loss scaling.
 
+The modes are the rows of ``MODES``: a compute dtype and a loss scale each,
+so a new one is one more row.
+
 The configuration, and why it is honest
 ---------------------------------------
-The loss is normalised the way large language-model runs normalise theirs:
-the cross-entropy is *summed* over the micro-batch and divided by the number
-of tokens in the global batch, here ``2**22`` (4M tokens per optimizer step,
-a common pretraining batch). Each example's contribution to the gradient, and
+Why the loss is normalised this way: a large language-model run normalises
+its loss so, and it is what makes float16 lose gradients. The cross-entropy
+is *summed* over the micro-batch and divided by the number of tokens in the
+global batch, here ``2**22`` (4M tokens per optimizer step, a common
+pretraining batch), so that every micro-batch and every device adds its
+share of one global mean. Each example's contribution to the gradient, and
 so every per-example activation gradient in the backward pass, carries that
 factor 2**-22 ≈ 2.4e-7. Adam is invariant to the overall scale of the loss,
 so float32 trains as well as it does with a plain mean. float16 does not:
@@ -26,12 +31,19 @@ its smallest normal number is 6.1e-5 and its smallest subnormal 6e-8, so in
 the backward pass of the float16 matrix products most activation gradients
 flush to zero or keep only one or two significant bits. Adam turns what
 survives into full-size steps and training degrades. With dynamic loss
-scaling (``jamp.dynamic_loss_scale(growth_interval=100)``: PyTorch's defaults
+scaling (``jamp.dynamic_loss_scale(growth_interval=50)``: PyTorch's defaults
 except a shorter growth interval, as this run is short) the loss is
-multiplied by 2**16 and more (the scale doubles every 100 finite steps; with
-the defaults no step overflows, so none is skipped), the activation gradients
-sit in float16's normal range, and the scaled run matches float32. bfloat16
-has float32's exponent range, so it needs no scaling.
+multiplied by 2**16 and more, the activation gradients sit in float16's
+normal range, and the scaled run matches float32. bfloat16 has float32's
+exponent range, so it needs no scaling.
+
+The scale doubles every 50 finite steps until the scaled gradients overflow
+float16 (near 2**35 here): that step's gradients are inf, ``loss_scaling``
+skips it (the parameters and Adam's state are kept) and halves the scale,
+which then climbs again. The plot's loss-scale panel marks every skipped
+step; a long run with PyTorch's ``growth_interval=2000`` saws the same way,
+only slower. ``--init-scale`` and ``--growth-interval`` change the start and
+the pace.
 
 Every mode uses ``jamp.loss_scaling`` around the same ``optax.adam(1e-3)``
 (with ``jamp.no_loss_scale()`` for the modes without scaling), so
@@ -60,6 +72,7 @@ import dataclasses
 import os
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -71,9 +84,34 @@ from tqdm.auto import tqdm
 
 import jamp
 
-MODES = ("float32", "float16", "float16+scaling", "bfloat16")
 GLOBAL_TOKENS = 2**22  # the loss is normalised by the tokens of a 4M-token global batch
 BATCH = 64
+
+
+def no_scaling(args: argparse.Namespace) -> jamp.LossScaleState:
+    return jamp.no_loss_scale()
+
+
+def dynamic_scaling(args: argparse.Namespace) -> jamp.LossScaleState:
+    return jamp.dynamic_loss_scale(args.init_scale, growth_interval=args.growth_interval)
+
+
+@dataclasses.dataclass(frozen=True)
+class Mode:
+    """A row of the comparison: the dtype of the matrix products, the loss scale, the style."""
+
+    compute_dtype: Any  # None: the model as written, in float32
+    loss_scale: Callable[[argparse.Namespace], jamp.LossScaleState]
+    style: dict  # matplotlib keyword arguments of the mode's lines
+
+
+# float32 is drawn wide and pale so the modes that match it stay visible on top of it.
+MODES = {
+    "float32": Mode(None, no_scaling, dict(color="0.6", lw=4.0)),
+    "float16": Mode(jnp.float16, no_scaling, dict(color="tab:red", lw=1.5)),
+    "float16+scaling": Mode(jnp.float16, dynamic_scaling, dict(color="tab:blue", lw=1.5, ls="--")),
+    "bfloat16": Mode(jnp.bfloat16, no_scaling, dict(color="tab:green", lw=1.5, ls=":")),
+}
 
 
 class CNN(nn.Module):
@@ -95,6 +133,7 @@ class Result:
     probe_steps: np.ndarray
     underflow: np.ndarray  # underflow fraction at each probe
     scales: np.ndarray  # loss scale after every step
+    skipped_at: np.ndarray  # the steps whose gradients were not finite (skipped)
     test_accuracy: float
     skipped: int
     ms_per_step: float
@@ -114,11 +153,8 @@ def load_data(seed: int) -> tuple[np.ndarray, ...]:
 
 
 def forward_for(mode: str, model: nn.Module) -> Callable:
-    if mode in ("float16", "float16+scaling"):
-        return jamp.autocast(model.apply, jnp.float16)
-    if mode == "bfloat16":
-        return jamp.autocast(model.apply, jnp.bfloat16)
-    return model.apply
+    dtype = MODES[mode].compute_dtype
+    return model.apply if dtype is None else jamp.autocast(model.apply, dtype)
 
 
 def loss_fn(apply: Callable, params, x: jax.Array, y: jax.Array) -> jax.Array:
@@ -128,16 +164,13 @@ def loss_fn(apply: Callable, params, x: jax.Array, y: jax.Array) -> jax.Array:
     return jnp.sum(ce) / GLOBAL_TOKENS
 
 
-def train(mode: str, steps: int, seed: int, log_every: int, data, progress: bool = True) -> Result:
+def train(mode: str, args: argparse.Namespace, data, progress: bool = True) -> Result:
+    steps, seed, log_every = args.steps, args.seed, args.log_every
     x_train, y_train, x_test, y_test = data
     model = CNN()
     apply = forward_for(mode, model)
     params = model.init(jax.random.PRNGKey(seed), x_train[:1])
-    if mode == "float16+scaling":
-        loss_scale = jamp.dynamic_loss_scale(growth_interval=100)
-    else:
-        loss_scale = jamp.no_loss_scale()
-    tx = jamp.loss_scaling(optax.adam(1e-3), loss_scale)
+    tx = jamp.loss_scaling(optax.adam(1e-3), MODES[mode].loss_scale(args))
     opt_state = tx.init(params)
 
     def grads_as_optimizer_sees_them(params, opt_state, x, y):
@@ -166,7 +199,7 @@ def train(mode: str, steps: int, seed: int, log_every: int, data, progress: bool
 
     rng = np.random.default_rng(seed)  # every mode sees the same batches
     batches = rng.integers(0, len(x_train), (steps, BATCH))
-    losses, scales, probe_steps, underflow = [], [], [], []
+    losses, scales, finite, probe_steps, underflow = [], [], [], [], []
     train_seconds, timed_steps = 0.0, 0
     bar = tqdm(range(steps), desc=f"{mode:>15}", disable=not progress, leave=True)
     for i in bar:
@@ -182,6 +215,7 @@ def train(mode: str, steps: int, seed: int, log_every: int, data, progress: bool
             timed_steps += 1
         losses.append(loss)
         scales.append(jamp.get_loss_scale(opt_state).scale)
+        finite.append(opt_state.last_finite)
         if (i + 1) % log_every == 0 or i + 1 == steps:
             logged = jax.device_get(jamp.metrics(opt_state))
             bar.set_postfix(
@@ -199,6 +233,7 @@ def train(mode: str, steps: int, seed: int, log_every: int, data, progress: bool
         probe_steps=np.asarray(probe_steps),
         underflow=np.asarray(underflow),
         scales=np.asarray(jax.device_get(scales), np.float64),
+        skipped_at=np.flatnonzero(~np.asarray(jax.device_get(finite), bool)),
         test_accuracy=accuracy,
         skipped=int(opt_state.skipped_steps),
         ms_per_step=1e3 * train_seconds / max(timed_steps, 1),
@@ -225,22 +260,25 @@ def plot(results: Sequence[Result], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_loss, ax_uf, ax_scale) = plt.subplots(1, 3, figsize=(15, 4.5))
-    # float32 is drawn wide and pale so the modes that match it stay visible on top of it.
-    styles = {
-        "float32": dict(color="0.6", lw=4.0),
-        "float16": dict(color="tab:red", lw=1.5),
-        "float16+scaling": dict(color="tab:blue", lw=1.5, ls="--"),
-        "bfloat16": dict(color="tab:green", lw=1.5, ls=":"),
-    }
+    fig, (ax_loss, ax_uf, ax_scale) = plt.subplots(1, 3, figsize=(15, 5))
     for r in results:
         window = max(1, min(25, len(r.losses) // 10))
         smooth = np.convolve(r.losses, np.ones(window) / window, mode="valid")
         steps = np.arange(window - 1, len(r.losses))
-        style = styles.get(r.mode, {})
+        style = MODES[r.mode].style
         ax_loss.plot(steps, smooth, label=r.mode, **style)
         ax_uf.plot(r.probe_steps, r.underflow, label=r.mode, marker=".", **style)
         ax_scale.plot(np.arange(len(r.scales)), r.scales, label=r.mode, **style)
+        if len(r.skipped_at):  # an overflow: the step is skipped and the scale halved
+            before = np.where(r.skipped_at > 0, r.scales[r.skipped_at - 1], r.scales[0] * 2)
+            ax_scale.scatter(
+                r.skipped_at,
+                before,
+                marker="x",
+                color=style.get("color"),
+                zorder=3,
+                label=f"{r.mode}: {len(r.skipped_at)} skipped",
+            )
     ax_loss.set(
         title=f"training loss ({window}-step mean)",
         xlabel="step",
@@ -253,14 +291,32 @@ def plot(results: Sequence[Result], path: str) -> None:
         ylabel="fraction of float32-nonzero entries that are 0",
         ylim=(-0.02, 1.02),
     )
-    ax_scale.set(title="loss scale", xlabel="step", ylabel="scale", yscale="log")
+    ax_scale.set(
+        title="loss scale\n(x: an overflow; the step is skipped, the scale halved)",
+        xlabel="step",
+        ylabel="scale",
+        yscale="log",
+    )
     ax_scale.set_yscale("log", base=2)
     for ax in (ax_loss, ax_uf, ax_scale):
         ax.grid(True, alpha=0.3)
-        ax.legend()
+    ax_loss.legend()
+    ax_uf.legend()
+    # Below the climbing scale, above the unscaled modes' 1.
+    ax_scale.legend(loc="lower right", bbox_to_anchor=(1.0, 0.08), fontsize=8)
     tokens = int(np.log2(GLOBAL_TOKENS))
     fig.suptitle(f"8x8 digits CNN, loss normalised by 2**{tokens} tokens, Adam")
-    fig.tight_layout()
+    fig.text(
+        0.5,
+        0.01,
+        f"Why the loss is normalised so: as in LLM pretraining, the summed cross-entropy is "
+        f"divided by the tokens of the 2**{tokens}-token global batch, so every gradient "
+        f"carries a factor 2**-{tokens},\nfar below float16's smallest normal number (2**-14) "
+        "and well inside bfloat16's range: float16 needs the loss scaled up, bfloat16 does not.",
+        ha="center",
+        fontsize=9,
+    )
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     directory = os.path.dirname(path)
     if directory:
         os.makedirs(directory, exist_ok=True)
@@ -291,6 +347,18 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
         default=list(MODES),
         help=f"comma-separated subset of {','.join(MODES)} (default: all)",
     )
+    parser.add_argument(
+        "--init-scale",
+        type=float,
+        default=2.0**16,
+        help="float16+scaling's first loss scale (PyTorch's default, 65536)",
+    )
+    parser.add_argument(
+        "--growth-interval",
+        type=int,
+        default=50,
+        help="float16+scaling's finite steps between doublings of the scale (PyTorch: 2000)",
+    )
     parser.add_argument("--out", default="runs/digits.png", help="where to write the plot")
     parser.add_argument(
         "--log-every",
@@ -300,15 +368,12 @@ def main(argv: Sequence[str] | None = None) -> list[Result]:
     )
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.log_every < 1:
-        parser.error("--steps and --log-every must be >= 1")
+    if args.steps < 1 or args.log_every < 1 or args.growth_interval < 1:
+        parser.error("--steps, --log-every and --growth-interval must be >= 1")
 
     print(f"jax {jax.__version__} on {jax.default_backend()}; {args.steps} steps per mode")
     data = load_data(args.seed)
-    results = [
-        train(mode, args.steps, args.seed, args.log_every, data, progress=not args.no_progress)
-        for mode in args.modes
-    ]
+    results = [train(mode, args, data, progress=not args.no_progress) for mode in args.modes]
     print()
     print(table(results))
     plot(results, args.out)

@@ -86,8 +86,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
             return scaler.scale(state, loss), loss
 
         grads, loss = jax.grad(scaled_loss, has_aux=True)(params)  # .backward()
-        params, opt_state, found_inf = scaler.step(state, optimizer, grads, opt_state, params)
-        state = scaler.update(state, found_inf)
+        params, opt_state, state = scaler.step(state, optimizer, grads, opt_state, params)
+        found_inf = scaler.found_inf(state)  # not in torch: was the step skipped?
+        state = scaler.update(state)
         return state, params, opt_state, loss, found_inf
 
     epoch_losses, checkpoints = [], []

@@ -13,7 +13,7 @@ from jamp._src.autocast import (
 )
 from jamp._src.finite import all_finite, unscale_and_check
 from jamp._src.flax_support import from_flax_dynamic_scale
-from jamp._src.grad_scaler import GradScaler
+from jamp._src.grad_scaler import GradScaler, GradScalerState
 from jamp._src.lookup import check_restored, get_loss_scale, metrics
 from jamp._src.loss_scale import (
     LossScaleState,
@@ -44,6 +44,7 @@ __all__ = [
     "half_dtype",
     "parse_dtype",
     "GradScaler",
+    "GradScalerState",
     "NonfiniteCount",
     "log_nonfinite",
     "metrics",

@@ -78,8 +78,10 @@ def test_step_and_update(wrap, skip):
     def iteration(state, params, opt_state, poison):
         grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
         grads = jax.tree_util.tree_map(lambda g: jnp.where(poison, jnp.nan, g), grads)
-        params, opt_state, found_inf = scaler.step(state, tx, grads, opt_state, params)
-        return scaler.update(state, found_inf), params, opt_state, found_inf
+        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+        assert state.stage == "stepped" and len(state.found_infs) == 1
+        found_inf = scaler.found_inf(state)
+        return scaler.update(state), params, opt_state, found_inf
 
     iteration = wrap(iteration)
     state, p1, opt_state, found = iteration(state, params, opt_state, jnp.bool_(False))
@@ -96,10 +98,12 @@ def test_unscale_clip_then_step_like_torch():
     state = scaler.init()
     params, tx, opt_state = sgd_problem()
     grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
-    grads, found_inf = scaler.unscale(state, grads)
+    grads, state = scaler.unscale(state, grads)
+    assert state.stage == "unscaled" and not bool(scaler.found_inf(state))
     clipped = optax.clip_by_global_norm(0.1).update(grads, optax.EmptyState())[0]
-    new_params, _, found = scaler.step(state, tx, clipped, opt_state, params, found_inf=found_inf)
-    assert not bool(found)
+    new_params, _, state = scaler.step(state, tx, clipped, opt_state, params)
+    assert state.stage == "stepped" and len(state.found_infs) == 1  # one check, unscale's
+    assert not bool(scaler.found_inf(state))
     moved = optax.tree.norm(jax.tree_util.tree_map(jnp.subtract, params, new_params))
     np.testing.assert_allclose(float(moved), 0.5 * 0.1, rtol=1e-6)  # not unscaled twice
 
@@ -120,9 +124,10 @@ def test_two_optimizers_share_one_scale():
 
         g0, g1 = jax.grad(total, argnums=(0, 1))(p0, p1)
         g1 = jax.tree_util.tree_map(lambda g: jnp.where(poison1, jnp.inf, g), g1)
-        p0, s0, inf0 = scaler.step(state, tx0, g0, s0, p0)
-        p1, s1, inf1 = scaler.step(state, tx1, g1, s1, p1)
-        return scaler.update(state, [inf0, inf1]), p0, p1, s0, s1, inf0, inf1
+        p0, s0, state = scaler.step(state, tx0, g0, s0, p0)
+        p1, s1, state = scaler.step(state, tx1, g1, s1, p1)
+        inf0, inf1 = state.found_infs  # one check per optimizer, as torch's per-optimizer state
+        return scaler.update(state), p0, p1, s0, s1, inf0, inf1
 
     state, q0, q1, s0, s1, inf0, inf1 = iteration(state, p0, p1, s0, s1, jnp.bool_(True))
     assert not bool(inf0) and bool(inf1)
@@ -135,9 +140,7 @@ def test_two_optimizers_share_one_scale():
 
 def test_update_new_scale_keeps_tracker():
     scaler = jamp.GradScaler(init_scale=8.0)
-    state = scaler.update(scaler.init(), jnp.bool_(False))
-    state = scaler.update(state, jnp.bool_(False))
-    state = dataclasses.replace(state, growth_tracker=jnp.int32(5))
+    state = dataclasses.replace(scaler.init(), growth_tracker=jnp.int32(5))
     for value in (100.0, jnp.float32(3.0), np.float64(0.1)):
         new = scaler.update(state, new_scale=value)
         assert float(new.scale) == float(np.float32(value)) and int(new.growth_tracker) == 5
@@ -154,10 +157,10 @@ def test_getters_and_setters():
     assert scaler.get_growth_factor(state) == 4.0
     assert scaler.get_backoff_factor(state) == 0.25
     assert scaler.get_growth_interval(state) == 3
-    for _ in range(3):  # found_inf False: three finite steps, growth by 4
-        state = scaler.update(state, jnp.bool_(False))
+    for _ in range(3):  # three finite steps, growth by 4
+        state = jamp.update(state, jnp.bool_(True))
     assert float(state.scale) == 2.0**18
-    state = scaler.update(state, jnp.bool_(True))  # found_inf: backoff by 0.25
+    state = jamp.update(state, jnp.bool_(False))  # found_inf: backoff by 0.25
     assert float(state.scale) == 2.0**16
     with pytest.raises(ValueError, match=r"growth_factor=0\.5"):
         scaler.set_growth_factor(state, 0.5)
@@ -174,11 +177,13 @@ def test_disabled_is_identity_and_always_steps():
     assert scaler.scale(state, outputs) is outputs
     assert float(scaler.get_scale(state)) == 1.0 and int(scaler.get_growth_tracker(state)) == 0
     assert scaler.state_dict(state) == {}
-    assert scaler.update(state, jnp.bool_(True)) is state
+    assert scaler.update(state) is state  # no "No inf checks" error: torch does nothing
     params, tx, opt_state = sgd_problem()
     grads = {"w": jnp.array([jnp.inf, 1.0]), "b": jnp.array([1.0])}
-    new_params, _, found = scaler.step(state, tx, grads, opt_state, params)
-    assert not bool(found) and np.isinf(np.asarray(new_params["w"])[0])  # applied, as torch does
+    assert scaler.unscale(state, grads) == (grads, state)  # torch's unscale_ does nothing
+    new_params, _, new_state = scaler.step(state, tx, grads, opt_state, params)
+    assert new_state is state and not bool(scaler.found_inf(new_state))
+    assert np.isinf(np.asarray(new_params["w"])[0])  # applied, as torch does
     assert float(scaler.load_state_dict({"scale": 5.0}).scale) == 1.0  # a no-op, as in torch
 
 
@@ -200,14 +205,14 @@ def test_state_dict_json_round_trip_continues_identically():
     state = scaler.init()
     flags = [True, False, True, True, True, False, True, True]
     for f in flags[:4]:
-        state = scaler.update(state, jnp.asarray(not f))
+        state = jamp.update(state, jnp.asarray(f))
     d = json.loads(json.dumps(scaler.state_dict(state)))
     assert set(d) == TORCH_KEYS
     resumed = jamp.GradScaler().load_state_dict(d)  # the dict carries the configuration
     assert resumed.growth_factor == 1.1 and resumed.backoff_factor == 0.3
     for f in flags[4:]:
-        state = scaler.update(state, jnp.asarray(not f))
-        resumed = scaler.update(resumed, jnp.asarray(not f))
+        state = jamp.update(state, jnp.asarray(f))
+        resumed = jamp.update(resumed, jnp.asarray(f))
         assert _golden.bits_equal(np.asarray(state.scale), np.asarray(resumed.scale))
         assert int(state.growth_tracker) == int(resumed.growth_tracker)
 
@@ -325,7 +330,8 @@ def test_replay_trajectory_with_optimizer(name, path, skip):
 
         @jax.jit
         def run(state, params, opt_state, grads):
-            return scaler.step(state, inner, grads, opt_state, params)
+            params, opt_state, state = scaler.step(state, inner, grads, opt_state, params)
+            return params, opt_state, state, scaler.found_inf(state)
 
     compared = 0
     for step in sc["steps"]:
@@ -337,7 +343,7 @@ def test_replay_trajectory_with_optimizer(name, path, skip):
             params, opt_state, found_inf = run(params, opt_state, grads)
             ls_state = opt_state.loss_scale
         else:
-            params, opt_state, found_inf = run(state, params, opt_state, grads)
+            params, opt_state, stepped, found_inf = run(state, params, opt_state, grads)
         torch_opt = step["optimizers"]["opt"]
         if in_bounds:
             assert bool(found_inf) == (torch_opt["found_inf"] != 0 and ctor["enabled"]), step[
@@ -357,7 +363,7 @@ def test_replay_trajectory_with_optimizer(name, path, skip):
                 )
             ls_state = opt_state.loss_scale
         else:
-            state = scaler.update(state, found_inf, new_scale=new_scale)
+            state = scaler.update(stepped, new_scale)
             ls_state = state
         if not ctor["enabled"]:
             continue
@@ -380,14 +386,14 @@ def test_lowering_the_growth_interval_below_the_tracker_grows_on_the_next_finite
     scaler = jamp.GradScaler(init_scale=8.0, growth_interval=10)
     state = scaler.init()
     for _ in range(6):
-        state = scaler.update(state, jnp.bool_(False))
+        state = jamp.update(state, jnp.bool_(True))
     assert int(state.growth_tracker) == 6
     state = scaler.set_growth_interval(state, 4)  # torch: the tracker would never equal 4 again
     assert int(state.growth_tracker) == 3
-    state = scaler.update(state, jnp.bool_(False))
+    state = jamp.update(state, jnp.bool_(True))
     assert (float(state.scale), int(state.growth_tracker)) == (16.0, 0)
     # A tracker below the new interval is kept.
-    state = scaler.update(state, jnp.bool_(False))
+    state = jamp.update(state, jnp.bool_(True))
     assert int(scaler.set_growth_interval(state, 3).growth_tracker) == 1
 
 
@@ -413,7 +419,7 @@ def test_update_new_scale_under_jit_never_takes_a_nonfinite_or_nonpositive_scale
 def test_load_state_dict_takes_zero_d_arrays(to_array):
     """What Orbax or np.load hand back for a saved state_dict."""
     scaler = jamp.GradScaler(init_scale=64.0, growth_interval=3)
-    state = scaler.update(scaler.init(), jnp.bool_(False))
+    state = jamp.update(scaler.init(), jnp.bool_(True))
     saved = scaler.state_dict(state)
     loaded = scaler.load_state_dict({k: to_array(v) for k, v in saved.items()})
     assert scaler.state_dict(loaded) == saved
@@ -435,7 +441,7 @@ GS = jamp.GradScaler
 INIT = jamp.GradScaler().init()
 # What a porting user passes where the LossScaleState belongs: the optimizer state.
 OPT_STATE = jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
-TO_GET_LOSS_SCALE = r"LossScaleState.*jamp\.get_loss_scale\(opt_state\)"
+TO_GET_LOSS_SCALE = r"GradScalerState.*jamp\.get_loss_scale\(opt_state\)"
 PARAMS = {"w": jnp.ones(2)}
 
 # Every invalid argument of GradScaler and its methods: id -> (call, exception, match).
@@ -472,11 +478,11 @@ BAD_INPUT = {
         ValueError,
         r"growth_interval=0",
     ),
-    # update
-    "update(neither)": (
+    # update: torch's update() takes no flag, the state records the checks
+    "update(no inf check)": (
         lambda: GS().update(INIT),
-        ValueError,
-        (r"`found_inf`.*`new_scale`", r"no inf checks were recorded prior to update"),
+        RuntimeError,
+        (r"^No inf checks were recorded prior to update\..*scaler\.step", r"`new_scale`"),
     ),
     "update(new_scale=0)": (
         lambda: GS().update(INIT, new_scale=0.0),
@@ -488,20 +494,25 @@ BAD_INPUT = {
         ValueError,
         r"new_scale=inf",
     ),
-    "update(found_inf=float)": (
-        lambda: GS().update(INIT, jnp.float32(1.0)),
+    "update(inf) positional, as torch's": (
+        lambda: GS().update(INIT, math.inf),
+        ValueError,
+        r"new_scale=inf",
+    ),
+    "update(found_inf flag)": (
+        lambda: GS().update(INIT, jnp.bool_(False)),
         TypeError,
-        r"`found_inf` to be a boolean scalar",
+        r"takes no `found_inf`.*scaler\.update\(state\)",
+    ),
+    "update([found_inf0, found_inf1])": (
+        lambda: GS().update(INIT, [jnp.bool_(False)] * 2),
+        TypeError,
+        r"takes no `found_inf`",
     ),
     "update(found_inf=vector)": (
         lambda: GS().update(INIT, found_inf=jnp.ones(2, bool)),
-        ValueError,
-        r"`found_inf` to be a scalar",
-    ),
-    "update(found_inf=[])": (
-        lambda: GS().update(INIT, []),
-        ValueError,
-        (r"`found_inf`", r"at least one `found_inf`"),
+        TypeError,
+        r"takes no `found_inf`",
     ),
     # load_state_dict
     "load_state_dict({})": (
@@ -547,7 +558,7 @@ BAD_INPUT = {
     ),
     "get_scale(opt_state)": (lambda: GS().get_scale(OPT_STATE), TypeError, TO_GET_LOSS_SCALE),
     "update(opt_state)": (
-        lambda: GS().update(OPT_STATE, jnp.bool_(False)),
+        lambda: GS().update(OPT_STATE),
         TypeError,
         TO_GET_LOSS_SCALE,
     ),
@@ -568,3 +579,210 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
     assert_clear_error(*BAD_INPUT[case])
+
+
+# ---------------------------------------------------------------- the stage, in the state
+
+
+def leaves_equal(a, b):
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return all(bool(jnp.array_equal(x, y)) for x, y in pairs)
+
+
+def staged_states():
+    """A state at each stage of an iteration: ready, unscaled, stepped, and two optimizers."""
+    scaler = jamp.GradScaler(init_scale=8.0)
+    params, tx, opt_state = sgd_problem()
+    ready = scaler.init()
+    grads = jax.grad(lambda p: scaler.scale(ready, loss(p)))(params)
+    # Each from its own initial state: a state that unscale or step took is used up.
+    _, unscaled = scaler.unscale(scaler.init(), grads)
+    _, _, stepped = scaler.step(scaler.init(), tx, grads, opt_state, params)
+    _, _, two = scaler.step(stepped, tx, grads, opt_state, params)
+    return scaler, {"ready": ready, "unscaled": unscaled, "stepped": stepped, "two": two}
+
+
+def test_each_stage_is_static_metadata_and_found_infs_are_leaves():
+    _, states = staged_states()
+    expected = {"ready": ("ready", 0), "unscaled": ("unscaled", 1), "stepped": ("stepped", 1)}
+    expected["two"] = ("stepped", 2)
+    for name, state in states.items():
+        assert isinstance(state, jamp.GradScalerState) and isinstance(state, jamp.LossScaleState)
+        assert (state.stage, len(state.found_infs)) == expected[name], name
+        leaves, treedef = jax.tree_util.tree_flatten(state)
+        assert len(leaves) == 3 + len(state.found_infs)  # scale, tracker, streak + the checks
+        back = jax.tree_util.tree_unflatten(treedef, leaves)
+        assert type(back) is jamp.GradScalerState and back.stage == state.stage
+        assert back.growth_interval == state.growth_interval
+        through_jit = jax.jit(lambda s: s)(state)
+        assert jax.tree_util.tree_structure(through_jit) == treedef
+        assert leaves_equal(leaves, back)
+    # Only the ready state has the structure of the start of an iteration.
+    structures = {n: jax.tree_util.tree_structure(s) for n, s in states.items()}
+    assert len(set(structures.values())) == 4
+
+
+def test_the_loss_scale_functions_take_the_state_at_any_stage():
+    scaler, states = staged_states()
+    for state in states.values():
+        assert float(jamp.scale(state, jnp.float32(1.0))) == 8.0
+        found = jamp.get_loss_scale({"scaler": state})
+        assert type(found) is jamp.GradScalerState and found.stage == state.stage
+        assert set(jamp.metrics(state)) == {"loss_scale", "growth_tracker"}
+        assert scaler.state_dict(state)["scale"] == 8.0
+        # The pure update keeps the stage: it is GradScaler's bookkeeping, not the rule's.
+        assert jamp.update(state, jnp.bool_(True)).stage == state.stage
+
+
+def test_an_iteration_is_a_lax_scan_carry_and_matches_the_python_loop():
+    scaler = jamp.GradScaler(init_scale=2.0**10, growth_interval=3)
+    params, tx, opt_state = sgd_problem()
+    poison = jnp.array([False, True, False, False, False, True, False, False])
+
+    def iteration(carry, bad):
+        state, params, opt_state = carry
+        grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
+        grads = jax.tree.map(lambda g: jnp.where(bad, jnp.inf, g), grads)
+        grads, state = scaler.unscale(state, grads)
+        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+        found_inf = scaler.found_inf(state)
+        return (scaler.update(state), params, opt_state), found_inf
+
+    carry = (scaler.init(), params, opt_state)
+    scanned, found = jax.jit(lambda c, xs: jax.lax.scan(iteration, c, xs))(carry, poison)
+    looped = carry
+    for bad in poison:
+        looped, _ = jax.jit(iteration)(looped, bad)
+    np.testing.assert_array_equal(np.asarray(found), np.asarray(poison))
+    assert scanned[0].stage == "ready" and scanned[0].found_infs == ()
+    assert leaves_equal(scanned, looped)
+    assert float(scanned[0].scale) == 2.0**10 / 4 * 2  # two backoffs, one growth
+
+
+def test_flax_serialization_saves_the_loss_scale_fields_and_restores_a_ready_state():
+    from flax import serialization
+
+    scaler, states = staged_states()
+    two = states["two"]
+    saved = serialization.to_state_dict({"scaler": two})
+    assert set(saved["scaler"]) == {"scale", "growth_tracker", "overflow_streak"}
+    raw = serialization.to_bytes({"scaler": scaler.update(two)})
+    restored = serialization.from_bytes({"scaler": scaler.init()}, raw)["scaler"]
+    assert type(restored) is jamp.GradScalerState and restored.stage == "ready"
+    assert int(restored.growth_tracker) == 1
+
+
+def test_two_optimizers_one_unscaled_in_either_order():
+    """torch: unscale_(opt0); step(opt0); step(opt1); update() — and opt1 first."""
+    scaler = jamp.GradScaler(init_scale=16.0)
+    params, tx, opt_state = sgd_problem()
+    state = scaler.init()
+    grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
+    bad = jax.tree.map(lambda g: g.at[0].set(jnp.nan), grads)
+
+    g0, s = scaler.unscale(state, grads)
+    p0, _, s = scaler.step(s, tx, g0, opt_state, params)
+    p1, _, s = scaler.step(s, tx, bad, opt_state, params)
+    assert [bool(f) for f in s.found_infs] == [False, True]
+    after = scaler.update(s)
+    assert float(after.scale) == 8.0 and after.stage == "ready"
+
+    q1, _, s = scaler.step(scaler.init(), tx, bad, opt_state, params)
+    g0, s = scaler.unscale(s, grads)
+    q0, _, s = scaler.step(s, tx, g0, opt_state, params)
+    assert [bool(f) for f in s.found_infs] == [True, False]
+    assert float(scaler.update(s).scale) == 8.0
+    assert leaves_equal(p0, q0) and leaves_equal(p1, q1) and leaves_equal(p1, params)
+
+
+def test_unscale_then_update_without_step_counts_the_check_as_torch_does():
+    scaler = jamp.GradScaler(init_scale=16.0)
+    _, state = scaler.unscale(scaler.init(), {"w": jnp.array([jnp.inf])})
+    assert float(scaler.update(state).scale) == 8.0
+
+
+def test_update_new_scale_resets_the_stage_and_a_plain_state_stays_plain():
+    scaler, states = staged_states()
+    after = scaler.update(states["two"], new_scale=2.0)
+    assert (after.stage, after.found_infs, float(after.scale)) == ("ready", (), 2.0)
+    plain = jamp.dynamic_loss_scale(8.0)
+    assert type(scaler.update(plain, new_scale=4.0)) is jamp.LossScaleState
+    params, tx, opt_state = sgd_problem()
+    _, _, stepped = scaler.step(plain, tx, params, opt_state, params)
+    assert type(stepped) is jamp.GradScalerState and stepped.stage == "stepped"
+
+
+def test_found_inf_is_false_before_any_check():
+    scaler = jamp.GradScaler()
+    assert not bool(scaler.found_inf(scaler.init()))
+
+
+def test_a_state_captured_from_outside_a_trace_is_not_marked():
+    """Traced twice (two shapes), a closure over an eager state must not see its own mark."""
+    scaler = jamp.GradScaler(init_scale=4.0)
+    state = scaler.init()
+    tx = optax.sgd(0.1)
+
+    @jax.jit
+    def step(params):
+        grads = jax.grad(lambda p: scaler.scale(state, jnp.sum(p**2)))(params)
+        grads, s = scaler.unscale(state, grads)
+        params, _, s = scaler.step(s, tx, grads, tx.init(params), params)
+        return params, scaler.update(s)
+
+    step(jnp.ones(2))
+    step(jnp.ones(3))  # a second trace with the same captured state
+    # Eagerly, a ready state can be updated with new_scale as often as one likes.
+    for v in (2.0, 3.0):
+        assert float(scaler.update(state, new_scale=v).scale) == v
+
+
+def test_the_stage_costs_nothing_in_the_compiled_step():
+    """The jaxpr of a GradScaler iteration is the jaxpr of the same step written with
+    the pieces it is made of: the stage and its checks leave no trace in it."""
+    from jamp._src.finite import check_unscaled
+    from jamp._src.skip import apply_or_keep
+
+    scaler = jamp.GradScaler(init_scale=1024.0)
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    opt_state = tx.init(params)
+    x = jnp.ones((2, 4))
+
+    def grads_of(state, params):
+        loss = lambda p: jnp.sum((x @ p["w"] + p["b"][None, :]) ** 2)  # noqa: E731
+        return jax.grad(lambda p: jamp.scale(state, loss(p)))(params)
+
+    def with_scaler(state, params, opt_state, unscale_first):
+        grads = grads_of(state, params)
+        if unscale_first:
+            grads, state = scaler.unscale(state, grads)
+        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+        return scaler.update(state), params, opt_state
+
+    def by_hand(state, params, opt_state, unscale_first):
+        grads = grads_of(state, params)
+        found_inf = None
+        if unscale_first:  # the old API: grads, found_inf = unscale(...); step(found_inf=...)
+            grads, finite = jamp.unscale_and_check(state, grads)
+            found_inf = jnp.logical_not(finite)
+            finite = jnp.logical_not(found_inf)
+            unscaled = lambda: grads  # noqa: E731
+        else:
+            finite = check_unscaled(state, grads)
+            unscaled = lambda: jamp.unscale(state, grads)  # noqa: E731
+
+        def apply():
+            updates, new_opt_state = tx.update(unscaled(), opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+
+        params, opt_state = apply_or_keep(finite, apply, lambda _: (params, opt_state))
+        if found_inf is None:
+            found_inf = jnp.logical_not(finite)
+        return jamp.update(state, jnp.logical_not(found_inf)), params, opt_state
+
+    for unscale_first in (False, True):
+        args = (params, opt_state, unscale_first)
+        ours = jax.make_jaxpr(with_scaler, static_argnums=3)(scaler.init(), *args)
+        theirs = jax.make_jaxpr(by_hand, static_argnums=3)(jamp.dynamic_loss_scale(1024.0), *args)
+        assert str(ours) == str(theirs), unscale_first

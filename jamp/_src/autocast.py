@@ -221,6 +221,39 @@ def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: Rec
     return wrapped
 
 
+_WRAPS_A_FUNCTION = (
+    "jamp.autocast wraps a function; it is not a context manager and takes no device: where "
+    "PyTorch has `with torch.autocast(device_type=..., dtype=torch.float16): out = fn(x)`, "
+    "write `out = jamp.autocast(fn, jnp.float16)(x)`"
+)
+
+
+def _explains_torch_calls(autocast: Callable) -> Callable:
+    """``autocast``, saying how to write it when called as ``torch.autocast`` is."""
+    signature = inspect.signature(autocast)
+
+    @functools.wraps(autocast)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            signature.bind(*args, **kwargs)
+        except TypeError as e:  # autocast(device_type="cuda", dtype=...), autocast(dtype=...)
+            raise TypeError(f"{_WRAPS_A_FUNCTION} ({e}).") from None
+        fun = args[0] if args else kwargs.get("fun")
+        if isinstance(fun, str) or _is_dtype(fun):  # autocast("cuda", ...), autocast(jnp.float16)
+            raise TypeError(f"{_WRAPS_A_FUNCTION} (got {fun!r} for `fun`).")
+        return autocast(*args, **kwargs)
+
+    return checked
+
+
+def _is_dtype(x: Any) -> bool:
+    """A dtype, or a scalar type such as ``jnp.float16`` (callable, yet not a function to run)."""
+    if isinstance(x, type):
+        return issubclass(x, np.generic) or isinstance(getattr(x, "dtype", None), np.dtype)
+    return isinstance(x, np.dtype)
+
+
+@_explains_torch_calls
 def autocast(
     fun: Callable,
     dtype: Any = None,

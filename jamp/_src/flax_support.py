@@ -9,7 +9,10 @@ installed; jamp itself never needs flax.
 The state dict holds the dynamic leaves (``scale``, ``growth_tracker``,
 ``overflow_streak``); the configuration is static and comes from the target
 restored into, as for every other flax checkpoint. Restoring goes through
-``loss_scale.restore``, the one validation of restored values.
+``loss_scale.restore``, the one validation of restored values. Subclasses of
+the state (``jamp.GradScalerState``) are saved the same way: what they add
+(the GradScaler's stage and the inf checks of an iteration in progress) comes
+from the target, as PyTorch's scaler may be saved only between iterations.
 """
 
 from __future__ import annotations
@@ -54,16 +57,26 @@ def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, Any]) -> l
 
 
 def register() -> None:
-    """Register :class:`jamp.LossScaleState` with ``flax.serialization``, if flax is there."""
+    """Register :class:`jamp.LossScaleState` and its subclasses with ``flax.serialization``.
+
+    Does nothing without flax. Called by ``jamp/__init__.py`` once every
+    module, ``grad_scaler`` included, is imported.
+    """
     if importlib.util.find_spec("flax") is None:
         return
     try:
         from flax import serialization
     except Exception:  # a broken flax install must not break `import jamp`
         return
-    serialization.register_serialization_state(
-        ls.LossScaleState, _to_state_dict, _from_state_dict, override=True
-    )
+    # flax looks serializers up by exact type: register every subclass defined by now.
+    pending, types = [ls.LossScaleState], []
+    while pending:
+        types.append(pending.pop())
+        pending.extend(types[-1].__subclasses__())
+    for ty in types:
+        serialization.register_serialization_state(
+            ty, _to_state_dict, _from_state_dict, override=True
+        )
 
 
 def from_flax_dynamic_scale(

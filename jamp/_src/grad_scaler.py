@@ -1,22 +1,30 @@
 """``jamp.GradScaler``: torch.amp.GradScaler's API, made of pure functions.
 
-The scaler is an immutable, hashable configuration; the state lives in a
-:class:`jamp.LossScaleState` that every method takes and returns, so a
-PyTorch training loop ports line by line::
+The scaler is an immutable, hashable configuration; the state is a
+:class:`jamp.GradScalerState` that every method takes and returns. Like
+torch's scaler, the state records where the iteration stands (unscaled,
+stepped) and the inf checks made so far, so a PyTorch training loop ports
+line by line, and its misuses fail as they do in PyTorch::
 
     torch                                   jamp
     scaler = GradScaler()          scaler = jamp.GradScaler(); state = scaler.init()
     scaler.scale(loss).backward()  grads = jax.grad(lambda p: scaler.scale(state, loss(p)))(params)
-    scaler.step(optimizer)         params, opt_state, found_inf = scaler.step(
+    scaler.unscale_(optimizer)     grads, state = scaler.unscale(state, grads)
+    scaler.step(optimizer)         params, opt_state, state = scaler.step(
                                        state, tx, grads, opt_state, params)
-    scaler.update()                state = scaler.update(state, found_inf)
+    scaler.update()                state = scaler.update(state)
+
+The stage is static pytree metadata and every misuse is refused while the
+step is traced, so the bookkeeping compiles to nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -26,9 +34,9 @@ import optax
 
 from jamp._src import loss_scale as ls
 from jamp._src.config import check_config
-from jamp._src.finite import agree, check_axis_name, check_unscaled, refuse_axis_name
+from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
 from jamp._src.finite import unscale_and_check as _unscale_and_check
-from jamp._src.leaves import check_bool_scalar, is_real_number
+from jamp._src.leaves import is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import apply_or_keep, check_skip
@@ -40,14 +48,18 @@ def _check_state(state: Any, method: str) -> ls.LossScaleState:
     """``state`` if it is a loss-scale state, else a TypeError that says where one comes from."""
     if isinstance(state, ls.LossScaleState):
         return state
-    hint = ""
     if holds_loss_scale(state):
         hint = (
             "; this looks like a jamp.loss_scaling optimizer state: its loss-scale state is "
             "jamp.get_loss_scale(opt_state)"
         )
+    else:
+        hint = (
+            "; every GradScaler method takes the scaler's state first (PyTorch keeps it inside "
+            f"the scaler): `scaler.{method}(state, ...)`"
+        )
     raise TypeError(
-        f"`GradScaler.{method}` expected `state` to be the scaler's LossScaleState (from "
+        f"`GradScaler.{method}` expected `state` to be the scaler's GradScalerState (from "
         f"scaler.init() or scaler.load_state_dict), got {type(state).__name__} instead{hint}."
     )
 
@@ -65,17 +77,203 @@ def _python_scalar(value: Any) -> Any:
     return value
 
 
-def _found_inf_flag(found_inf: Any) -> jax.Array:
-    """One boolean scalar from a flag or a list of flags (one per optimizer)."""
-    if isinstance(found_inf, (list, tuple)):
-        if not found_inf:
-            raise ValueError("Expected at least one `found_inf` flag, got an empty sequence.")
-        flags = [_found_inf_flag(f) for f in found_inf]
-        out = flags[0]
-        for f in flags[1:]:
-            out = out | f
-        return out
-    return check_bool_scalar(found_inf, "found_inf", "from scaler.step or scaler.unscale")
+# ---------------------------------------------------------------- the state
+
+READY = "ready"  # nothing recorded since the last update: the start of an iteration
+UNSCALED = "unscaled"  # the last inf check is unscale's; its gradients await step
+STEPPED = "stepped"  # the last inf check is step's
+STAGES = (READY, UNSCALED, STEPPED)
+
+
+@dataclasses.dataclass(frozen=True)
+class GradScalerState(ls.LossScaleState):
+    """The state of a :class:`jamp.GradScaler`: a loss-scale state that knows its stage.
+
+    A :class:`jamp.LossScaleState` (``jamp.scale``, ``jamp.get_loss_scale``,
+    ``jamp.metrics`` and checkpoints take it as one), plus what
+    ``torch.amp.GradScaler`` keeps per optimizer between ``scale`` and
+    ``update``:
+
+    Dynamic leaves, besides the loss-scale state's:
+      found_infs: a tuple of boolean scalars, one per inf check recorded
+        since the last update (by :meth:`GradScaler.unscale` or
+        :meth:`GradScaler.step`, one per optimizer); :meth:`GradScaler.update`
+        backs off once if any is set, and empties it.
+
+    Static metadata, besides the loss-scale state's:
+      stage: ``"ready"`` (nothing recorded: the start of an iteration),
+        ``"unscaled"`` (the last check is :meth:`GradScaler.unscale`'s, and
+        :meth:`GradScaler.step` will take its gradients as unscaled) or
+        ``"stepped"``.
+
+    The stage is static, so the checks that refuse a misuse run while the
+    step is traced and cost nothing when it runs. After ``update`` the state
+    is ``"ready"`` again with no ``found_infs``: a jitted iteration returns a
+    state of the structure it took, and ``lax.scan`` can carry it.
+    """
+
+    found_infs: tuple = ()
+    stage: str = dataclasses.field(default=READY, metadata=dict(static=True))
+
+
+_LOSS_SCALE_FIELDS = [f.name for f in dataclasses.fields(ls.LossScaleState)]
+jax.tree_util.register_dataclass(
+    GradScalerState,
+    data_fields=[
+        *(f.name for f in dataclasses.fields(ls.LossScaleState) if not f.metadata.get("static")),
+        "found_infs",
+    ],
+    meta_fields=[
+        *(f.name for f in dataclasses.fields(ls.LossScaleState) if f.metadata.get("static")),
+        "stage",
+    ],
+)
+
+
+def _stage(state: ls.LossScaleState) -> str:
+    return state.stage if isinstance(state, GradScalerState) else READY
+
+
+def _found_infs(state: ls.LossScaleState) -> tuple:
+    return state.found_infs if isinstance(state, GradScalerState) else ()
+
+
+def _as_grad_scaler_state(state: ls.LossScaleState) -> GradScalerState:
+    if isinstance(state, GradScalerState):
+        return state
+    return GradScalerState(**{name: getattr(state, name) for name in _LOSS_SCALE_FIELDS})
+
+
+def _with_stage(state: ls.LossScaleState, found_infs: tuple, stage: str) -> ls.LossScaleState:
+    """``state`` at ``stage`` with ``found_infs``; a plain loss-scale state stays one when ready."""
+    if stage == READY and not isinstance(state, GradScalerState):
+        return state
+    return dataclasses.replace(_as_grad_scaler_state(state), found_infs=found_infs, stage=stage)
+
+
+def _any(flags: tuple) -> jax.Array:
+    out = flags[0]
+    for flag in flags[1:]:
+        out = out | flag
+    return out
+
+
+# What a PyTorch user writes, and what torch says when it goes wrong. torch's
+# own sentences come first, then what to write instead.
+_LOOP = (
+    "grads, state = scaler.unscale(state, grads)` (optional, e.g. to clip), then "
+    "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`, then "
+    "`state = scaler.update(state)"
+)
+_NO_INF_CHECKS = "No inf checks were recorded prior to update."
+_UNSCALED_TWICE = "unscale_() has already been called on this optimizer since the last update()."
+_AFTER_UPDATE = "update() has already been called with this state."
+_SENTENCES = {
+    ("unscale", "unscale"): _UNSCALED_TWICE,
+    ("unscale", "step"): (
+        "unscale_() has already been called since the last update(), so `grads` are unscaled "
+        "already and `step` would unscale them a second time."
+    ),
+    ("unscale", "update"): _NO_INF_CHECKS,
+    ("step", "step"): "step() has already been called since the last update().",
+    ("step", "unscale"): "unscale_() is being called after step().",
+    ("step", "update"): _NO_INF_CHECKS,
+}
+_CALLS = {
+    "unscale": "grads, state = scaler.unscale(state, grads)",
+    "step": "params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)",
+    "update": "state = scaler.update(state)",
+}
+
+_PASSED_TO = "_jamp_passed_to"  # set on a state object that a method took and replaced
+
+
+def _is_tracer(x: Any) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def _passed(state: ls.LossScaleState, method: str, others: Any = ()) -> None:
+    """Remember, on the state object itself, that ``method`` took it and returned its successor.
+
+    torch keeps its stage in the scaler, so reusing the scaler after
+    ``unscale_`` is safe; here the old state object still exists, and passing
+    it on instead of the one returned would unscale twice or lose a check.
+    Nothing of this reaches the computation. A state captured from outside
+    the function being traced (concrete, among traced ``others``) is not
+    marked: the next trace would see the mark.
+    """
+    if _is_tracer(state.scale) or not any(map(_is_tracer, jax.tree_util.tree_leaves(others))):
+        object.__setattr__(state, _PASSED_TO, method)
+
+
+def _check_not_passed(state: ls.LossScaleState, method: str) -> None:
+    """A RuntimeError, in torch's words, if a method already took ``state`` and replaced it."""
+    used = state.__dict__.get(_PASSED_TO)
+    if used is None:
+        return
+    sentence = _SENTENCES.get((used, method), _AFTER_UPDATE)
+    raise RuntimeError(
+        f"{sentence} This state was already passed to `scaler.{used}`, which returned the one "
+        f"to use from then on: write `{_CALLS[used]}` and pass that state on. An iteration is "
+        f"`{_LOOP}`."
+    )
+
+
+def _refuse_found_inf(method: str) -> TypeError:
+    if method == "step":
+        return TypeError(
+            "`GradScaler.step` takes no `found_inf`: `scaler.unscale` records its check in the "
+            "state it returns, and `step` given that state neither unscales again nor needs the "
+            "flag. Write `grads, state = scaler.unscale(state, grads)`, then "
+            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
+        )
+    return TypeError(
+        "`GradScaler.update` takes no `found_inf`: like PyTorch's `scaler.update()`, it reads "
+        "the inf checks that `scaler.step` and `scaler.unscale` recorded in the state they "
+        "return. Write `params, opt_state, state = scaler.step(state, tx, grads, opt_state, "
+        "params)`, then `state = scaler.update(state)`; the flag is `scaler.found_inf(state)`. "
+        "To update a loss-scale state with a flag of your own, use "
+        "`jamp.update(state, jnp.logical_not(found_inf))`."
+    )
+
+
+def _takes_state(call: str) -> Callable[[Callable], Callable]:
+    """A GradScaler method that says, when called the PyTorch way, to pass the state first."""
+
+    def decorate(method: Callable) -> Callable:
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if "found_inf" in kwargs and method.__name__ in ("step", "update"):
+                raise _refuse_found_inf(method.__name__)
+            try:
+                signature.bind(self, *args, **kwargs)
+            except TypeError as e:
+                raise TypeError(
+                    f"`GradScaler.{method.__name__}`: {e}. Every GradScaler method takes the "
+                    "scaler's state first (PyTorch keeps it inside the scaler; jamp passes it in "
+                    f"and returns it): write `{call}`, with `state = scaler.init()` before the "
+                    "loop."
+                ) from None
+            return method(self, *args, **kwargs)
+
+        return checked
+
+    return decorate
+
+
+def _check_not_swapped(grads: Any, opt_state: Any, params: Any) -> None:
+    """A TypeError if ``opt_state`` is shaped like the gradients and ``params`` is not."""
+    structure = jax.tree_util.tree_structure
+    if structure(opt_state) == structure(grads) != structure(params):
+        raise TypeError(
+            "`GradScaler.step(state, tx, grads, opt_state, params)` got an `opt_state` shaped "
+            "like the gradients and `params` shaped otherwise: the parameters and the optimizer "
+            "state look swapped. The optimizer state (from `tx.init(params)`) comes before the "
+            "parameters, as in `tx.update(grads, opt_state, params)`: write "
+            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,10 +282,18 @@ class GradScaler:
 
     Same constructor arguments, defaults, method names and ``state_dict``
     keys as PyTorch. The differences come from JAX: the state is passed in
-    and returned (``state = scaler.update(state, found_inf)``), nothing syncs
-    with the host (``get_scale`` returns a device array), ``scale`` accepts
-    any pytree (dicts included), and the scale never leaves
-    ``[2**-126, 2**126]``, so it cannot collapse to 0 as torch's does.
+    and returned (``state = scaler.update(state)``), nothing syncs with the
+    host (``get_scale`` returns a device array), ``scale`` accepts any pytree
+    (dicts included), and the scale never leaves ``[2**-126, 2**126]``, so it
+    cannot collapse to 0 as torch's does.
+
+    The state (a :class:`jamp.GradScalerState`) records, as torch's scaler
+    does per optimizer, whether the gradients were unscaled and which inf
+    checks were made since the last ``update``. So ``step`` after ``unscale``
+    does not unscale again, ``update`` takes no flag, and what PyTorch
+    refuses is refused here too, with PyTorch's words, while the step is
+    traced: unscaling twice, ``update`` without an inf check (or twice), and
+    reusing a state that ``unscale``, ``step`` or ``update`` already replaced.
 
     Args:
       init_scale: initial scale.
@@ -101,7 +307,10 @@ class GradScaler:
       axis_name: a ``shard_map``/``pmap`` axis name (or tuple of them) over
         which :meth:`unscale` and :meth:`step` agree on ``found_inf``, so every
         replica skips together (not in PyTorch, whose DDP all-reduces the
-        gradients first). Not needed under plain ``jit`` with sharded arrays.
+        gradients first). It does not average the gradients: do that yourself
+        (``lax.pmean``) before :meth:`unscale`/:meth:`step`, as flax's
+        ``DynamicScale(axis_name=...)`` did for you. Not needed under plain
+        ``jit`` with sharded arrays.
 
     Examples:
       >>> import jax, jax.numpy as jnp, optax, jamp
@@ -111,10 +320,12 @@ class GradScaler:
       >>> params = {"w": jnp.ones(2)}
       >>> opt_state = tx.init(params)
       >>> grads = jax.grad(lambda p: scaler.scale(state, jnp.sum(p["w"] ** 2)))(params)
-      >>> params, opt_state, found_inf = scaler.step(state, tx, grads, opt_state, params)
-      >>> state = scaler.update(state, found_inf)
-      >>> params["w"], bool(found_inf)
-      (Array([0., 0.], dtype=float32), False)
+      >>> params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+      >>> bool(scaler.found_inf(state))
+      False
+      >>> state = scaler.update(state)
+      >>> params["w"], state.stage
+      (Array([0., 0.], dtype=float32), 'ready')
     """
 
     init_scale: float = 2.0**16
@@ -150,28 +361,39 @@ class GradScaler:
             growth_interval=self.growth_interval,
         )
 
-    def init(self) -> ls.LossScaleState:
-        """The initial state (``no_loss_scale()`` when disabled), with fresh arrays."""
+    def _loss_scale(self) -> ls.LossScaleState:
         if not self.enabled:
             return ls.no_loss_scale()
         return ls.from_config(ls.DYNAMIC, self._config())
 
+    def init(self) -> GradScalerState:
+        """The initial state, with fresh arrays: ready, no inf check recorded.
+
+        When disabled, its scale is 1 (``no_loss_scale()``'s).
+        """
+        return _as_grad_scaler_state(self._loss_scale())
+
     def is_enabled(self) -> bool:
         return self.enabled
 
+    @_takes_state("scaler.get_scale(state)")
     def get_scale(self, state: ls.LossScaleState) -> jax.Array:
         """The scale, a float32 device array (1.0 when disabled). No host sync."""
         return _check_state(state, "get_scale").scale
 
+    @_takes_state("scaler.get_growth_tracker(state)")
     def get_growth_tracker(self, state: ls.LossScaleState) -> jax.Array:
         return _check_state(state, "get_growth_tracker").growth_tracker
 
+    @_takes_state("scaler.get_growth_factor(state)")
     def get_growth_factor(self, state: ls.LossScaleState) -> float:
         return _check_state(state, "get_growth_factor").growth_factor
 
+    @_takes_state("scaler.get_backoff_factor(state)")
     def get_backoff_factor(self, state: ls.LossScaleState) -> float:
         return _check_state(state, "get_backoff_factor").backoff_factor
 
+    @_takes_state("scaler.get_growth_interval(state)")
     def get_growth_interval(self, state: ls.LossScaleState) -> int:
         return _check_state(state, "get_growth_interval").growth_interval
 
@@ -195,13 +417,16 @@ class GradScaler:
             growth_interval=checked.growth_interval,
         )
 
+    @_takes_state("state = scaler.set_growth_factor(state, new_factor)")
     def set_growth_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
         """A state with a new growth factor (static: changing it recompiles)."""
         return self._reconfigure(state, "set_growth_factor", growth_factor=new_factor)
 
+    @_takes_state("state = scaler.set_backoff_factor(state, new_factor)")
     def set_backoff_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
         return self._reconfigure(state, "set_backoff_factor", backoff_factor=new_factor)
 
+    @_takes_state("state = scaler.set_growth_interval(state, new_interval)")
     def set_growth_interval(self, state: ls.LossScaleState, new_interval: int) -> ls.LossScaleState:
         """A state with a new growth interval (static: changing it recompiles).
 
@@ -214,20 +439,44 @@ class GradScaler:
 
     # ------------------------------------------------------------ the loop
 
+    @_takes_state("scaler.scale(state, loss)")
     def scale(self, state: ls.LossScaleState, outputs: Any) -> Any:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
         return ls.scale(_check_state(state, "scale"), outputs)
 
-    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, jax.Array]:
-        """``(unscaled_grads, found_inf)``, torch's ``unscale_``: clip after this.
+    @_takes_state(_CALLS["unscale"])
+    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, GradScalerState]:
+        """``(unscaled_grads, state)``: torch's ``unscale_(optimizer)``; clip after this.
 
-        Pass ``found_inf`` on to :meth:`step` so it does not unscale twice.
+        The returned state records the inf check and that these gradients are
+        unscaled, so :meth:`step` given it takes them as they are (it does not
+        unscale again) and :meth:`update` sees the check. Unscale each
+        optimizer's gradients at most once per iteration, and step them
+        before unscaling the next optimizer's. When disabled, returns
+        ``(grads, state)`` unchanged, as PyTorch does nothing.
+
+        Raises:
+          RuntimeError: ``state`` is unscaled already ("unscale_() has already
+            been called on this optimizer since the last update()"), or was
+            already passed to ``unscale``, ``step`` or ``update``.
         """
-        grads, finite = _unscale_and_check(
-            _check_state(state, "unscale"), grads, axis_name=self.axis_name
-        )
-        return grads, jnp.logical_not(finite)
+        state = _check_state(state, "unscale")
+        if not self.enabled:
+            return grads, state
+        _check_not_passed(state, "unscale")
+        if _stage(state) == UNSCALED:
+            raise RuntimeError(
+                f"{_UNSCALED_TWICE} `scaler.unscale` returned gradients that are unscaled already, "
+                "and the state says so: `scaler.step` takes them as they are. With several "
+                "optimizers, step each one's gradients before unscaling the next one's: "
+                f"`{_CALLS['unscale']}`, then `{_CALLS['step']}`, for each optimizer in turn."
+            )
+        unscaled, finite = _unscale_and_check(state, grads, axis_name=self.axis_name)
+        _passed(state, "unscale", grads)
+        found_infs = (*_found_infs(state), jnp.logical_not(finite))
+        return unscaled, _with_stage(state, found_infs, UNSCALED)
 
+    @_takes_state(_CALLS["step"])
     def step(
         self,
         state: ls.LossScaleState,
@@ -235,23 +484,31 @@ class GradScaler:
         grads: Any,
         opt_state: Any,
         params: Any,
-        *,
-        found_inf: Any = None,
         **extra_args: Any,
-    ) -> tuple[Any, Any, jax.Array]:
-        """Unscale, and apply ``tx`` unless a gradient is inf/NaN: ``scaler.step(opt)``.
+    ) -> tuple[Any, Any, GradScalerState]:
+        """Apply ``tx`` unless a gradient is inf/NaN: torch's ``scaler.step(optimizer)``.
 
-        The update is applied inside a ``lax.cond`` (or selected, with
-        ``skip="select"``): on a skipped step the parameters and
-        ``opt_state`` come back unchanged (Adam's count does not advance).
-        With ``found_inf`` (from :meth:`unscale`), ``grads`` are taken as
-        already unscaled. When disabled, the step is always applied,
-        as in PyTorch.
+        Unless ``state`` comes from :meth:`unscale` (whose gradients are taken
+        as they are), ``grads`` are unscaled and checked first. The update is
+        applied inside a ``lax.cond`` (or selected, with ``skip="select"``):
+        on a skipped step the parameters and ``opt_state`` come back unchanged
+        (Adam's count does not advance). Extra keyword arguments go to
+        ``tx.update``. When disabled, the step is always applied, as in
+        PyTorch.
 
         Returns:
-          ``(params, opt_state, found_inf)``; pass ``found_inf`` to :meth:`update`.
+          ``(params, opt_state, state)``: ``state`` records this step's inf
+          check; pass it to the next optimizer's ``step`` or to
+          :meth:`update`. :meth:`found_inf` tells whether the step was
+          skipped.
+
+        Raises:
+          RuntimeError: ``state`` was already passed to ``unscale`` (its
+            gradients would be unscaled twice), ``step`` or ``update``.
+          TypeError: ``tx`` is not an Optax transformation, ``params`` and
+            ``opt_state`` are swapped, or ``found_inf=`` was passed.
         """
-        _check_state(state, "step")
+        state = _check_state(state, "step")
         if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
             hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
             raise TypeError(
@@ -259,15 +516,20 @@ class GradScaler:
                 f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
             )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
+        _check_not_swapped(grads, opt_state, params)
         if not self.enabled:
             updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-            return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)
-        if found_inf is None:
-            finite = check_unscaled(state, grads, axis_name=self.axis_name)
-            unscaled = lambda: ls.unscale(state, grads)  # noqa: E731
-        else:  # grads already unscaled by scaler.unscale
-            finite = agree(jnp.logical_not(_found_inf_flag(found_inf)), self.axis_name)
+            return optax.apply_updates(params, updates), opt_state, state
+        _check_not_passed(state, "step")
+        found_infs = _found_infs(state)
+        if _stage(state) == UNSCALED:  # grads unscaled by scaler.unscale, its check recorded
+            found_infs, found_inf = found_infs[:-1], found_infs[-1]
+            finite = jnp.logical_not(found_inf)
             unscaled = lambda: grads  # noqa: E731
+        else:
+            finite = check_unscaled(state, grads, axis_name=self.axis_name)
+            found_inf = None
+            unscaled = lambda: ls.unscale(state, grads)  # noqa: E731
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
         def apply() -> tuple[Any, Any]:
@@ -277,28 +539,44 @@ class GradScaler:
         new_params, new_opt_state = apply_or_keep(
             finite, apply, lambda _: (params, opt_state), skip=self.skip
         )
-        return new_params, new_opt_state, jnp.logical_not(finite)
+        if found_inf is None:
+            found_inf = jnp.logical_not(finite)
+        _passed(state, "step", grads)
+        return new_params, new_opt_state, _with_stage(state, (*found_infs, found_inf), STEPPED)
 
-    def update(
-        self, state: ls.LossScaleState, found_inf: Any = None, new_scale: Any = None
-    ) -> ls.LossScaleState:
+    @_takes_state(_CALLS["update"])
+    def update(self, state: ls.LossScaleState, new_scale: Any = None) -> GradScalerState:
         """The state for the next iteration: ``scaler.update()``.
 
+        Backs the scale off once if any inf check recorded since the last
+        update (one per optimizer, by :meth:`unscale` or :meth:`step`) found
+        an inf/NaN, else counts a finite step, and returns a state that is
+        ready for the next iteration, with no check recorded.
+
         Args:
-          state: the current state.
-          found_inf: the flag from :meth:`step` / :meth:`unscale`, or a list
-            of them (several optimizers): the scale backs off once if any is
-            set.
+          state: the state :meth:`step` (or :meth:`unscale`) returned.
           new_scale: set the scale to this value instead (a float or a
-            scalar array); like PyTorch, the growth tracker is left unchanged.
-            A value that is not positive and finite raises ``ValueError``;
-            under ``jit``, where it cannot be read, such a value leaves the
-            scale as it was (PyTorch would take a NaN and skip every step
-            after), and one outside ``[min_scale, max_scale]`` is clamped.
+            scalar array); like PyTorch, the growth tracker is left unchanged
+            and no inf check is needed. A value that is not positive and
+            finite raises ``ValueError``; under ``jit``, where it cannot be
+            read, such a value leaves the scale as it was (PyTorch would take
+            a NaN and skip every step after), and one outside
+            ``[min_scale, max_scale]`` is clamped.
+
+        Raises:
+          RuntimeError: no inf check was recorded ("No inf checks were
+            recorded prior to update."), or ``state`` was already passed to
+            ``unscale``, ``step`` or ``update``.
+          TypeError: a ``found_inf`` flag was passed: ``step`` records it.
         """
-        _check_state(state, "update")
+        state = _check_state(state, "update")
         if not self.enabled:
             return state
+        if isinstance(new_scale, (bool, np.bool_, list, tuple, ls.LossScaleState)) or (
+            getattr(new_scale, "dtype", None) == np.bool_
+        ):
+            raise _refuse_found_inf("update")
+        _check_not_passed(state, "update")
         if new_scale is not None:
             if isinstance(new_scale, jax.core.Tracer):
                 if jnp.shape(new_scale) != ():
@@ -313,13 +591,32 @@ class GradScaler:
             else:
                 checked = check_config(**ls.config_of(state, new_scale), scale_name="new_scale")
                 value = jnp.asarray(checked.scale, jnp.float32)
-            return dataclasses.replace(state, scale=value)
-        if found_inf is None:
-            raise ValueError(
-                "Expected `found_inf` (from scaler.step or scaler.unscale) or `new_scale`, got "
-                "neither: no inf checks were recorded prior to update."
-            )
-        return ls.update(state, jnp.logical_not(_found_inf_flag(found_inf)))
+            new = dataclasses.replace(state, scale=value)
+        else:
+            found_infs = _found_infs(state)
+            if not found_infs:
+                raise RuntimeError(
+                    f"{_NO_INF_CHECKS} `scaler.update(state)` acts on the inf checks that "
+                    "`scaler.step` (or `scaler.unscale`) recorded in the state it returned: write "
+                    f"`{_CALLS['step']}`, then `{_CALLS['update']}`, once per iteration. To set "
+                    "the scale without a step, pass `new_scale`."
+                )
+            new = ls.update(state, jnp.logical_not(_any(found_infs)))
+        if _found_infs(state):  # a ready state (new_scale only) can be reused harmlessly
+            _passed(state, "update", _found_infs(state))
+        return _with_stage(new, (), READY)
+
+    @_takes_state("scaler.found_inf(state)")
+    def found_inf(self, state: ls.LossScaleState) -> jax.Array:
+        """Whether an inf/NaN was found since the last update (not in PyTorch): a skipped step.
+
+        The OR of the checks recorded by :meth:`unscale` and :meth:`step`
+        (one per optimizer; each is also in ``state.found_infs``), which is
+        what :meth:`update` acts on. Read it before ``update``, which clears
+        them; ``False`` when nothing is recorded. A device array: no sync.
+        """
+        found_infs = _found_infs(_check_state(state, "found_inf"))
+        return _any(found_infs) if found_infs else jnp.asarray(False)
 
     def as_optax(
         self, inner: optax.GradientTransformation
@@ -329,10 +626,11 @@ class GradScaler:
         When disabled, the transformation scales by 1 but still skips
         non-finite steps (PyTorch would apply them).
         """
-        return loss_scaling(inner, self.init(), skip=self.skip, axis_name=self.axis_name)
+        return loss_scaling(inner, self._loss_scale(), skip=self.skip, axis_name=self.axis_name)
 
     # ------------------------------------------------------------ checkpoints
 
+    @_takes_state("scaler.state_dict(state)")
     def state_dict(self, state: ls.LossScaleState) -> dict[str, Any]:
         """PyTorch's state dict: ``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker`` (``{}`` when disabled).
@@ -350,7 +648,7 @@ class GradScaler:
             "_growth_tracker": int(np.asarray(state.growth_tracker)),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> ls.LossScaleState:
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> GradScalerState:
         """A state from a dict saved by :meth:`state_dict` or by PyTorch.
 
         The dict's growth/backoff configuration is carried in the returned
@@ -395,4 +693,4 @@ class GradScaler:
             restore=True,
             names={"growth_tracker": "state_dict['_growth_tracker']"},
         )
-        return ls.from_config(ls.DYNAMIC, config)
+        return _as_grad_scaler_state(ls.from_config(ls.DYNAMIC, config))

@@ -153,7 +153,14 @@ def restore(
         restore=True,
         names=names,
     )
-    return from_config(target.kind, config)
+    fresh_values = from_config(target.kind, config)
+    # The target's own type and fields (a GradScalerState's stage) are kept.
+    return dataclasses.replace(
+        target,
+        scale=fresh_values.scale,
+        growth_tracker=fresh_values.growth_tracker,
+        overflow_streak=fresh_values.overflow_streak,
+    )
 
 
 def fresh(state: LossScaleState) -> LossScaleState:
@@ -161,13 +168,26 @@ def fresh(state: LossScaleState) -> LossScaleState:
     return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
 
 
+def _holds_state(tree: Any) -> bool:
+    """Whether a loss-scale state is inside ``tree`` (or its ``opt_state``, for Flax objects)."""
+    tree = getattr(tree, "opt_state", tree)
+    nodes = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
+    return any(isinstance(x, LossScaleState) for x in nodes)
+
+
 def check_state(state: Any, fn: str) -> LossScaleState:
     """``state`` if it is a :class:`LossScaleState`, else a TypeError naming ``jamp.{fn}``."""
     if not isinstance(state, LossScaleState):
+        hint = ""
+        if _holds_state(state):
+            hint = (
+                "; this holds one, like the state of jamp.loss_scaling(...): pass "
+                f"`jamp.{fn}(jamp.get_loss_scale(opt_state), ...)`"
+            )
         raise TypeError(
             f"`jamp.{fn}` expected `state` to be a LossScaleState (from "
             f"jamp.dynamic_loss_scale, static_loss_scale or no_loss_scale), got "
-            f"{type(state).__name__} instead."
+            f"{type(state).__name__} instead{hint}."
         )
     return state
 

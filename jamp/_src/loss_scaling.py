@@ -90,8 +90,10 @@ def loss_scaling(
       loss_scale: the initial :class:`jamp.LossScaleState`; defaults to
         ``jamp.dynamic_loss_scale()`` (PyTorch's defaults).
       axis_name: a ``pmap``/``shard_map`` axis name (or tuple) over which all
-        replicas agree on skipping. Not needed under ``jit`` with sharded
-        arrays.
+        replicas agree on skipping. It does not average the gradients:
+        under ``pmap`` do that yourself with ``lax.pmean`` before ``update``
+        (flax's ``DynamicScale(axis_name=...)`` did it for you). Not needed
+        under ``jit`` with sharded arrays. See ``docs/data-parallel.md``.
       report_nonfinite: on skipped steps only, log which gradient leaves held
         inf/NaN (see :func:`jamp.log_nonfinite`). Clean steps never call the
         host, but pay a small fixed dispatch cost (``benchmarks/RESULTS.md``).

@@ -520,8 +520,8 @@ def test_shard_map_shared_state_per_replica_grads(path, skip):
     """Optimizer state and params passed in shared (P()), gradients differing per
     replica: the kept state of the skip branch must be typed like the updated one."""
     mesh = mesh8()
-    scaler = jamp.GradScaler(init_scale=4.0, skip=skip)
-    tx = jamp.loss_scaling(optax.sgd(0.1, momentum=0.9), scaler.init(), axis_name="data", skip=skip)
+    scaler = jamp.GradScaler(init_scale=4.0, skip=skip, axis_name="data")
+    tx = scaler.as_optax(optax.sgd(0.1, momentum=0.9))
     inner = optax.sgd(0.1, momentum=0.9)
     w = jnp.ones((2,))
     x = np.ones((8, 2), np.float32)
@@ -535,10 +535,9 @@ def test_shard_map_shared_state_per_replica_grads(path, skip):
             return (w + u)[None], st.last_finite[None]
         state, opt_state = scaler.init(), inner.init(w)
         g = jax.grad(lambda w: scaler.scale(state, jnp.sum(w * x[0])))(w)
-        g, found_inf = scaler.unscale(state, g)
-        found_inf = jax.lax.pmax(found_inf.astype(jnp.int32), "data") > 0
-        new_w, _, found = scaler.step(state, inner, g, opt_state, w, found_inf=found_inf)
-        return new_w[None], jnp.logical_not(found)[None]
+        g, state = scaler.unscale(state, g)  # agreed over "data" by axis_name
+        new_w, _, state = scaler.step(state, inner, g, opt_state, w)
+        return new_w[None], jnp.logical_not(scaler.found_inf(state))[None]
 
     f = jax.jit(
         jax.shard_map(local, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P("data"), P("data")))
@@ -684,14 +683,11 @@ def test_grad_scaler_axis_name_every_replica_skips_when_one_overflows(path, axis
         state = scaler.init()
         grads = jax.grad(lambda p: scaler.scale(state, dense_loss(p, x, y)))(params)
         opt_state = tx.init(params)
-        if path == "step":
-            new_params, _, found_inf = scaler.step(state, tx, grads, opt_state, params)
-        else:
-            grads, found_inf = scaler.unscale(state, grads)
-            new_params, _, found_inf = scaler.step(
-                state, tx, grads, opt_state, params, found_inf=found_inf
-            )
-        state = scaler.update(state, found_inf)
+        if path == "unscale then step":
+            grads, state = scaler.unscale(state, grads)
+        new_params, _, state = scaler.step(state, tx, grads, opt_state, params)
+        found_inf = scaler.found_inf(state)
+        state = scaler.update(state)
         out = (found_inf, state.scale, new_params["w1"])
         return jax.tree.map(lambda a: jnp.expand_dims(a, 0), out)
 

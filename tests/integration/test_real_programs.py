@@ -179,10 +179,10 @@ def test_every_public_function_traces_under_explicit_sharding(explicit_mesh, cap
     tx = optax.sgd(0.1)
     params = clean
     grads = jax.tree.map(lambda p: (p * 4).astype(p.dtype), params)
-    new_params, _, found_inf = jit(lambda g, o, p: scaler.step(scaler.init(), tx, g, o, p))(
+    new_params, _, stepped = jit(lambda g, o, p: scaler.step(scaler.init(), tx, g, o, p))(
         grads, tx.init(params), params
     )
-    assert _specs(new_params) == _specs(params) and not bool(found_inf)
+    assert _specs(new_params) == _specs(params) and not bool(scaler.found_inf(stepped))
 
     # report_nonfinite on a large sharded leaf, and multi_steps, under loss_scaling
     tx2 = jamp.multi_steps(jamp.loss_scaling(optax.sgd(0.1), report_nonfinite=True), 2)
@@ -220,14 +220,14 @@ def test_half_params_float32_grads_adam_under_loss_scaling_and_grad_scaler(param
     assert not bool(kept.last_finite) and not np.any(np.asarray(zero["w"]))
 
     scaler = jamp.GradScaler(skip=skip)
-    new_params, opt_state, found_inf = jax.jit(
+    new_params, opt_state, stepped = jax.jit(
         lambda g, o, p: scaler.step(scaler.init(), plain, g, o, p)
     )(grads, plain.init(params), params)
-    assert new_params["w"].dtype == param_dtype and not bool(found_inf)
-    same, _, found_inf = jax.jit(lambda g, o, p: scaler.step(scaler.init(), plain, g, o, p))(
+    assert new_params["w"].dtype == param_dtype and not bool(scaler.found_inf(stepped))
+    same, _, stepped = jax.jit(lambda g, o, p: scaler.step(scaler.init(), plain, g, o, p))(
         bad, opt_state, new_params
     )
-    assert bool(found_inf)
+    assert bool(scaler.found_inf(stepped))
     np.testing.assert_array_equal(same["w"], new_params["w"])
 
 

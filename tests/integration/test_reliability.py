@@ -426,8 +426,9 @@ def gradscaler_problem():
         mult = jnp.where(s["kind"] == H.LOSS, s["poison"], jnp.float32(1.0))
         grads = jax.grad(lambda p: scaler.scale(state, H.loss_fn(p, x, y) * mult))(params)
         grads = H.inject(grads, s["kind"] == H.GRAD, s["leaf"], s["elem"], s["poison"])
-        params, opt_state, found_inf = scaler.step(state, tx, grads, opt_state, params)
-        return scaler.update(state, found_inf), params, opt_state, found_inf
+        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+        found_inf = scaler.found_inf(state)
+        return scaler.update(state), params, opt_state, found_inf
 
     return params0, sched, scaler, tx, step
 
@@ -497,7 +498,7 @@ def test_resume_from_every_pytorch_state_dict_and_continue_like_torch(name):
     inside jamp's bounds; beyond them jamp deliberately differs)."""
     steps = _golden.scenario(name)["steps"]
     scaler = jamp.GradScaler()
-    update = jax.jit(lambda state, found: scaler.update(state, found))
+    update = jax.jit(lambda state, found: jamp.update(state, jnp.logical_not(found)))
     resumed = 0
     for k, rec in enumerate(steps):
         d = torch_dict(rec["state_dict_after"])
@@ -570,7 +571,7 @@ def test_growth_tracker_reaches_an_interval_of_int32_max_without_wrapping():
     # A GradScaler checkpoint taken near the limit loads and continues.
     scaler = jamp.GradScaler(growth_interval=INT32_MAX)
     d = dict(scaler.state_dict(scaler.init()), _growth_tracker=INT32_MAX - 1)
-    state = scaler.update(scaler.load_state_dict(d), jnp.bool_(False))
+    state = jamp.update(scaler.load_state_dict(d), jnp.bool_(True))
     assert int(state.growth_tracker) == 0
 
 

@@ -146,8 +146,10 @@ def test_nnx_loop():
 @pytest.mark.standard_promotion  # the demo trains with optax.adam
 def test_train_digits_demo(tmp_path, capsys):
     out = tmp_path / "plots" / "digits.png"
+    # The scale doubles every step here, so within 30 steps it reaches float16's overflow.
     results = load("train_digits").main(
         ["--steps", "30", "--log-every", "10", "--out", str(out), "--no-progress"]
+        + ["--growth-interval", "1"]
     )
     printed = capsys.readouterr().out
     for header in ("mode", "loss", "test acc", "skipped", "scale", "underflow", "ms/step"):
@@ -160,7 +162,13 @@ def test_train_digits_demo(tmp_path, capsys):
     # Gradients normalised by 2**22 tokens underflow in float16 without scaling, not with it.
     assert by_mode["float16"].underflow[0] > 0.3
     assert by_mode["float16+scaling"].underflow[0] < 0.01
-    assert by_mode["float16+scaling"].scales[0] == 65536.0
+    scaled = by_mode["float16+scaling"]
+    assert scaled.scales[0] == 2.0**17  # 65536, doubled after the first finite step
+    # It overflows float16 at some point, skips that step and halves the scale.
+    assert len(scaled.skipped_at) == scaled.skipped >= 1
+    for i in scaled.skipped_at:
+        assert scaled.scales[i] == scaled.scales[i - 1] / 2
+    assert all(r.skipped == 0 for r in results if r.mode != "float16+scaling")
     assert by_mode["float32"].losses[-1] < by_mode["float32"].losses[0]
 
 
@@ -169,6 +177,9 @@ def test_train_digits_flags(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         mod.main(["--help"])
     assert exc.value.code == 0
-    assert "--modes" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "--modes" in printed and "--growth-interval" in printed and "--init-scale" in printed
     with pytest.raises(SystemExit):
         mod.main(["--modes", "float8"])
+    with pytest.raises(SystemExit):
+        mod.main(["--growth-interval", "0"])
