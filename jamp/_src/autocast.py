@@ -2,54 +2,16 @@
 
 ``autocast(fun)`` traces ``fun`` to a jaxpr and evaluates that jaxpr with an
 interpreter that decides, primitive by primitive, in which dtype it runs. The
-decision comes from one table, :data:`RULES`, the JAX analogue of
-torch.autocast's CUDA op lists:
-
-================  ==========================================================
-rule              what happens to the floating inputs of the primitive
-================  ==========================================================
-``lower``         cast to the low-precision ``dtype`` (float16/bfloat16); the
-                  output stays in that dtype (``preferred_element_type`` too,
-                  unless the program asked for one wider than the traced
-                  inputs, e.g. ``bf16 x bf16 -> f32``). Matrix products and
-                  convolutions.
-``float32``       cast to float32 (float64 is left alone). exp, log, pow,
-                  rsqrt, sums, window sums, cumulative sums, division, ...
-                  so softmax, log-softmax, logsumexp, norms, variance,
-                  pooling and losses run in float32; also FFTs, linear
-                  algebra, ``complex`` and ``conj``, which accept only
-                  float32/float64.
-``promote``       cast to the widest floating dtype among the inputs (torch's
-                  "promote" list). Python scalars and constants (literals)
-                  follow the other inputs instead of widening them, as they
-                  do in ``jnp``. An ``add``/``sub``/``mul``/``square`` whose
-                  result feeds a ``float32`` primitive runs in float32 (so
-                  ``x - max(x)`` in softmax is computed as in float32).
-``keep``          left as they arrive (data movement with independent inputs,
-                  ``checkpoint_name``, debug printing).
-``as traced``     cast back to the dtypes they had when ``fun`` was traced
-                  (float32 for a float32 model): primitives whose meaning
-                  depends on the dtype, e.g. ``bitcast_convert_type``, and
-                  every primitive the table does not know.
-================  ==========================================================
-
-Integer, boolean, complex and key inputs are never touched. A constant (a
-value known when ``fun`` is traced) that autocast narrows is first saturated
-to the finite range of the narrower dtype, so a ``jnp.finfo(jnp.float32).min``
-mask fill stays finite; values that depend on the arguments are cast as they
-are, so their overflow still reaches loss scaling. Sub-computations
-(``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``scan``,
-``while``, ``cond``, ``remat``) are interpreted recursively with the same rules;
-loop carries and the outputs of ``cond`` keep the dtypes they were traced with,
-so every branch and iteration agrees. ``convert_element_type`` written by the
-user (``x.astype(...)``) is honoured; a no-op conversion in the traced program
-stays a no-op.
-
-Regions that must not be autocast are marked with :func:`autocast_disabled`
-(a ``jax.named_scope`` the interpreter recognises); inside them every
-primitive runs as traced. An inner ``autocast`` inside an outer one marks its
-region the same way, so the innermost setting wins, as with nested
-``torch.autocast``.
+decision comes from one table, :data:`RULES` (``jamp/_src/autocast_rules.py``,
+whose docstring states every rule), the JAX analogue of torch.autocast's op
+lists: matrix products and convolutions in the low dtype; exp, log, pow,
+rsqrt, sums and divisions (so softmax, norm statistics and losses) in
+float32; every other primitive in its input's dtype, with float32 parameters
+and constants following a low activation down (a bias, a scale), while a
+float32 residual stream or a norm statistic keeps it in float32. Constants
+that do not fit the low dtype are never narrowed, except the mask fill
+``finfo(float32).min``, which saturates. :func:`autocast_report` shows what
+ran in which dtype.
 """
 
 from __future__ import annotations
@@ -67,8 +29,8 @@ import numpy as np
 from jamp._src.autocast_interpreter import (
     SCOPE_AUTOCAST,
     SCOPE_DISABLED,
-    TRACED,
     Context,
+    Info,
     Recorder,
     cast,
     eval_closed,
@@ -209,7 +171,7 @@ def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: Rec
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         with jax.named_scope(SCOPE_AUTOCAST):
-            outs, _ = eval_closed(closed, dynamic, [TRACED] * len(dynamic), ctx)
+            outs, _ = eval_closed(closed, dynamic, [Info()] * len(dynamic), ctx)
             final = []
             for x, shape in zip(outs, out_leaves, strict=True):
                 target = shape.dtype
@@ -241,12 +203,24 @@ def autocast(
     * exp, log, pow, rsqrt, sums (window sums too), cumulative sums,
       divisions, FFTs and linear algebra run in float32, and so does the
       add/sub/mul producing their operand (``x - max(x)`` in softmax), so
-      softmax, log-softmax, logsumexp, layer/group norm, mean, variance and
-      losses are computed in float32 from their (possibly ``dtype``) inputs;
-    * every other floating primitive runs in the widest floating dtype of its
-      inputs; integers are never touched; constants that autocast narrows
-      (a ``jnp.finfo(jnp.float32).min`` mask fill) saturate to ``dtype``'s
-      finite range instead of becoming infinite;
+      softmax, log-softmax, logsumexp, the statistics of layer/group norm,
+      mean, variance and losses are computed in float32 from their
+      (possibly ``dtype``) inputs, and return float32;
+    * every other floating primitive (bias adds, activation functions,
+      dropout, reshapes, ...) runs in ``dtype`` when a ``dtype`` activation
+      is among its inputs: float32 parameters broadcast against it (a bias, a
+      scale, a gate), constants and float32 values computed from such
+      activations are cast down, as torch casts a Linear's bias; a float32
+      norm statistic or a full-size float32 value that does not come from
+      ``dtype`` activations (a residual stream) keeps it in float32; a norm of
+      ``dtype`` activations returns to ``dtype`` at its scale and bias;
+      otherwise it runs in the widest floating dtype of its inputs;
+    * a constant that does not fit ``dtype`` (it would overflow or flush to
+      zero) is never narrowed: the primitive runs in float32; only the mask
+      fill (a select, max, min or clamp against ``+-finfo(float32).max``)
+      saturates to ``dtype``'s finite extreme. Values that depend on the
+      arguments are cast as they are, so their overflow reaches loss scaling;
+      integers are never touched;
     * primitives the table does not know run as traced (float32 for a float32
       program); :func:`autocast_report` lists them.
 
