@@ -689,6 +689,32 @@ def test_dtype_of_each_op_class_in_a_conv_block(dtype):
     compare_with_float32(conv_group_norm_relu, p, x, dtype=dtype, tol=8 * EPS[dtype], min_dots=1)
 
 
+def test_flax_dense_conv_and_attention_run_bias_and_activations_in_low_precision():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, img, seq):
+            y = nn.relu(nn.GroupNorm(num_groups=2)(nn.Conv(4, (3, 3))(img)))
+            attention = nn.MultiHeadDotProductAttention(num_heads=2, deterministic=True)
+            h = attention(nn.LayerNorm()(seq))
+            return jnp.sum(y), jnp.sum(nn.Dense(8)(nn.gelu(nn.Dense(32)(seq + h))))
+
+    img, seq = randn(0, 2, 6, 6, 3), randn(1, 2, 5, 16)
+    params = init_params(Net(), img, seq)
+    report = jamp.autocast_report(Net().apply, params, img, seq, dtype=BF16)
+    counts = report.counts
+    assert counts["tanh"] == {"bfloat16": 1}  # gelu
+    assert counts["exp"] == {"float32": 1} and set(counts["rsqrt"]) == {"float32"}
+    assert counts["add"]["bfloat16"] >= 6  # conv, q, k, v, out, Dense biases ...
+    assert counts["add"]["float32"] >= 1  # ... and the float32 stream + attention
+    # What the backward pass keeps: the gelu's and the relu's residuals in low precision;
+    # float32 only inside the norms (GroupNorm's x - mean).
+    for shape in ((2, 5, 32), (2, 6, 6, 4)):
+        kept = [r for r in report.residuals if r.shape == shape and np.dtype(r.dtype) != bool]
+        assert kept and all(np.dtype(r.dtype) == BF16 or "normalization.py" in r.source
+                            for r in kept), shape  # fmt: skip
+    assert report.residual_bytes["bfloat16"] > 0 and "float32" in report.residual_bytes
+
+
 def test_float32_residual_stream_and_low_branches():
     w = randn(0, 8, 8, scale=0.3)
 
@@ -819,6 +845,28 @@ def test_gelu_cube_in_float16_runs_in_float32_so_large_inputs_keep_a_finite_grad
     assert in_dtypes(cube) == [F32]  # 3 x**2 overflows float16 from |x| = 148
     (cube,) = eqns_named(jax.make_jaxpr(jamp.autocast(f, BF16))(x, w), "integer_pow")
     assert in_dtypes(cube) == [BF16]
+
+
+def test_report_lists_the_dtype_of_every_saved_residual():
+    def mlp(p, x):
+        return jnp.sum(jax.nn.gelu(x @ p["w"] + p["b"][None]) @ p["v"])
+
+    p = {"w": randn(0, 8, 32), "b": jnp.zeros(32), "v": randn(1, 32, 4)}
+    x = randn(2, 16, 8)
+    report = jamp.autocast_report(mlp, p, x, dtype=BF16)
+    hidden = [r for r in report.residuals if r.shape == (16, 32)]
+    assert hidden and all(np.dtype(r.dtype) == BF16 for r in hidden)  # the gelu in bfloat16
+    assert all(r.nbytes == r.count * np.prod(r.shape) * np.dtype(r.dtype).itemsize
+               for r in report.residuals)  # fmt: skip
+    assert sum(report.residual_bytes.values()) == sum(r.nbytes for r in report.residuals)
+    assert not any(r.source.startswith("from the argument") for r in report.residuals)
+    text = str(report)
+    assert "saved for the backward pass (arguments excluded): bfloat16" in text
+    assert "(16, 32)" in text and "test_autocast.py" in text  # the user's source line
+    # A function autocast cannot differentiate (a primitive without a derivative) says so.
+    opaque = jamp.autocast_report(lambda x: UNKNOWN.bind(x @ x.T), x)
+    assert opaque.residuals == () and opaque.residuals_note
+    assert "saved for the backward pass: not computed" in str(opaque)
 
 
 # --------------------------------------------------------------------------

@@ -11,7 +11,7 @@ and constants following a low activation down (a bias, a scale), while a
 float32 residual stream or a norm statistic keeps it in float32. Constants
 that do not fit the low dtype are never narrowed, except the mask fill
 ``finfo(float32).min``, which saturates. :func:`autocast_report` shows what
-ran in which dtype.
+ran in which dtype and what the backward pass saves.
 """
 
 from __future__ import annotations
@@ -39,9 +39,35 @@ from jamp._src.autocast_interpreter import (
 from jamp._src.autocast_rules import RULES
 from jamp._src.policy import Policy, check_dtype, get_policy
 
-__all__ = ["RULES", "AutocastReport", "autocast", "autocast_disabled", "autocast_report"]
+__all__ = [
+    "RULES",
+    "AutocastReport",
+    "autocast",
+    "autocast_disabled",
+    "autocast_report",
+]
 
 _DEFAULT = np.dtype(jnp.bfloat16)  # autocast's dtype when neither dtype nor policy is given
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """Values of one dtype, shape and source that the backward pass keeps.
+
+    Attributes:
+      dtype: the dtype they are saved in.
+      shape: their shape.
+      count: how many values of this dtype and shape the same source saves.
+      nbytes: the bytes of all of them.
+      source: what computed them: a primitive and the user's source line, as
+        ``jax.ad_checkpoint.print_saved_residuals`` names it.
+    """
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    count: int
+    nbytes: int
+    source: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,11 +80,26 @@ class AutocastReport:
         the floating dtype the primitive computed in (its widest floating
         input after casting, else its first output's dtype).
       unknown: the primitives the table does not know; they ran as traced.
+      residuals: what the backward pass of the autocast function saves (the
+        arguments excluded), as :class:`Residual` rows, largest first; ``()``
+        when the function cannot be differentiated with respect to its array
+        arguments (``residuals_note`` says why).
+      residuals_note: why ``residuals`` is empty, or ``""``.
     """
 
     dtype: np.dtype
     rows: tuple[tuple[str, str, str, int], ...]
     unknown: tuple[str, ...]
+    residuals: tuple[Residual, ...] = ()
+    residuals_note: str = ""
+
+    @property
+    def residual_bytes(self) -> dict[str, int]:
+        """``{dtype name: bytes}`` saved for the backward pass, arguments excluded."""
+        out: dict[str, int] = {}
+        for r in self.residuals:
+            out[np.dtype(r.dtype).name] = out.get(np.dtype(r.dtype).name, 0) + r.nbytes
+        return out
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -85,7 +126,32 @@ class AutocastReport:
                 "unknown primitives (ran as traced, float32 for a float32 program): "
                 + ", ".join(self.unknown)
             )
+        lines.extend(_residual_lines(self))
         return "\n".join(lines)
+
+
+def _mib(nbytes: int) -> str:
+    if nbytes < 2**10:
+        return f"{nbytes} B"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _residual_lines(report: AutocastReport) -> list[str]:
+    if report.residuals_note:
+        return ["", f"saved for the backward pass: not computed ({report.residuals_note})"]
+    totals = ", ".join(f"{name} {_mib(n)}" for name, n in report.residual_bytes.items())
+    lines = ["", f"saved for the backward pass (arguments excluded): {totals or 'nothing'}"]
+    header = ("dtype", "shape", "count", "bytes", "source")
+    body = [
+        (np.dtype(r.dtype).name, str(r.shape), str(r.count), _mib(r.nbytes), r.source)
+        for r in report.residuals
+    ]
+    if body:
+        widths = [max(len(row[i]) for row in [header, *body]) for i in range(4)]
+        for row in [header, *body]:
+            cells = [cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)]
+            lines.append("  ".join([*cells, row[4]]).rstrip())
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -352,10 +418,13 @@ def autocast_report(
 ) -> AutocastReport:
     """Traces ``autocast(fun)`` on the arguments and reports what ran in which dtype.
 
-    Nothing is executed: the function is traced once. The report counts, per
-    primitive, the rule applied and the dtype it computed in, and lists the
-    primitives the table does not know (they ran as traced). It is the tool to
-    reach for when numerics look wrong under autocast.
+    Nothing is executed: the function is traced (twice: once as it is, once
+    under ``jax.vjp``). The report counts, per primitive, the rule applied and
+    the dtype it computed in, lists the primitives the table does not know
+    (they ran as traced), and lists every value the backward pass saves with
+    its dtype, shape, bytes and source line (``residuals``, the arguments
+    excluded, with respect to every array argument). It is the tool to reach
+    for when numerics look wrong, or memory high, under autocast.
 
     ``dtype=`` and ``policy=`` always belong to the report, never to ``fun``.
     To pass ``fun`` keyword arguments with those names, bind them first:
@@ -384,6 +453,8 @@ def autocast_report(
       ...     lambda x: jax.nn.softmax(x @ x), jnp.ones((2, 2)), dtype=jnp.float16)
       >>> report.counts["dot_general"], report.counts["exp"]
       ({'float16': 1}, {'float32': 1})
+      >>> sorted(report.residual_bytes)  # saved for the backward pass
+      ['float16', 'float32']
     """
     _check_fun(fun, "autocast_report")
     _check_report_keywords(fun, args, kwargs, dtype=dtype, policy=policy)
@@ -401,8 +472,58 @@ def autocast_report(
         )
         return wrapped(*a, **k)
 
-    jax.make_jaxpr(flat)(*(leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn))
+    dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
+    jax.make_jaxpr(flat)(*dynamic)
     rows = tuple(
         (prim, rule, dt, count) for (prim, rule, dt), count in sorted(recorder.counts.items())
     )
-    return AutocastReport(dtype=low, rows=rows, unknown=tuple(sorted(recorder.unknown)))
+    residuals, note = _residuals(_autocast(fun, low, policy, None), treedef, leaves, mask)
+    return AutocastReport(
+        dtype=low,
+        rows=rows,
+        unknown=tuple(sorted(recorder.unknown)),
+        residuals=residuals,
+        residuals_note=note,
+    )
+
+
+def _residuals(
+    wrapped: Callable, treedef: Any, leaves: Sequence[Any], mask: Sequence[bool]
+) -> tuple[tuple[Residual, ...], str]:
+    """What ``jax.vjp`` of ``wrapped`` saves, with respect to its array arguments, which
+    are excluded (as ``jax.ad_checkpoint.print_saved_residuals`` lists them)."""
+    try:
+        from jax._src.ad_checkpoint import saved_residuals
+    except ImportError:  # pragma: no cover - depends on the jax version
+        return (), "jax.ad_checkpoint.saved_residuals is not available in this jax"
+    dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
+
+    def flat(*xs: Any) -> Any:
+        it = iter(xs)
+        a, k = jax.tree_util.tree_unflatten(
+            treedef, [next(it) if d else leaf for leaf, d in zip(leaves, mask, strict=True)]
+        )
+        return wrapped(*a, **k)
+
+    try:
+        saved = saved_residuals(flat, *dynamic)
+    except (TypeError, ValueError, NotImplementedError) as e:  # e.g. no derivative rule
+        return (), (str(e).strip().splitlines() or [type(e).__name__])[0]
+    groups: dict[tuple[str, tuple[int, ...], str], int] = {}
+    for aval, source in saved:
+        if source.startswith("from the argument") or not hasattr(aval, "dtype"):
+            continue
+        key = (np.dtype(aval.dtype).name, tuple(aval.shape), source)
+        groups[key] = groups.get(key, 0) + 1
+    rows = [
+        Residual(
+            dtype=np.dtype(dt),
+            shape=shape,
+            count=count,
+            nbytes=count * int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize,
+            source=source,
+        )
+        for (dt, shape, source), count in groups.items()
+    ]
+    rows.sort(key=lambda r: (-r.nbytes, r.source))
+    return tuple(rows), ""
