@@ -735,6 +735,21 @@ def test_float32_residual_stream_and_low_branches():
     }  # fmt: skip
 
 
+def test_outputs_of_sub_computations_stay_low_activations():
+    w, b = randn(0, 8, 8, scale=0.3), randn(1, 8, scale=0.1)
+
+    def f(x, w, b):
+        h = jax.nn.relu(x @ w)  # a custom_jvp
+        _, ys = lax.scan(lambda c, xi: (c, xi @ w), 0.0, x[None])  # per-step outputs
+        g = jax.checkpoint(lambda h: jnp.tanh(h @ w))(h)
+        tag = checkpoint_name
+        return (tag(h + b[None], "relu + bias"), tag(ys[0] + b[None], "scan output + bias"),
+                tag(g * b[None], "remat output * scale"))  # fmt: skip
+
+    got = tagged_dtypes(f, randn(2, 4, 8), w, b, dtype=BF16)
+    assert got == {"relu + bias": BF16, "scan output + bias": BF16, "remat output * scale": BF16}
+
+
 def test_casts_are_cached_per_value():
     x, w = randn(0, 4, 8), randn(1, 8, 8)
 

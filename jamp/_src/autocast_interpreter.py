@@ -557,7 +557,7 @@ def _remat(eqn: Any, invals: list, infos: list, ctx: Context):
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )
     outs = fn(*invals)
-    return list(outs), [i._replace(kind=TRACED, span=None) for i in out_infos]
+    return list(outs), [_traced(i) for i in out_infos]
 
 
 def _scan(eqn: Any, invals: list, infos: list, ctx: Context):
@@ -570,18 +570,25 @@ def _scan(eqn: Any, invals: list, infos: list, ctx: Context):
         for x, d in zip(invals[n_consts : n_consts + n_carry], carry_dtypes, strict=True)
     ]
     xs = invals[n_consts + n_carry :]
-    body_infos = [*infos[:n_consts], *([Info()] * n_carry), *infos[n_consts + n_carry :]]
+    x_infos = [i._replace(size=None) for i in infos[n_consts + n_carry :]]  # slices
+    body_infos = [*infos[:n_consts], *([Info()] * n_carry), *x_infos]
+    y_infos: list = []
 
     def body(carry: list, x: list) -> tuple[list, list]:
-        outs, _ = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, ctx)
+        outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, ctx)
+        y_infos[:] = [_traced(i) for i in out_infos[n_carry:]]
         new_carry = [_strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
         return new_carry, outs[n_carry:]
 
     carry, ys = lax.scan(
         body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1)
     )
-    outs = [*carry, *ys]
-    return outs, [Info()] * len(outs)
+    return [*carry, *ys], [*([Info()] * n_carry), *y_infos]
+
+
+def _traced(info: Info) -> Info:
+    """What a sub-computation's output keeps of its info: whether it is low."""
+    return Info(low=info.low, statistic=info.statistic)
 
 
 def _while(eqn: Any, invals: list, infos: list, ctx: Context):
@@ -619,14 +626,17 @@ def _cond(eqn: Any, invals: list, infos: list, ctx: Context):
 
 
 def _custom_primal(eqn: Any, invals: list, infos: list, ctx: Context):
-    """The body under the rules, as a closed jaxpr, plus its output dtypes."""
+    """The body under the rules, as a closed jaxpr, plus its output dtypes and infos."""
+    out_infos: list = []
 
     def primal(*xs: Any) -> list:
-        return eval_closed(eqn.params["call_jaxpr"], xs, infos, ctx)[0]
+        outs, out_infos[:] = eval_closed(eqn.params["call_jaxpr"], xs, infos, ctx)
+        return outs
 
     traced = jax.make_jaxpr(primal)(*invals)
     body = jex_core.jaxpr_as_fun(traced)
-    return (lambda *xs: tuple(body(*xs))), [a.dtype for a in traced.out_avals]
+    dtypes = [a.dtype for a in traced.out_avals]
+    return (lambda *xs: tuple(body(*xs))), dtypes, [_traced(i) for i in out_infos]
 
 
 def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
@@ -642,7 +652,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     n, m = len(in_avals), len(out_avals)
-    primal, out_dtypes = _custom_primal(eqn, invals, infos, ctx)
+    primal, out_dtypes, out_infos = _custom_primal(eqn, invals, infos, ctx)
     fun = jax.custom_jvp(primal)
 
     def original_jvp(*args: Any) -> list:
@@ -675,7 +685,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
         return p_out, t_out
 
     outs = fun(*invals)
-    return list(outs), [Info()] * len(outs)
+    return list(outs), out_infos
 
 
 def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
@@ -692,7 +702,7 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     in_dtypes = [x.dtype for x in invals]
-    primal, out_dtypes = _custom_primal(eqn, invals, infos, ctx)
+    primal, out_dtypes, out_infos = _custom_primal(eqn, invals, infos, ctx)
     fun = jax.custom_vjp(primal)
 
     def original_vjp(*primals: Any) -> tuple:
@@ -733,7 +743,7 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
 
     fun.defvjp(fwd, bwd)
     outs = fun(*invals)
-    return list(outs), [Info()] * len(outs)
+    return list(outs), out_infos
 
 
 HIGHER_ORDER: dict[str, Callable[..., tuple[list, list]]] = {
