@@ -33,6 +33,11 @@ def in_dtypes(eqn):
     ]
 
 
+def is_scale(eqn):
+    """A division by a scalar (a constant or a parameter): a scale, which follows its input."""
+    return eqn.primitive.name == "div" and eqn.invars[1].aval.size == 1
+
+
 def randn(seed, *shape, scale=1.0):
     """Float32 normal samples from NumPy: no XLA compilation, unlike jax.random."""
     return jnp.asarray(np.random.default_rng(seed).standard_normal(shape) * scale, jnp.float32)

@@ -16,6 +16,7 @@ from _autocast_helpers import (
     assert_close_tree,
     eqns_named,
     in_dtypes,
+    is_scale,
     randn,
     rel_err,
     tree_dtypes,
@@ -34,10 +35,12 @@ from jax.interpreters import mlir
 import jamp
 
 SENSITIVE = {
-    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "sqrt", "logistic", "erf",
+    "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "sqrt",
     "erf_inv", "lgamma", "digamma", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
-    "cumlogsumexp", "div",
+    "cumlogsumexp",
 }  # fmt: skip
+# x**3 (gelu's tanh approximation) runs in bfloat16 under bfloat16, float32 under float16.
+POW_MAX_LOW = {F16: 2, BF16: 3}
 
 
 # --------------------------------------------------------------------------
@@ -53,14 +56,16 @@ def assert_autocast_jaxpr(jaxpr, dtype, min_dots=1):
         assert jnp.dtype(eqn.outvars[0].aval.dtype) == dtype, eqn
     for eqn in walk(jaxpr):
         if eqn.primitive.name in SENSITIVE or (
-            eqn.primitive.name == "integer_pow" and eqn.params["y"] > 2
+            eqn.primitive.name == "integer_pow" and eqn.params["y"] > POW_MAX_LOW[dtype]
         ):
             assert not set(in_dtypes(eqn)) & set(HALF), eqn
+        if eqn.primitive.name == "div" and set(in_dtypes(eqn)) & set(HALF):
+            assert is_scale(eqn), eqn  # only a scale runs in low precision
 
 
-def init_params(model, x):
+def init_params(model, *x):
     """Flax parameters with the shapes of ``model.init``, filled cheaply and deterministically."""
-    shapes = jax.eval_shape(model.init, jax.random.key(0), x)
+    shapes = jax.eval_shape(model.init, jax.random.key(0), *x)
 
     def fill(path, s):
         name = jax.tree_util.keystr(path)
@@ -486,6 +491,313 @@ def test_stack_and_checkpoint_name_keep_the_autocast_dtype():
     assert saved == ["bfloat16", "float32"]  # the named residual, and the argument x
     got, want = jax.jit(jax.grad(jamp.autocast(g)))(w, x), jax.jit(jax.grad(g))(w, x)
     assert_close_tree(got, want, 20 * EPS[BF16])
+
+
+# --------------------------------------------------------------------------
+# the dtype flow: parameters follow low activations, norms and softmax in
+# float32, a float32 residual stream stays float32, constants never change
+
+
+def tagged_dtypes(f, *args, dtype):
+    """``{tag: dtype}`` of the values ``f`` tags with ``checkpoint_name``, under autocast."""
+    jaxpr = jax.make_jaxpr(jamp.autocast(f, dtype))(*args)
+    return {e.params["name"]: jnp.dtype(e.invars[0].aval.dtype) for e in eqns_named(jaxpr, "name")}
+
+
+def last(v, like):
+    """``v`` along the last axis of ``like`` (explicit broadcasting: rank promotion raises)."""
+    return v.reshape((1,) * (like.ndim - 1) + (-1,))
+
+
+def layer_norm(x, g, b):
+    mean = jnp.mean(x, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x - mean), axis=-1, keepdims=True)
+    n = (x - mean) * lax.rsqrt(var + 1e-5)
+    return n * last(g, n) + last(b, n)
+
+
+def gpt_block(p, x, key):
+    """A pre-norm transformer block on a float32 residual stream ``x``, each op class tagged."""
+    tag = checkpoint_name
+    h = tag(layer_norm(x, p["ln1_g"], p["ln1_b"]), "layer norm of the stream")
+    q, k, v = (tag(h @ p[n] + last(p[n + "_b"], h), f"{n} + bias") for n in ("wq", "wk", "wv"))
+    s = tag(q @ k.T / jnp.sqrt(jnp.float32(q.shape[-1])), "logits / sqrt(d)")
+    s = tag(jnp.where(jnp.tril(jnp.ones(s.shape, bool)), s, jnp.finfo(jnp.float32).min), "mask")
+    probs = tag(jax.nn.softmax(s), "softmax")
+    x = tag(x + (probs @ v) @ p["wo"] + last(p["wo_b"], x), "stream + attention")
+    h = layer_norm(x, p["ln2_g"], p["ln2_b"])
+    h = tag(jax.nn.gelu(tag(h @ p["w1"] + last(p["w1_b"], h), "fc + bias")), "gelu")
+    h = tag(jax.nn.silu(h) * last(p["gate"], h), "silu * gate")
+    keep = jax.random.bernoulli(key, 0.9, h.shape)
+    h = tag(jnp.where(keep, h / 0.9, 0.0), "dropout")
+    return tag(x + h @ p["w2"] + last(p["w2_b"], x), "stream + mlp")
+
+
+def gpt_params(d=16):
+    names = {"wq": (d, d), "wk": (d, d), "wv": (d, d), "wo": (d, d), "w1": (d, 4 * d),
+             "w2": (4 * d, d)}  # fmt: skip
+    p = {}
+    for i, (n, (rows, cols)) in enumerate(names.items()):
+        p[n], p[f"{n}_b"] = randn(i, rows, cols, scale=rows**-0.5), randn(10 + i, cols, scale=0.1)
+    p.update(ln1_g=jnp.ones(d), ln1_b=jnp.zeros(d), ln2_g=jnp.ones(d), ln2_b=jnp.zeros(d))
+    p["gate"] = 1.0 + randn(30, 4 * d, scale=0.1)
+    return p
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_dtype_of_each_op_class_in_a_transformer_block(dtype):
+    p, x, key = gpt_params(), randn(40, 8, 16), jax.random.key(0)
+    got = tagged_dtypes(gpt_block, p, x, key, dtype=dtype)
+    assert got == {
+        "layer norm of the stream": F32,  # the stream is float32: the norm too, output included
+        "wq + bias": dtype, "wk + bias": dtype, "wv + bias": dtype,  # the bias follows the matmul
+        "logits / sqrt(d)": dtype,  # a scale by a constant
+        "mask": dtype,  # jnp.finfo(float32).min saturates: the mask-fill idiom
+        "softmax": F32,  # computed in float32, returned in float32 (torch)
+        "stream + attention": F32,  # a float32 residual stream stays float32
+        "fc + bias": dtype,
+        "gelu": dtype,  # activation functions run in their input's dtype
+        "silu * gate": dtype,  # logistic too; a learned gate follows the activation
+        "dropout": dtype,
+        "stream + mlp": F32,
+    }  # fmt: skip
+    jaxpr = jax.make_jaxpr(jamp.autocast(gpt_block, dtype))(p, x, key)
+    assert_autocast_jaxpr(jaxpr, dtype, min_dots=7)
+    for prim in ("rsqrt", "exp", "reduce_sum"):  # layer norm and softmax compute in float32
+        assert {d for e in eqns_named(jaxpr, prim) for d in in_dtypes(e)} == {F32}, prim
+    # x - mean, its square and the normalisation of the stream, and x - max(x): float32.
+    assert all(F32 in in_dtypes(e) for e in eqns_named(jaxpr, "sub"))
+
+    def loss(block):
+        return jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(block(p, x, key)))))
+
+    want, got = loss(gpt_block)(p), loss(jamp.autocast(gpt_block, dtype))(p)
+    flat = lambda t: np.concatenate([np.ravel(g) for g in jax.tree_util.tree_leaves(t)])  # noqa: E731
+    a, b = flat(got), flat(want)
+    assert a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
+
+
+def conv_group_norm_relu(p, x):
+    tag = checkpoint_name
+    y = lax.conv_general_dilated(x, p["kernel"], (1, 1), "SAME",
+                                 dimension_numbers=("NHWC", "HWIO", "NHWC"))  # fmt: skip
+    y = tag(y + last(p["conv_b"], y), "conv + bias")
+    g = y.reshape(*y.shape[:3], 2, y.shape[3] // 2)
+    mean = jnp.mean(g, axis=(1, 2, 4), keepdims=True)
+    var = jnp.var(g, axis=(1, 2, 4), keepdims=True)
+    n = tag((g - mean) * lax.rsqrt(var + 1e-5), "normalised").reshape(y.shape)
+    n = tag(n * last(p["gamma"], n) + last(p["beta"], n), "group norm")  # ends the norm
+    return tag(jax.nn.relu(n), "relu")
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_dtype_of_each_op_class_in_a_conv_block(dtype):
+    p = {"kernel": randn(0, 3, 3, 3, 4, scale=0.3), "conv_b": randn(1, 4, scale=0.1),
+         "gamma": 1.0 + randn(2, 4, scale=0.1), "beta": randn(3, 4, scale=0.1)}  # fmt: skip
+    x = randn(4, 2, 6, 6, 3)
+    got = tagged_dtypes(conv_group_norm_relu, p, x, dtype=dtype)
+    # A norm of low activations computes in float32 and returns them to the low dtype
+    # where its scale and bias are applied, so the activation after it is low again.
+    assert got == {"conv + bias": dtype, "normalised": F32, "group norm": dtype, "relu": dtype}
+    jaxpr = jax.make_jaxpr(jamp.autocast(conv_group_norm_relu, dtype))(p, x)
+    assert_autocast_jaxpr(jaxpr, dtype)
+    assert {d for e in eqns_named(jaxpr, "rsqrt", "reduce_sum") for d in in_dtypes(e)} == {F32}
+    compare_with_float32(conv_group_norm_relu, p, x, dtype=dtype, tol=8 * EPS[dtype], min_dots=1)
+
+
+def test_flax_dense_conv_and_attention_run_bias_and_activations_in_low_precision():
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, img, seq):
+            y = nn.relu(nn.GroupNorm(num_groups=2)(nn.Conv(4, (3, 3))(img)))
+            attention = nn.MultiHeadDotProductAttention(num_heads=2, deterministic=True)
+            h = attention(nn.LayerNorm()(seq))
+            return jnp.sum(y), jnp.sum(nn.Dense(8)(nn.gelu(nn.Dense(32)(seq + h))))
+
+    img, seq = randn(0, 2, 6, 6, 3), randn(1, 2, 5, 16)
+    params = init_params(Net(), img, seq)
+    report = jamp.autocast_report(Net().apply, params, img, seq, dtype=BF16)
+    counts = report.counts
+    assert counts["tanh"] == {"bfloat16": 1}  # gelu
+    assert counts["exp"] == {"float32": 1} and set(counts["rsqrt"]) == {"float32"}
+    assert counts["add"]["bfloat16"] >= 6  # conv, q, k, v, out, Dense biases ...
+    assert counts["add"]["float32"] >= 1  # ... and the float32 stream + attention
+    # What the backward pass keeps: the gelu's and the relu's residuals in low precision;
+    # float32 only inside the norms (GroupNorm's x - mean).
+    for shape in ((2, 5, 32), (2, 6, 6, 4)):
+        kept = [r for r in report.residuals if r.shape == shape and np.dtype(r.dtype) != bool]
+        assert kept and all(np.dtype(r.dtype) == BF16 or "normalization.py" in r.source
+                            for r in kept), shape  # fmt: skip
+    assert report.residual_bytes["bfloat16"] > 0 and "float32" in report.residual_bytes
+
+
+def test_float32_residual_stream_and_low_branches():
+    w = randn(0, 8, 8, scale=0.3)
+
+    def f(x, w):
+        h = x @ w
+        return (
+            checkpoint_name(x + h, "f32 stream + low branch"),  # float32
+            checkpoint_name(h + jnp.tanh(h), "low + low"),  # low
+            checkpoint_name(h + x[:1], "low + f32 vector"),  # a broadcast value follows: low
+            checkpoint_name(h * jnp.exp(h), "low * float32 derived from low"),  # low
+            checkpoint_name(h - jnp.mean(h), "low - float32 statistic"),  # float32
+        )
+
+    got = tagged_dtypes(f, randn(1, 4, 8), w, dtype=F16)
+    assert got == {
+        "f32 stream + low branch": F32, "low + low": F16, "low + f32 vector": F16,
+        "low * float32 derived from low": F16, "low - float32 statistic": F32,
+    }  # fmt: skip
+
+
+def test_outputs_of_sub_computations_stay_low_activations():
+    w, b = randn(0, 8, 8, scale=0.3), randn(1, 8, scale=0.1)
+
+    def f(x, w, b):
+        h = jax.nn.relu(x @ w)  # a custom_jvp
+        _, ys = lax.scan(lambda c, xi: (c, xi @ w), 0.0, x[None])  # per-step outputs
+        g = jax.checkpoint(lambda h: jnp.tanh(h @ w))(h)
+        tag = checkpoint_name
+        return (tag(h + b[None], "relu + bias"), tag(ys[0] + b[None], "scan output + bias"),
+                tag(g * b[None], "remat output * scale"))  # fmt: skip
+
+    got = tagged_dtypes(f, randn(2, 4, 8), w, b, dtype=BF16)
+    assert got == {"relu + bias": BF16, "scan output + bias": BF16, "remat output * scale": BF16}
+
+
+def test_casts_are_cached_per_value():
+    x, w = randn(0, 4, 8), randn(1, 8, 8)
+
+    def qkv(x, w):
+        return x @ w, x @ (2.0 * w), x @ (3.0 * w), (x @ w) @ w
+
+    jaxpr = jax.make_jaxpr(jamp.autocast(qkv))(x, w)
+    casts = [e for e in jaxpr.eqns if e.primitive.name == "convert_element_type"
+             and e.invars[0] is jaxpr.jaxpr.invars[0]]  # fmt: skip
+    assert len(casts) == 1  # x cast once for the four matmuls that read it
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_constant_that_does_not_fit_runs_the_op_in_float32(dtype):
+    x, w = randn(0, 4, 8, scale=0.01), jnp.eye(8)  # x @ w is about 1e-2
+    big = {F16: 1e5, BF16: 3.4e38}[dtype]  # finite in float32, not in dtype
+
+    def scaled_max(x, w):
+        return jnp.max(jnp.abs((x @ w) * big))
+
+    want = jax.jit(scaled_max)(x, w)
+    for g in (jamp.autocast(scaled_max, dtype), jax.jit(jamp.autocast(scaled_max, dtype))):
+        got = g(x, w)
+        assert bool(jnp.isfinite(got)) and abs(float(got) / float(want) - 1) < 4 * EPS[dtype]
+    (mul,) = eqns_named(jax.make_jaxpr(jamp.autocast(scaled_max, dtype))(x, w), "mul")
+    assert in_dtypes(mul) == [F32, F32]
+    # A constant that fits follows the activation; one that flushes to zero does not.
+    (mul,) = eqns_named(jax.make_jaxpr(jamp.autocast(lambda x, w: (x @ w) * 3.0, dtype))(x, w),
+                        "mul")  # fmt: skip
+    assert in_dtypes(mul) == [dtype, dtype]
+    tiny = jamp.autocast(lambda x, w: (x @ w) * 1e-9, F16)
+    assert bool(jnp.all((tiny(x, w) != 0) == (x @ w != 0)))
+    # A constant array (a closure) is checked value by value.
+    table = jnp.ones((1, 8)).at[0, 3].set(big)
+    (mul,) = eqns_named(jax.make_jaxpr(jamp.autocast(lambda x, w: (x @ w) * table, dtype))(x, w),
+                        "mul")  # fmt: skip
+    assert in_dtypes(mul) == [F32, F32]
+    # Values that depend on the arguments are never adjusted: their overflow reaches loss scaling.
+    out = jamp.autocast(lambda x, w, s: (x @ w) * s, dtype)(x, w, jnp.float32(big))
+    assert bool(jnp.any(jnp.isinf(out)))
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_only_the_mask_fill_idiom_saturates(dtype):
+    mask = jnp.array([[True, True, False, False], [True, False, False, False],
+                      [False, False, False, False], [True, True, True, True]])  # fmt: skip
+    lo, hi = jnp.finfo(jnp.float32).min, jnp.finfo(jnp.float32).max
+    x = randn(0, 4, 8)
+
+    def fills(x):
+        s, tag = x @ x.T, checkpoint_name
+        return (tag(jnp.where(mask, s, lo), "where"), tag(jnp.maximum(s, lo), "maximum"),
+                tag(jnp.clip(s, lo, hi), "clip"), tag(jnp.where(mask, s, -1e9), "-1e9"),
+                tag(jnp.minimum(s, jnp.float32(-1e6)), "-1e6"))  # fmt: skip
+
+    # finfo(float32).min/max: saturated, low precision; other big fills run in float32 (f16).
+    other = F32 if dtype == F16 else dtype
+    assert tagged_dtypes(fills, x, dtype=dtype) == {
+        "where": dtype,
+        "maximum": dtype,
+        "clip": dtype,
+        "-1e9": other,
+        "-1e6": other,
+    }
+    want = jax.jit(fills)(x)
+    for got in (jamp.autocast(fills, dtype)(x), jax.jit(jamp.autocast(fills, dtype))(x)):
+        for g, w in zip(got[:3], want[:3], strict=True):
+            assert bool(jnp.all(jnp.isfinite(g)))  # the fill is the low dtype's finite extreme
+            kept = np.asarray(w) > -1e30
+            np.testing.assert_allclose(np.where(kept, g, 0), np.where(kept, w, 0),
+                                       rtol=4 * EPS[dtype], atol=1e-2)  # fmt: skip
+        np.testing.assert_array_equal(np.asarray(got[3]) < -9e8, np.asarray(want[3]) < -9e8)
+
+
+def test_masked_attention_in_float16_has_no_nan_in_outputs_or_gradients():
+    q = randn(0, 2, 6, 8)
+    keep = jnp.array([True, True, True, False, False, False])
+    mask = keep[:, None] & keep[None, :] & jnp.tril(jnp.ones((6, 6), bool))  # rows 3-5: all masked
+
+    def attention(q, w):
+        s = jnp.einsum("btd,bsd->bts", q @ w, q) / jnp.sqrt(jnp.float32(8))
+        s = jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+        return jnp.einsum("bts,bsd->btd", jax.nn.softmax(s, axis=-1), q)
+
+    def loss(q, w):
+        out = attention(q, w)
+        return jnp.sum(out**2), out
+
+    w = randn(1, 8, 8, scale=0.3)
+    for f in (jamp.autocast(loss, F16), jax.jit(jamp.autocast(loss, F16))):
+        (value, out), grads = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)(q, w)
+        assert all(bool(jnp.all(jnp.isfinite(t))) for t in (value, out, *grads))
+    (_, want), want_g = jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(q, w)
+    assert_close_tree((out, grads), (want, want_g), 30 * EPS[F16])
+    np.testing.assert_allclose(out[:, 3:], jnp.broadcast_to(jnp.mean(q, 1, keepdims=True),
+                                                            (2, 3, 8)), rtol=1e-2)  # fmt: skip
+
+
+def test_gelu_cube_in_float16_runs_in_float32_so_large_inputs_keep_a_finite_gradient():
+    def f(x, w):
+        return jnp.sum(jax.nn.gelu(x @ w))
+
+    x, w = jnp.array([[150.0, -160.0, 1.0]]), jnp.eye(3)
+    for dtype in HALF:
+        grads = jax.grad(jamp.autocast(f, dtype), argnums=(0, 1))(x, w)
+        assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads), dtype
+    (cube,) = eqns_named(jax.make_jaxpr(jamp.autocast(f, F16))(x, w), "integer_pow")
+    assert in_dtypes(cube) == [F32]  # 3 x**2 overflows float16 from |x| = 148
+    (cube,) = eqns_named(jax.make_jaxpr(jamp.autocast(f, BF16))(x, w), "integer_pow")
+    assert in_dtypes(cube) == [BF16]
+
+
+def test_report_lists_the_dtype_of_every_saved_residual():
+    def mlp(p, x):
+        return jnp.sum(jax.nn.gelu(x @ p["w"] + p["b"][None]) @ p["v"])
+
+    p = {"w": randn(0, 8, 32), "b": jnp.zeros(32), "v": randn(1, 32, 4)}
+    x = randn(2, 16, 8)
+    report = jamp.autocast_report(mlp, p, x, dtype=BF16)
+    hidden = [r for r in report.residuals if r.shape == (16, 32)]
+    assert hidden and all(np.dtype(r.dtype) == BF16 for r in hidden)  # the gelu in bfloat16
+    assert all(r.nbytes == r.count * np.prod(r.shape) * np.dtype(r.dtype).itemsize
+               for r in report.residuals)  # fmt: skip
+    assert sum(report.residual_bytes.values()) == sum(r.nbytes for r in report.residuals)
+    assert not any(r.source.startswith("from the argument") for r in report.residuals)
+    text = str(report)
+    assert "saved for the backward pass (arguments excluded): bfloat16" in text
+    assert "(16, 32)" in text and "test_autocast.py" in text  # the user's source line
+    # A function autocast cannot differentiate (a primitive without a derivative) says so.
+    opaque = jamp.autocast_report(lambda x: UNKNOWN.bind(x @ x.T), x)
+    assert opaque.residuals == () and opaque.residuals_note
+    assert "saved for the backward pass: not computed" in str(opaque)
 
 
 # --------------------------------------------------------------------------

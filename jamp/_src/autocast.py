@@ -2,54 +2,16 @@
 
 ``autocast(fun)`` traces ``fun`` to a jaxpr and evaluates that jaxpr with an
 interpreter that decides, primitive by primitive, in which dtype it runs. The
-decision comes from one table, :data:`RULES`, the JAX analogue of
-torch.autocast's CUDA op lists:
-
-================  ==========================================================
-rule              what happens to the floating inputs of the primitive
-================  ==========================================================
-``lower``         cast to the low-precision ``dtype`` (float16/bfloat16); the
-                  output stays in that dtype (``preferred_element_type`` too,
-                  unless the program asked for one wider than the traced
-                  inputs, e.g. ``bf16 x bf16 -> f32``). Matrix products and
-                  convolutions.
-``float32``       cast to float32 (float64 is left alone). exp, log, pow,
-                  rsqrt, sums, window sums, cumulative sums, division, ...
-                  so softmax, log-softmax, logsumexp, norms, variance,
-                  pooling and losses run in float32; also FFTs, linear
-                  algebra, ``complex`` and ``conj``, which accept only
-                  float32/float64.
-``promote``       cast to the widest floating dtype among the inputs (torch's
-                  "promote" list). Python scalars and constants (literals)
-                  follow the other inputs instead of widening them, as they
-                  do in ``jnp``. An ``add``/``sub``/``mul``/``square`` whose
-                  result feeds a ``float32`` primitive runs in float32 (so
-                  ``x - max(x)`` in softmax is computed as in float32).
-``keep``          left as they arrive (data movement with independent inputs,
-                  ``checkpoint_name``, debug printing).
-``as traced``     cast back to the dtypes they had when ``fun`` was traced
-                  (float32 for a float32 model): primitives whose meaning
-                  depends on the dtype, e.g. ``bitcast_convert_type``, and
-                  every primitive the table does not know.
-================  ==========================================================
-
-Integer, boolean, complex and key inputs are never touched. A constant (a
-value known when ``fun`` is traced) that autocast narrows is first saturated
-to the finite range of the narrower dtype, so a ``jnp.finfo(jnp.float32).min``
-mask fill stays finite; values that depend on the arguments are cast as they
-are, so their overflow still reaches loss scaling. Sub-computations
-(``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``scan``,
-``while``, ``cond``, ``remat``) are interpreted recursively with the same rules;
-loop carries and the outputs of ``cond`` keep the dtypes they were traced with,
-so every branch and iteration agrees. ``convert_element_type`` written by the
-user (``x.astype(...)``) is honoured; a no-op conversion in the traced program
-stays a no-op.
-
-Regions that must not be autocast are marked with :func:`autocast_disabled`
-(a ``jax.named_scope`` the interpreter recognises); inside them every
-primitive runs as traced. An inner ``autocast`` inside an outer one marks its
-region the same way, so the innermost setting wins, as with nested
-``torch.autocast``.
+decision comes from one table, :data:`RULES` (``jamp/_src/autocast_rules.py``,
+whose docstring states every rule), the JAX analogue of torch.autocast's op
+lists: matrix products and convolutions in the low dtype; exp, log, pow,
+rsqrt, sums and divisions (so softmax, norm statistics and losses) in
+float32; every other primitive in its input's dtype, with float32 parameters
+and constants following a low activation down (a bias, a scale), while a
+float32 residual stream or a norm statistic keeps it in float32. Constants
+that do not fit the low dtype are never narrowed, except the mask fill
+``finfo(float32).min``, which saturates. :func:`autocast_report` shows what
+ran in which dtype and what the backward pass saves.
 """
 
 from __future__ import annotations
@@ -67,8 +29,8 @@ import numpy as np
 from jamp._src.autocast_interpreter import (
     SCOPE_AUTOCAST,
     SCOPE_DISABLED,
-    TRACED,
     Context,
+    Info,
     Recorder,
     cast,
     eval_closed,
@@ -77,9 +39,35 @@ from jamp._src.autocast_interpreter import (
 from jamp._src.autocast_rules import RULES
 from jamp._src.policy import Policy, check_dtype, get_policy
 
-__all__ = ["RULES", "AutocastReport", "autocast", "autocast_disabled", "autocast_report"]
+__all__ = [
+    "RULES",
+    "AutocastReport",
+    "autocast",
+    "autocast_disabled",
+    "autocast_report",
+]
 
 _DEFAULT = np.dtype(jnp.bfloat16)  # autocast's dtype when neither dtype nor policy is given
+
+
+@dataclasses.dataclass(frozen=True)
+class Residual:
+    """Values of one dtype, shape and source that the backward pass keeps.
+
+    Attributes:
+      dtype: the dtype they are saved in.
+      shape: their shape.
+      count: how many values of this dtype and shape the same source saves.
+      nbytes: the bytes of all of them.
+      source: what computed them: a primitive and the user's source line, as
+        ``jax.ad_checkpoint.print_saved_residuals`` names it.
+    """
+
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    count: int
+    nbytes: int
+    source: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +80,26 @@ class AutocastReport:
         the floating dtype the primitive computed in (its widest floating
         input after casting, else its first output's dtype).
       unknown: the primitives the table does not know; they ran as traced.
+      residuals: what the backward pass of the autocast function saves (the
+        arguments excluded), as :class:`Residual` rows, largest first; ``()``
+        when the function cannot be differentiated with respect to its array
+        arguments (``residuals_note`` says why).
+      residuals_note: why ``residuals`` is empty, or ``""``.
     """
 
     dtype: np.dtype
     rows: tuple[tuple[str, str, str, int], ...]
     unknown: tuple[str, ...]
+    residuals: tuple[Residual, ...] = ()
+    residuals_note: str = ""
+
+    @property
+    def residual_bytes(self) -> dict[str, int]:
+        """``{dtype name: bytes}`` saved for the backward pass, arguments excluded."""
+        out: dict[str, int] = {}
+        for r in self.residuals:
+            out[np.dtype(r.dtype).name] = out.get(np.dtype(r.dtype).name, 0) + r.nbytes
+        return out
 
     @property
     def counts(self) -> dict[str, dict[str, int]]:
@@ -123,7 +126,32 @@ class AutocastReport:
                 "unknown primitives (ran as traced, float32 for a float32 program): "
                 + ", ".join(self.unknown)
             )
+        lines.extend(_residual_lines(self))
         return "\n".join(lines)
+
+
+def _mib(nbytes: int) -> str:
+    if nbytes < 2**10:
+        return f"{nbytes} B"
+    return f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _residual_lines(report: AutocastReport) -> list[str]:
+    if report.residuals_note:
+        return ["", f"saved for the backward pass: not computed ({report.residuals_note})"]
+    totals = ", ".join(f"{name} {_mib(n)}" for name, n in report.residual_bytes.items())
+    lines = ["", f"saved for the backward pass (arguments excluded): {totals or 'nothing'}"]
+    header = ("dtype", "shape", "count", "bytes", "source")
+    body = [
+        (np.dtype(r.dtype).name, str(r.shape), str(r.count), _mib(r.nbytes), r.source)
+        for r in report.residuals
+    ]
+    if body:
+        widths = [max(len(row[i]) for row in [header, *body]) for i in range(4)]
+        for row in [header, *body]:
+            cells = [cell.ljust(w) for cell, w in zip(row[:4], widths, strict=True)]
+            lines.append("  ".join([*cells, row[4]]).rstrip())
+    return lines
 
 
 # ---------------------------------------------------------------------------
@@ -209,7 +237,7 @@ def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: Rec
         closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         with jax.named_scope(SCOPE_AUTOCAST):
-            outs, _ = eval_closed(closed, dynamic, [TRACED] * len(dynamic), ctx)
+            outs, _ = eval_closed(closed, dynamic, [Info()] * len(dynamic), ctx)
             final = []
             for x, shape in zip(outs, out_leaves, strict=True):
                 target = shape.dtype
@@ -274,12 +302,24 @@ def autocast(
     * exp, log, pow, rsqrt, sums (window sums too), cumulative sums,
       divisions, FFTs and linear algebra run in float32, and so does the
       add/sub/mul producing their operand (``x - max(x)`` in softmax), so
-      softmax, log-softmax, logsumexp, layer/group norm, mean, variance and
-      losses are computed in float32 from their (possibly ``dtype``) inputs;
-    * every other floating primitive runs in the widest floating dtype of its
-      inputs; integers are never touched; constants that autocast narrows
-      (a ``jnp.finfo(jnp.float32).min`` mask fill) saturate to ``dtype``'s
-      finite range instead of becoming infinite;
+      softmax, log-softmax, logsumexp, the statistics of layer/group norm,
+      mean, variance and losses are computed in float32 from their
+      (possibly ``dtype``) inputs, and return float32;
+    * every other floating primitive (bias adds, activation functions,
+      dropout, reshapes, ...) runs in ``dtype`` when a ``dtype`` activation
+      is among its inputs: float32 parameters broadcast against it (a bias, a
+      scale, a gate), constants and float32 values computed from such
+      activations are cast down, as torch casts a Linear's bias; a float32
+      norm statistic or a full-size float32 value that does not come from
+      ``dtype`` activations (a residual stream) keeps it in float32; a norm of
+      ``dtype`` activations returns to ``dtype`` at its scale and bias;
+      otherwise it runs in the widest floating dtype of its inputs;
+    * a constant that does not fit ``dtype`` (it would overflow or flush to
+      zero) is never narrowed: the primitive runs in float32; only the mask
+      fill (a select, max, min or clamp against ``+-finfo(float32).max``)
+      saturates to ``dtype``'s finite extreme. Values that depend on the
+      arguments are cast as they are, so their overflow reaches loss scaling;
+      integers are never touched;
     * primitives the table does not know run as traced (float32 for a float32
       program); :func:`autocast_report` lists them.
 
@@ -411,10 +451,13 @@ def autocast_report(
 ) -> AutocastReport:
     """Traces ``autocast(fun)`` on the arguments and reports what ran in which dtype.
 
-    Nothing is executed: the function is traced once. The report counts, per
-    primitive, the rule applied and the dtype it computed in, and lists the
-    primitives the table does not know (they ran as traced). It is the tool to
-    reach for when numerics look wrong under autocast.
+    Nothing is executed: the function is traced (twice: once as it is, once
+    under ``jax.vjp``). The report counts, per primitive, the rule applied and
+    the dtype it computed in, lists the primitives the table does not know
+    (they ran as traced), and lists every value the backward pass saves with
+    its dtype, shape, bytes and source line (``residuals``, the arguments
+    excluded, with respect to every array argument). It is the tool to reach
+    for when numerics look wrong, or memory high, under autocast.
 
     ``dtype=`` and ``policy=`` always belong to the report, never to ``fun``.
     To pass ``fun`` keyword arguments with those names, bind them first:
@@ -443,6 +486,8 @@ def autocast_report(
       ...     lambda x: jax.nn.softmax(x @ x), jnp.ones((2, 2)), dtype=jnp.float16)
       >>> report.counts["dot_general"], report.counts["exp"]
       ({'float16': 1}, {'float32': 1})
+      >>> sorted(report.residual_bytes)  # saved for the backward pass
+      ['float16', 'float32']
     """
     _check_fun(fun, "autocast_report")
     _check_report_keywords(fun, args, kwargs, dtype=dtype, policy=policy)
@@ -460,8 +505,58 @@ def autocast_report(
         )
         return wrapped(*a, **k)
 
-    jax.make_jaxpr(flat)(*(leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn))
+    dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
+    jax.make_jaxpr(flat)(*dynamic)
     rows = tuple(
         (prim, rule, dt, count) for (prim, rule, dt), count in sorted(recorder.counts.items())
     )
-    return AutocastReport(dtype=low, rows=rows, unknown=tuple(sorted(recorder.unknown)))
+    residuals, note = _residuals(_autocast(fun, low, policy, None), treedef, leaves, mask)
+    return AutocastReport(
+        dtype=low,
+        rows=rows,
+        unknown=tuple(sorted(recorder.unknown)),
+        residuals=residuals,
+        residuals_note=note,
+    )
+
+
+def _residuals(
+    wrapped: Callable, treedef: Any, leaves: Sequence[Any], mask: Sequence[bool]
+) -> tuple[tuple[Residual, ...], str]:
+    """What ``jax.vjp`` of ``wrapped`` saves, with respect to its array arguments, which
+    are excluded (as ``jax.ad_checkpoint.print_saved_residuals`` lists them)."""
+    try:
+        from jax._src.ad_checkpoint import saved_residuals
+    except ImportError:  # pragma: no cover - depends on the jax version
+        return (), "jax.ad_checkpoint.saved_residuals is not available in this jax"
+    dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
+
+    def flat(*xs: Any) -> Any:
+        it = iter(xs)
+        a, k = jax.tree_util.tree_unflatten(
+            treedef, [next(it) if d else leaf for leaf, d in zip(leaves, mask, strict=True)]
+        )
+        return wrapped(*a, **k)
+
+    try:
+        saved = saved_residuals(flat, *dynamic)
+    except (TypeError, ValueError, NotImplementedError) as e:  # e.g. no derivative rule
+        return (), (str(e).strip().splitlines() or [type(e).__name__])[0]
+    groups: dict[tuple[str, tuple[int, ...], str], int] = {}
+    for aval, source in saved:
+        if source.startswith("from the argument") or not hasattr(aval, "dtype"):
+            continue
+        key = (np.dtype(aval.dtype).name, tuple(aval.shape), source)
+        groups[key] = groups.get(key, 0) + 1
+    rows = [
+        Residual(
+            dtype=np.dtype(dt),
+            shape=shape,
+            count=count,
+            nbytes=count * int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize,
+            source=source,
+        )
+        for (dt, shape, source), count in groups.items()
+    ]
+    rows.sort(key=lambda r: (-r.nbytes, r.source))
+    return tuple(rows), ""

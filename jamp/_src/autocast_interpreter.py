@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,21 @@ from jamp._src.autocast_rules import (
     ELIGIBLE,
     FLOAT32,
     FLOAT32_DTYPE,
+    KEEP,
     LOWER,
-    PROMOTE,
+    MASK_FILL,
+    REDUCTIONS,
+    SPAN_PRESERVING,
+    STRUCTURAL,
+    Span,
+    category,
+    div_rule,
+    fits,
+    merge_spans,
+    output_is_low,
     rule_of,
+    runs_low,
+    span_of,
 )
 
 try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
@@ -50,6 +62,17 @@ MARKER = "jamp_autocast"  # a substring of both
 TRACED = 0  # depends on the function's arguments: activations, parameters
 CONST = 1  # known when the function is traced: a concrete constant, or computed from those
 LITERAL = 2  # computed from literals only (Python scalars): also follows under promote
+
+
+class Info(NamedTuple):
+    """What the interpreter knows about a value besides the value itself."""
+
+    kind: int = TRACED
+    low: bool = False  # derived from low-precision activations only (not params, constants)
+    size: int | None = None  # elements before broadcasting; None: its own size
+    span: Span | None = None  # a traced constant's values (a concrete one is looked at)
+    held: bool = False  # a low activation computed in float32 for float32 consumers
+    statistic: bool = False  # low, and a reduction (or computed from reductions alone)
 
 
 class Recorder:
@@ -109,20 +132,33 @@ def _saturate(x: Any, dtype: Any) -> Any:
     return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
 
 
-def _cast_input(x: Any, dtype: Any, kind: int) -> Any:
-    """The cast autocast inserts before a primitive.
+class _Casts:
+    """The casts autocast inserts, one per value and dtype (torch's cast cache).
 
-    A constant (``kind`` at least ``CONST``) cast to a narrower dtype is
-    saturated first, so a finite fill such as ``jnp.finfo(jnp.float32).min``
-    stays finite (the most negative bfloat16/float16) instead of becoming
-    -inf; values that depend on the function's arguments are cast as they
-    are, so their overflow still reaches loss scaling.
+    A value cast to the same dtype twice (the input of the query, key and
+    value projections; a weight used twice) is cast once, so the backward
+    pass saves one copy.
     """
-    if x.dtype == dtype:
-        return x
-    if kind >= CONST and _narrows(x.dtype, dtype):
-        x = _saturate(x, dtype)
-    return lax.convert_element_type(x, dtype)
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[int, np.dtype, bool], tuple[Any, Any]] = {}
+
+    def __call__(self, x: Any, dtype: Any, info: Info, saturate: bool = False) -> Any:
+        if x.dtype == dtype:
+            return x
+        key = (id(x), np.dtype(dtype), saturate)
+        hit = self._done.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = x
+        if saturate and info.kind >= CONST and _narrows(x.dtype, dtype):
+            y = _saturate(y, dtype)
+        if info.kind < CONST or isinstance(y, jax.core.Tracer) or np.size(y) > _FOLD_MAX:
+            y = lax.convert_element_type(y, dtype)
+        else:  # a small concrete constant: cast now, not in the program
+            y = np.asarray(y).astype(dtype)
+        self._done[key] = (x, y)  # keeps x alive, so its id is not reused
+        return y
 
 
 def _strong_cast(x: Any, dtype: Any) -> Any:
@@ -194,71 +230,93 @@ def _record(ctx: Context, eqn: Any, rule: str, vals: Sequence[Any], outs: Sequen
 
 
 def _eval_jaxpr(
-    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], kinds: Sequence[int], ctx: Context
+    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], infos: Sequence[Info], ctx: Context
 ) -> tuple[list, list]:
-    """Evaluates ``jaxpr`` with the rules; returns outputs and their kinds.
+    """Evaluates ``jaxpr`` with the rules; returns outputs and their :class:`Info`.
 
-    Every value carries a *kind* (``TRACED``, ``CONST`` or ``LITERAL``):
-    whether it depends on the function's arguments, is known when the
-    function is traced, or comes from literals only (Python scalars baked into
-    the jaxpr). Under ``promote`` a literal value follows the other inputs
-    instead of widening them, as a Python scalar does in ``jnp``; a constant
-    is saturated when autocast narrows it (see :func:`_cast_input`).
+    Every value carries an :class:`Info`: its *kind* (``TRACED``, ``CONST``
+    or ``LITERAL``: whether it depends on the function's arguments, is known
+    when the function is traced, or comes from literals only), whether it is
+    derived from autocast's low-precision activations only, how many elements
+    it had before broadcasting, and, for a constant, the span of its values.
+    The dtype flow of ``promote`` (:func:`autocast_rules.runs_low`) and the
+    constant rule (:func:`autocast_rules.fits`) decide from these.
     """
-    env: dict[Any, tuple[Any, int]] = {}
+    env: dict[Any, tuple[Any, Info]] = {}
 
-    def read(v: Any) -> tuple[Any, int]:
+    def read(v: Any) -> tuple[Any, Info]:
         if isinstance(v, jex_core.Literal):
             val = v.val
             if not hasattr(val, "dtype"):
                 val = np.asarray(val, dtype=v.aval.dtype)
-            return val, LITERAL
+            return val, Info(kind=LITERAL)
         return env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = (x, TRACED if isinstance(x, jax.core.Tracer) else CONST)
-    for v, x, k in zip(jaxpr.invars, args, kinds, strict=True):
-        env[v] = (x, int(k))
-    to_float32 = _float32_operands(jaxpr)
+        env[v] = (x, Info(kind=TRACED if isinstance(x, jax.core.Tracer) else CONST))
+    for v, x, info in zip(jaxpr.invars, args, infos, strict=True):
+        env[v] = (x, info)
+    to_float32 = _float32_operands(jaxpr, ctx.dtype)
+    casts = _Casts()
     for eqn in jaxpr.eqns:
         read_in = [read(v) for v in eqn.invars]
         invals = [x for x, _ in read_in]
-        inkinds = [k for _, k in read_in]
+        ininfos = [i for _, i in read_in]
         sub = ctx
         if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
             sub = dataclasses.replace(ctx, as_traced=True)
         feeds_float32 = any(v in to_float32 for v in eqn.outvars)
-        outs, outkinds = _eval_eqn(eqn, invals, inkinds, sub, feeds_float32)
-        for v, x, k in zip(eqn.outvars, outs, outkinds, strict=True):
-            env[v] = (x, k)
+        fold = _foldable(eqn, invals, ininfos)
+        with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
+            outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts)
+        for v, x, i in zip(eqn.outvars, outs, outinfos, strict=True):
+            env[v] = (x, i)
     outs = [read(v) for v in jaxpr.outvars]
-    return [x for x, _ in outs], [k for _, k in outs]
+    return [x for x, _ in outs], [i for _, i in outs]
+
+
+_FOLD_MAX = 4096  # elements: constants this small are computed when traced
+
+
+def _foldable(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
+    """Whether ``eqn`` computes a small constant from constants (``jnp.sqrt(d)``).
+
+    It is then computed when ``fun`` is traced, so the constant rule sees its
+    value instead of a traced constant of unknown value.
+    """
+    return (
+        not eqn.effects
+        and eqn.primitive.name not in HIGHER_ORDER
+        and all(i.kind >= CONST for i in infos)
+        and not any(isinstance(x, jax.core.Tracer) for x in invals)
+        and sum(int(np.prod(v.aval.shape)) for v in eqn.outvars) <= _FOLD_MAX
+    )
 
 
 def eval_closed(
-    closed: Any, args: Sequence[Any], kinds: Sequence[int], ctx: Context
+    closed: Any, args: Sequence[Any], infos: Sequence[Info], ctx: Context
 ) -> tuple[list, list]:
     if isinstance(closed, jex_core.ClosedJaxpr):
-        return _eval_jaxpr(closed.jaxpr, closed.consts, args, kinds, ctx)
-    return _eval_jaxpr(closed, (), args, kinds, ctx)
+        return _eval_jaxpr(closed.jaxpr, closed.consts, args, infos, ctx)
+    return _eval_jaxpr(closed, (), args, infos, ctx)
 
 
-def _float32_operands(jaxpr: Any) -> set:
-    """The variables of ``jaxpr`` that some float32-rule primitive consumes."""
+def _float32_operands(jaxpr: Any, dtype: Any) -> set:
+    """The variables of ``jaxpr`` that some float32-rule primitive (not ``div``) consumes."""
     found = set()
     for eqn in jaxpr.eqns:
-        if rule_of(eqn) == FLOAT32:
+        if rule_of(eqn, dtype) == FLOAT32 and eqn.primitive.name != "div":
             found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
     return found
 
 
-def _const_kind(kinds: Sequence[int]) -> int:
-    """The kind of an output computed from inputs of ``kinds``, never literal."""
-    return CONST if all(k >= CONST for k in kinds) else TRACED
+def _const_kind(infos: Sequence[Info]) -> int:
+    """The kind of an output computed from inputs with ``infos``, never literal."""
+    return CONST if all(i.kind >= CONST for i in infos) else TRACED
 
 
 def _as_traced(
-    eqn: Any, invals: Sequence[Any], kinds: Sequence[int], ctx: Context, rule: str
+    eqn: Any, invals: Sequence[Any], infos: Sequence[Info], ctx: Context, rule: str
 ) -> tuple[list, list]:
     vals = [
         cast(x, v.aval.dtype) if is_float(x.dtype) and is_float(v.aval.dtype) else x
@@ -266,7 +324,7 @@ def _as_traced(
     ]
     outs = _bind(eqn, vals)
     _record(ctx, eqn, rule, vals, outs)
-    return outs, [_const_kind(kinds)] * len(outs)
+    return outs, [Info(kind=_const_kind(infos))] * len(outs)
 
 
 def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[str, Any]:
@@ -287,65 +345,194 @@ def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[st
     return {**params, "preferred_element_type": ctx.dtype}
 
 
+def _span(x: Any, info: Info) -> Span | None:
+    """The span of a constant's values; ``None`` when it is traced and unknown."""
+    if info.span is not None:
+        return info.span
+    if isinstance(x, jax.core.Tracer):
+        return None
+    return span_of(x)
+
+
+def _categories(invals: Sequence[Any], infos: Sequence[Info], float_in: Sequence[int], ctx):
+    biggest = max(int(np.prod(np.shape(invals[i]))) for i in float_in)
+    return [
+        category(
+            constant=infos[i].kind >= CONST,
+            low=infos[i].low,
+            statistic=infos[i].statistic,
+            broadcast=_size(invals[i], infos[i]) < biggest,
+            in_low_dtype=infos[i].held or np.dtype(invals[i].dtype) == ctx.dtype,
+        )
+        for i in float_in
+    ]
+
+
+def _size(x: Any, info: Info) -> int:
+    return int(np.prod(np.shape(x))) if info.size is None else info.size
+
+
+def _constants_allow(
+    name: str, invals: Sequence[Any], infos: Sequence[Info], float_in: Sequence[int], dtype: Any
+) -> tuple[bool, bool]:
+    """Whether the constants among the inputs may be narrowed to ``dtype``, and with saturation.
+
+    A constant that is not narrowed, or fits (:func:`autocast_rules.fits`),
+    is fine. One that does not fit stops the narrowing (the primitive runs
+    in the wider dtype) unless the primitive is a select, max, min or clamp
+    and the only misfits are +-finfo(float32).max: the mask-fill idiom, which
+    saturates to ``dtype``'s finite extreme.
+    """
+    narrowed = [i for i in float_in if infos[i].kind >= CONST and _narrows(invals[i].dtype, dtype)]
+    spans = [_span(invals[i], infos[i]) for i in narrowed]
+    if all(fits(s, dtype) for s in spans):
+        return True, False
+    if name in MASK_FILL and all(fits(s, dtype, mask_fill=True) for s in spans):
+        return True, True
+    return False, False
+
+
 def _eval_eqn(
-    eqn: Any, invals: list, kinds: list, ctx: Context, feeds_float32: bool = False
+    eqn: Any,
+    invals: list,
+    infos: list,
+    ctx: Context,
+    feeds_float32: bool = False,
+    casts: _Casts | None = None,
 ) -> tuple[list, list]:
     name = eqn.primitive.name
     if ctx.as_traced:
-        return _as_traced(eqn, invals, kinds, ctx, "disabled")
+        return _as_traced(eqn, invals, infos, ctx, "disabled")
     handler = HIGHER_ORDER.get(name)
     if handler is not None:
         if ctx.recorder is not None:
             ctx.recorder.add(name, "recurse", "-")
-        return handler(eqn, invals, kinds, ctx)
+        return handler(eqn, invals, infos, ctx)
     if name == "convert_element_type":
-        return _convert_element_type(eqn, invals, kinds, ctx)
-    rule = rule_of(eqn)
+        return _convert_element_type(eqn, invals, infos, ctx)
+    rule = rule_of(eqn, ctx.dtype)
     if rule is None:
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
-        return _as_traced(eqn, invals, kinds, ctx, "unknown")
+        return _as_traced(eqn, invals, infos, ctx, "unknown")
     if rule == AS_TRACED:
-        return _as_traced(eqn, invals, kinds, ctx, rule)
+        return _as_traced(eqn, invals, infos, ctx, rule)
+    casts = _Casts() if casts is None else casts
 
     float_in = [i for i, x in enumerate(invals) if is_float(x.dtype)]
     params = eqn.params
     vals = list(invals)
-    if rule == LOWER and float_in and all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in):
-        for i in float_in:
-            vals[i] = _cast_input(vals[i], ctx.dtype, kinds[i])
+    low = held = False
+    eligible = bool(float_in) and all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in)
+    cats = _categories(invals, infos, float_in, ctx) if float_in else []
+    if name == "div" and float_in and float_in[-1] == 1:
+        rule = div_rule(cats[-1])
+    lowered = rule == LOWER and eligible
+    if lowered:
+        lowered, _ = _constants_allow(name, invals, infos, float_in, ctx.dtype)
+    fill = False
+    if lowered:
+        targets = {i: ctx.dtype for i in float_in}
         params = _lower_params(eqn, float_in, ctx)
+        low = True
+    elif rule == KEEP:  # each output is its input, as it arrives
+        outs = _bind(eqn, vals, params)
+        _record(ctx, eqn, rule, vals, outs)
+        if len(outs) == len(infos):
+            return outs, list(infos)
+        return outs, [Info(kind=_const_kind(infos))] * len(outs)
     elif rule == FLOAT32:
-        for i in float_in:
-            if np.dtype(vals[i].dtype) in ELIGIBLE:
-                vals[i] = cast(vals[i], FLOAT32_DTYPE)
-    elif rule in (PROMOTE, LOWER) and float_in:  # LOWER with float64: promote
-        strong = [i for i in float_in if kinds[i] != LITERAL] or float_in
-        target = widest([invals[i].dtype for i in strong])
-        if feeds_float32 and name in ARITHMETIC:
-            # The operand of exp/log/sum/div...: computed in float32 from its
-            # half-precision inputs, as torch upcasts softmax's input before
-            # subtracting the max (see the module docstring).
-            target = widest([target, FLOAT32_DTYPE])
-        for i in float_in:
-            vals[i] = _cast_input(vals[i], target, kinds[i])
+        targets = {i: FLOAT32_DTYPE for i in float_in if np.dtype(invals[i].dtype) in ELIGIBLE}
+        low = output_is_low(cats)
+    else:  # promote; lower with float64 or a constant that does not fit
+        target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
+        targets = {i: target for i in float_in}
+        low = output_is_low(cats)
+    with _source(eqn):  # the casts carry the user's source line (autocast_report)
+        for i, dtype in targets.items():
+            vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
     outs = _bind(eqn, vals, params)
     _record(ctx, eqn, rule, vals, outs)
-    kind = min(kinds) if kinds else CONST
-    return outs, [kind] * len(outs)
+    return outs, _out_infos(eqn, invals, infos, outs, low, held)
 
 
-def _convert_element_type(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _promote_target(
+    eqn: Any,
+    invals: Sequence[Any],
+    infos: Sequence[Info],
+    float_in: Sequence[int],
+    cats: Sequence[str],
+    ctx: Context,
+    feeds_float32: bool,
+) -> tuple[Any, bool, bool]:
+    """The dtype a ``promote`` primitive runs in; whether a mask fill saturates; whether held.
+
+    The widest floating input dtype (literals follow the others), or the low
+    dtype when :func:`autocast_rules.runs_low` says so; float32 for
+    arithmetic feeding a float32-rule primitive; and no narrowing past a
+    constant that does not fit (:func:`_constants_allow`).
+    """
+    name = eqn.primitive.name
+    if not float_in:
+        return None, False, False
+    strong = [i for i in float_in if infos[i].kind != LITERAL] or float_in
+    target = widest([invals[i].dtype for i in strong])
+    eligible = all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in)
+    if eligible and runs_low(cats):
+        target = ctx.dtype
+    held = False
+    if feeds_float32 and name in ARITHMETIC and target != widest([target, FLOAT32_DTYPE]):
+        # The operand of exp/log/sum...: computed in float32 from its
+        # half-precision inputs, as torch upcasts softmax's input before
+        # subtracting the max (see the module docstring). To its other
+        # consumers it is still a low activation (held in float32).
+        held = target == ctx.dtype
+        target = widest([target, FLOAT32_DTYPE])
+    allowed, fill = _constants_allow(name, invals, infos, float_in, target)
+    if not allowed:  # a constant that does not fit: no narrowing
+        target = widest([invals[i].dtype for i in float_in])
+    return target, fill, held
+
+
+def _out_infos(
+    eqn: Any,
+    invals: Sequence[Any],
+    infos: Sequence[Info],
+    outs: Sequence[Any],
+    low: bool,
+    held: bool = False,
+) -> list:
+    kind = min((i.kind for i in infos), default=CONST)
+    name = eqn.primitive.name
+    size = None
+    if name in STRUCTURAL and invals:
+        size = _size(invals[0], infos[0])
+    span = None
+    if kind >= CONST and name in SPAN_PRESERVING and all(is_float(x.dtype) for x in outs):
+        spans = [_span(x, i) for x, i in zip(invals, infos, strict=True) if is_float(x.dtype)]
+        if spans and all(s is not None for s in spans):
+            span = merge_spans(spans)
+    lows = [i for x, i in zip(invals, infos, strict=True) if is_float(x.dtype) and i.low]
+    statistic = low and (name in REDUCTIONS or bool(lows) and all(i.statistic for i in lows))
+    return [
+        Info(kind, low and is_float(x.dtype), size, span, held and low, statistic) for x in outs
+    ]
+
+
+def _convert_element_type(eqn: Any, invals: list, infos: list, ctx: Context):
     (x,) = invals
     new_dtype = eqn.params["new_dtype"]
     if eqn.invars[0].aval.dtype == new_dtype and is_float(new_dtype):
         # A no-op in the traced program (at most a weak-type change): keep the
         # autocast dtype instead of undoing it.
         _record(ctx, eqn, "no-op cast", [x], [x])
-        return [x], [kinds[0]]
+        return [x], [infos[0]]
     outs = _bind(eqn, [x])  # the user's own cast: honoured
     _record(ctx, eqn, "cast", outs, outs)
-    return outs, [kinds[0]]
+    info = infos[0]
+    keeps = is_float(x.dtype) and is_float(new_dtype)
+    span = info.span if keeps and not _narrows(x.dtype, new_dtype) else None
+    return outs, [info._replace(low=info.low and keeps, span=span, held=False)]
 
 
 # ---------------------------------------------------------------------------
@@ -353,25 +540,27 @@ def _convert_element_type(eqn: Any, invals: list, kinds: list, ctx: Context):
 # ---------------------------------------------------------------------------
 
 
-def _call(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _call(eqn: Any, invals: list, infos: list, ctx: Context):
     closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-    return eval_closed(closed, invals, kinds, ctx)
+    return eval_closed(closed, invals, infos, ctx)
 
 
-def _remat(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _remat(eqn: Any, invals: list, infos: list, ctx: Context):
     params = eqn.params
+    out_infos: list = []
 
     def body(*xs: Any) -> list:
-        return eval_closed(params["jaxpr"], xs, kinds, ctx)[0]
+        outs, out_infos[:] = eval_closed(params["jaxpr"], xs, infos, ctx)
+        return outs
 
     fn = jax.checkpoint(
         body, prevent_cse=params.get("prevent_cse", True), policy=params.get("policy")
     )
     outs = fn(*invals)
-    return list(outs), [TRACED] * len(outs)
+    return list(outs), [_traced(i) for i in out_infos]
 
 
-def _scan(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _scan(eqn: Any, invals: list, infos: list, ctx: Context):
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts = invals[:n_consts]
@@ -381,66 +570,76 @@ def _scan(eqn: Any, invals: list, kinds: list, ctx: Context):
         for x, d in zip(invals[n_consts : n_consts + n_carry], carry_dtypes, strict=True)
     ]
     xs = invals[n_consts + n_carry :]
-    body_kinds = [*kinds[:n_consts], *([TRACED] * n_carry), *kinds[n_consts + n_carry :]]
+    x_infos = [i._replace(size=None) for i in infos[n_consts + n_carry :]]  # slices
+    body_infos = [*infos[:n_consts], *([Info()] * n_carry), *x_infos]
+    y_infos: list = []
 
     def body(carry: list, x: list) -> tuple[list, list]:
-        outs, _ = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_kinds, ctx)
+        outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, ctx)
+        y_infos[:] = [_traced(i) for i in out_infos[n_carry:]]
         new_carry = [_strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
         return new_carry, outs[n_carry:]
 
     carry, ys = lax.scan(
         body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1)
     )
-    outs = [*carry, *ys]
-    return outs, [TRACED] * len(outs)
+    return [*carry, *ys], [*([Info()] * n_carry), *y_infos]
 
 
-def _while(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _traced(info: Info) -> Info:
+    """What a sub-computation's output keeps of its info: whether it is low."""
+    return Info(low=info.low, statistic=info.statistic)
+
+
+def _while(eqn: Any, invals: list, infos: list, ctx: Context):
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
     carry_dtypes = [v.aval.dtype for v in eqn.invars[nc + nb :]]
     init = [_strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
     n_carry = len(init)
-    cond_kinds = [*kinds[:nc], *([TRACED] * n_carry)]
-    body_kinds = [*kinds[nc : nc + nb], *([TRACED] * n_carry)]
+    cond_infos = [*infos[:nc], *([Info()] * n_carry)]
+    body_infos = [*infos[nc : nc + nb], *([Info()] * n_carry)]
 
     def cond_fun(carry: list) -> Any:
-        return eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_kinds, ctx)[0][0]
+        return eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_infos, ctx)[0][0]
 
     def body_fun(carry: list) -> list:
-        outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_kinds, ctx)
+        outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_infos, ctx)
         return [_strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
 
     outs = lax.while_loop(cond_fun, body_fun, init)
-    return list(outs), [TRACED] * len(outs)
+    return list(outs), [Info()] * len(outs)
 
 
-def _cond(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _cond(eqn: Any, invals: list, infos: list, ctx: Context):
     index, ops = invals[0], invals[1:]
     out_dtypes = [v.aval.dtype for v in eqn.outvars]
 
     def branch(closed: Any, *xs: Any) -> list:
-        outs, _ = eval_closed(closed, xs, kinds[1:], ctx)
+        outs, _ = eval_closed(closed, xs, infos[1:], ctx)
         return [_strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
 
     fns = [functools.partial(branch, b) for b in eqn.params["branches"]]
     outs = lax.switch(index, fns, *ops)
-    return list(outs), [TRACED] * len(outs)
+    return list(outs), [Info()] * len(outs)
 
 
-def _custom_primal(eqn: Any, invals: list, kinds: list, ctx: Context):
-    """The body under the rules, as a closed jaxpr, plus its output dtypes."""
+def _custom_primal(eqn: Any, invals: list, infos: list, ctx: Context):
+    """The body under the rules, as a closed jaxpr, plus its output dtypes and infos."""
+    out_infos: list = []
 
     def primal(*xs: Any) -> list:
-        return eval_closed(eqn.params["call_jaxpr"], xs, kinds, ctx)[0]
+        outs, out_infos[:] = eval_closed(eqn.params["call_jaxpr"], xs, infos, ctx)
+        return outs
 
     traced = jax.make_jaxpr(primal)(*invals)
     body = jex_core.jaxpr_as_fun(traced)
-    return (lambda *xs: tuple(body(*xs))), [a.dtype for a in traced.out_avals]
+    dtypes = [a.dtype for a in traced.out_avals]
+    return (lambda *xs: tuple(body(*xs))), dtypes, [_traced(i) for i in out_infos]
 
 
-def _custom_jvp(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     """custom_jvp: the body and the jvp rule both evaluated with the rules.
 
     The primal runs the body under the rules. The jvp rule is JAX's jvp of the
@@ -453,7 +652,7 @@ def _custom_jvp(eqn: Any, invals: list, kinds: list, ctx: Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     n, m = len(in_avals), len(out_avals)
-    primal, out_dtypes = _custom_primal(eqn, invals, kinds, ctx)
+    primal, out_dtypes, out_infos = _custom_primal(eqn, invals, infos, ctx)
     fun = jax.custom_jvp(primal)
 
     def original_jvp(*args: Any) -> list:
@@ -472,8 +671,11 @@ def _custom_jvp(eqn: Any, invals: list, kinds: list, ctx: Context):
         )
         args = [*primals, *(tangents[i] for i in diff_in)]
         # A tangent is never a constant; a literal's (zero) tangent follows.
-        tangent_kinds = [kinds[i] if kinds[i] == LITERAL else TRACED for i in diff_in]
-        outs, _ = eval_closed(traced, args, [*kinds, *tangent_kinds], ctx)
+        tangent_infos = [
+            infos[i] if infos[i].kind == LITERAL else infos[i]._replace(kind=TRACED, span=None)
+            for i in diff_in
+        ]
+        outs, _ = eval_closed(traced, args, [*infos, *tangent_infos], ctx)
         p_out = tuple(cast(x, d) for x, d in zip(outs[:m], out_dtypes, strict=True))
         t_iter = iter(outs[m:])
         t_out = tuple(
@@ -483,10 +685,10 @@ def _custom_jvp(eqn: Any, invals: list, kinds: list, ctx: Context):
         return p_out, t_out
 
     outs = fun(*invals)
-    return list(outs), [TRACED] * len(outs)
+    return list(outs), out_infos
 
 
-def _custom_vjp(eqn: Any, invals: list, kinds: list, ctx: Context):
+def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
     """custom_vjp: body, forward and backward passes all evaluated with the rules.
 
     The forward pass is ``jax.vjp`` of the original call (so the user's ``fwd``
@@ -500,7 +702,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: list, ctx: Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     in_dtypes = [x.dtype for x in invals]
-    primal, out_dtypes = _custom_primal(eqn, invals, kinds, ctx)
+    primal, out_dtypes, out_infos = _custom_primal(eqn, invals, infos, ctx)
     fun = jax.custom_vjp(primal)
 
     def original_vjp(*primals: Any) -> tuple:
@@ -509,7 +711,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: list, ctx: Context):
     def fwd(*xs: Any) -> tuple[tuple, Any]:
         traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*map(_sds, in_avals))
         leaves, tree = jax.tree_util.tree_flatten(shapes)
-        outs, _ = eval_closed(traced, xs, kinds, ctx)
+        outs, _ = eval_closed(traced, xs, infos, ctx)
         outs = [cast(x, s.dtype) for x, s in zip(outs, leaves, strict=True)]
         p_out, pullback = jax.tree_util.tree_unflatten(tree, outs)
         return tuple(cast(x, d) for x, d in zip(p_out, out_dtypes, strict=True)), pullback
@@ -532,7 +734,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: list, ctx: Context):
             *(_sds(out_avals[j]) for j in diff_out),
         )
         args = [*res, *(cts[j] for j in diff_out)]
-        outs, _ = eval_closed(traced, args, [TRACED] * len(args), ctx)
+        outs, _ = eval_closed(traced, args, [Info()] * len(args), ctx)
         it = iter(outs)
         return tuple(
             cast(next(it), in_dtypes[i]) if i in diff_in else _float0_zeros(a)
@@ -541,7 +743,7 @@ def _custom_vjp(eqn: Any, invals: list, kinds: list, ctx: Context):
 
     fun.defvjp(fwd, bwd)
     outs = fun(*invals)
-    return list(outs), [TRACED] * len(outs)
+    return list(outs), out_infos
 
 
 HIGHER_ORDER: dict[str, Callable[..., tuple[list, list]]] = {

@@ -3,7 +3,8 @@
 ``autocast(fun)`` traces ``fun`` to a jaxpr and evaluates that jaxpr with an
 interpreter that decides, primitive by primitive, in which dtype it runs. The
 decision comes from one table, :data:`RULES`, the JAX analogue of
-torch.autocast's CUDA op lists:
+torch.autocast's op lists, and, for ``promote``, from what each input is
+(:func:`category`, :func:`runs_low`):
 
 ================  ==========================================================
 rule              what happens to the floating inputs of the primitive
@@ -12,19 +13,30 @@ rule              what happens to the floating inputs of the primitive
                   output stays in that dtype (``preferred_element_type`` too,
                   unless the program asked for one wider than the traced
                   inputs, e.g. ``bf16 x bf16 -> f32``). Matrix products and
-                  convolutions.
-``float32``       cast to float32 (float64 is left alone). exp, log, pow,
-                  rsqrt, sums, window sums, cumulative sums, division, ...
-                  so softmax, log-softmax, logsumexp, norms, variance,
-                  pooling and losses run in float32; also FFTs, linear
-                  algebra, ``complex`` and ``conj``, which accept only
-                  float32/float64.
-``promote``       cast to the widest floating dtype among the inputs (torch's
-                  "promote" list). Python scalars and constants (literals)
-                  follow the other inputs instead of widening them, as they
-                  do in ``jnp``. An ``add``/``sub``/``mul``/``square`` whose
-                  result feeds a ``float32`` primitive runs in float32 (so
-                  ``x - max(x)`` in softmax is computed as in float32).
+                  convolutions. Their outputs are *low activations*.
+``float32``       cast to float32 (float64 is left alone); the output is
+                  float32. exp, log, pow, rsqrt, sums, window sums,
+                  cumulative sums, divisions (not by a constant or a
+                  parameter: that is a scale, ``promote``), ... so softmax,
+                  log-softmax, logsumexp, norm statistics, variance, pooling
+                  and losses compute in float32; also FFTs, linear algebra,
+                  ``complex`` and ``conj``, which accept only float32/float64.
+``promote``       every elementwise or structural primitive on no other list.
+                  It runs in the low dtype when a low activation is among its
+                  inputs and neither a float32 *statistic* (a reduction of low
+                  activations: a norm's mean or variance) nor a *full-size*
+                  float32 value that does not come from low activations (a
+                  residual stream, an input batch) is: broadcast parameters
+                  (a bias, a scale, a gate), constants and float32 values
+                  computed from low activations follow the activation down,
+                  as torch casts a Linear's bias with its matmul. It also runs
+                  low where a float32 value computed from low activations
+                  meets a broadcast parameter: the scale and bias that end a
+                  norm of low activations. Otherwise it runs in the widest
+                  floating input dtype, literals following the others as in
+                  ``jnp``. An ``add``/``sub``/``mul``/``square`` whose result
+                  feeds a ``float32`` primitive runs in float32 (so ``x -
+                  max(x)`` in softmax is computed as in float32).
 ``keep``          left as they arrive (data movement with independent inputs,
                   ``checkpoint_name``, debug printing).
 ``as traced``     cast back to the dtypes they had when ``fun`` was traced
@@ -33,17 +45,25 @@ rule              what happens to the floating inputs of the primitive
                   every primitive the table does not know.
 ================  ==========================================================
 
+So activation functions, dropout and data movement run in their input's
+dtype; a float32 residual stream stays float32 (``x + attention(x)``), and
+norms of it compute and return float32, which the next matmul casts down.
+
 Integer, boolean, complex and key inputs are never touched. A constant (a
-value known when ``fun`` is traced) that autocast narrows is first saturated
-to the finite range of the narrower dtype, so a ``jnp.finfo(jnp.float32).min``
-mask fill stays finite; values that depend on the arguments are cast as they
-are, so their overflow still reaches loss scaling. Sub-computations
-(``jit``, ``closed_call``, ``custom_jvp_call``, ``custom_vjp_call``, ``scan``,
-``while``, ``cond``, ``remat``) are interpreted recursively with the same rules;
-loop carries and the outputs of ``cond`` keep the dtypes they were traced with,
-so every branch and iteration agrees. ``convert_element_type`` written by the
-user (``x.astype(...)``) is honoured; a no-op conversion in the traced program
-stays a no-op.
+value known when ``fun`` is traced; small computations on constants are done
+then, so ``jnp.sqrt(d)`` is one) is narrowed only if every value fits the low
+dtype (:func:`fits`: no overflow, no flush below its smallest normal);
+otherwise the primitive runs in the wider dtype, so no constant silently
+changes a value. The one exception is the mask fill: a select, max, min or
+clamp against ``+-finfo(float32).max`` saturates it to the low dtype's finite
+extreme, so a ``jnp.finfo(jnp.float32).min`` fill stays finite. Values that
+depend on the arguments are cast as they are, so their overflow reaches loss
+scaling. Sub-computations (``jit``, ``closed_call``, ``custom_jvp_call``,
+``custom_vjp_call``, ``scan``, ``while``, ``cond``, ``remat``) are
+interpreted recursively with the same rules; loop carries and the outputs of
+``cond`` keep the dtypes they were traced with, so every branch and iteration
+agrees. ``convert_element_type`` written by the user (``x.astype(...)``) is
+honoured; a no-op conversion in the traced program stays a no-op.
 
 Regions that must not be autocast are marked with :func:`autocast_disabled`
 (a ``jax.named_scope`` the interpreter recognises); inside them every
@@ -55,8 +75,8 @@ region the same way, so the innermost setting wins, as with nested
 from __future__ import annotations
 
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,17 +107,18 @@ _FLOAT32 = (
     "exp", "exp2", "log", "log1p", "expm1", "pow", "sqrt", "rsqrt", "cbrt", "reciprocal",
     # torch: acos, asin, cosh, sinh, tan (and the inverse hyperbolics).
     "tan", "acos", "asin", "cosh", "sinh", "acosh", "asinh", "atanh",
-    # torch: softplus, erfinv; sigmoid-like and special functions.
-    "logistic", "erf", "erfc", "erf_inv", "lgamma", "digamma", "polygamma",
+    # torch: erfinv; special functions (softplus is exp and log1p).
+    "erf_inv", "lgamma", "digamma", "polygamma",
     "igamma", "igammac", "igamma_grad_a", "random_gamma_grad", "zeta",
     "bessel_i0e", "bessel_i1e", "regularized_incomplete_beta",
     # torch: sum, prod, cumsum, cumprod, logsumexp (dtype= overloads) ... and
     # avg_pool's window sums (torch accumulates those in float32 too).
     "reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum",
-    # ... and the divisions of softmax, layer_norm, group_norm, mean, mse_loss.
+    # ... and the divisions of softmax, layer_norm, group_norm, mean, mse_loss
+    # (a division by a constant or a parameter is a scale: see div_rule).
     "div",
-    # integer_pow: float32 for exponents < 0 or > 2, promote for 0, 1, 2
-    # (see _integer_pow_rule).
+    # integer_pow: float32 for exponents < 0 or > 3, promote for 0, 1, 2, and
+    # for 3 under bfloat16 (see rule_of).
     "integer_pow",
     # torch: fft_*, linalg_* (qr, svd, eigh, cholesky, solve, ...), geqrf,
     # triangular_solve. These primitives accept float32/float64 (or complex)
@@ -113,7 +134,10 @@ _PROMOTE = (
     # index_put/scatter_add are "as traced" below) and every elementwise or
     # structural op on no list.
     "add", "add_any", "sub", "mul", "neg", "abs", "sign", "max", "min", "rem",
-    "square", "tanh", "sin", "cos", "atan", "atan2", "floor", "ceil", "round",
+    "square", "sin", "cos", "atan", "atan2", "floor", "ceil", "round",
+    # Activation functions run in their input's dtype (torch: sigmoid, tanh,
+    # gelu, silu are on no list); their outputs are bounded.
+    "tanh", "logistic", "erf", "erfc",
     "is_finite", "nextafter", "clamp", "select_n", "reduce_precision",
     "eq", "ne", "lt", "le", "gt", "ge", "eq_to", "lt_to", "le_to",
     "and", "or", "not", "xor",
@@ -166,7 +190,7 @@ RULES: Mapping[str, str] = types.MappingProxyType(
 """Primitive name -> rule. Primitives not in the table run as traced and are
 reported as unknown by :func:`autocast_report`."""
 
-_INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote; larger or negative: float32
+_INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote; x**3 too under bfloat16 (rule_of)
 
 # float64 is never cast (as in torch); these are the dtypes autocast may change.
 ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
@@ -178,14 +202,156 @@ FLOAT32_DTYPE = np.dtype(jnp.float32)
 ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "square", "integer_pow"})
 
 
-def rule_of(eqn: Any) -> str | None:
+def rule_of(eqn: Any, dtype: Any = None) -> str | None:
     """The rule of ``eqn``'s primitive, or ``None`` for a primitive the table does not know.
 
     ``integer_pow`` depends on its exponent: ``x**0``, ``x**1`` and ``x**2``
-    promote, larger or negative exponents run in float32.
+    promote; ``x**3`` (gelu's tanh approximation) promotes under bfloat16,
+    whose range is float32's, and runs in float32 under float16 (the
+    derivative ``3 x**2`` overflows float16 from ``|x| = 148``, and ``0 * inf``
+    would make the gradient NaN); larger or negative exponents run in float32.
+    ``div`` is ``float32`` here; dividing by a constant or a parameter
+    promotes (:func:`div_rule`).
     """
     name = eqn.primitive.name
     if name == "integer_pow":
         y = eqn.params["y"]
-        return PROMOTE if 0 <= y <= _INTEGER_POW_MAX_LOW else FLOAT32
+        top = _INTEGER_POW_MAX_LOW + (dtype is not None and np.dtype(dtype) == _BFLOAT16)
+        return PROMOTE if 0 <= y <= top else FLOAT32
     return RULES.get(name)
+
+
+_BFLOAT16 = np.dtype(jnp.bfloat16)
+
+
+# ---------------------------------------------------------------------------
+# The dtype flow of ``promote``: what a floating input of an elementwise or
+# structural primitive is, and the dtype the primitive runs in.
+# ---------------------------------------------------------------------------
+
+LOW_ACTIVATION = "low activation"  # in the low dtype, computed by autocast from activations
+DERIVED = "derived"  # float32, computed by float32 primitives from low activations only
+STATISTIC = "statistic"  # a reduction of low activations: a mean, a variance, a max
+PARAMETER = "parameter"  # not derived from low activations, broadcast: bias, scale, gate
+FULL = "full"  # not derived from low activations, full size: a float32 residual stream
+CONSTANT = "constant"  # known when fun is traced: literals and constant arrays
+
+
+def category(
+    *, constant: bool, low: bool, statistic: bool, broadcast: bool, in_low_dtype: bool
+) -> str:
+    """The category of one floating input of a ``promote`` primitive.
+
+    ``low``: derived from low-precision activations only (parameters and
+    constants do not count); ``statistic``: and reduced (a mean, a variance,
+    a max, a softmax normaliser, and what is computed from those alone);
+    ``broadcast``: fewer elements before broadcasting than the largest input;
+    ``in_low_dtype``: a low activation (its dtype is autocast's low dtype, or
+    it is held in float32 for float32 consumers).
+    """
+    if constant:
+        return CONSTANT
+    if low:
+        if statistic:
+            return STATISTIC
+        return LOW_ACTIVATION if in_low_dtype else DERIVED
+    return PARAMETER if broadcast else FULL
+
+
+# Reductions: what they compute from low activations is a statistic.
+REDUCTIONS = frozenset({"reduce_sum", "reduce_max", "reduce_min", "reduce_prod"})
+
+
+def runs_low(categories: Sequence[str]) -> bool:
+    """Whether a ``promote`` primitive runs in the low dtype (else: the widest input dtype).
+
+    Never when a float32 statistic (a norm's mean or variance) or a full-size
+    value that does not come from low activations (a float32 residual
+    stream) is among its inputs. Otherwise it does when a low activation is
+    among them: parameters, constants and float32 values derived from low
+    activations (``x**3`` inside ``gelu``) follow it down, as torch casts a
+    Linear's bias with its matmul. And it does when a float32 value derived
+    from low activations meets a broadcast parameter: the affine transform
+    that ends a norm (``* scale + bias``), so a norm of low activations
+    returns them to the low dtype.
+    """
+    kinds = set(categories)
+    if kinds & {STATISTIC, FULL}:
+        return False
+    return LOW_ACTIVATION in kinds or {DERIVED, PARAMETER} <= kinds
+
+
+def div_rule(divisor: str) -> str:
+    """``x / c`` by a constant or a parameter is a scale (dropout's ``x / keep``,
+    attention's ``q / sqrt(d)``): it promotes. Any other division (softmax's,
+    a norm's, a mean's) runs in float32."""
+    return PROMOTE if divisor in (CONSTANT, PARAMETER) else FLOAT32
+
+
+def output_is_low(categories: Sequence[str]) -> bool:
+    """Whether an output is derived from low activations only (see :func:`category`)."""
+    kinds = set(categories)
+    return bool(kinds & {LOW_ACTIVATION, DERIVED, STATISTIC}) and FULL not in kinds
+
+
+# Primitives that move values without computing new ones: their output's
+# broadcast size is their input's, and a constant keeps its span of values.
+STRUCTURAL = frozenset(
+    {"broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose", "copy", "copy_p",
+     "convert_element_type", "sharding_constraint", "rev"}
+)  # fmt: skip
+SPAN_PRESERVING = STRUCTURAL | frozenset(
+    {"slice", "dynamic_slice", "gather", "concatenate", "pad", "select_n", "neg", "abs",
+     "max", "min", "reduce_max", "reduce_min", "stop_gradient", "clamp"}
+)  # fmt: skip
+# The mask-fill idiom: a select (jnp.where) or a max/min against a constant
+# holding +-finfo(float32).max; narrowed, the fill saturates to the low
+# dtype's finite extreme instead of running the primitive in float32.
+MASK_FILL = frozenset({"select_n", "max", "min", "clamp"})
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+class Span(NamedTuple):
+    """The finite magnitudes of a constant: what decides whether it fits a dtype."""
+
+    big: float  # the largest finite magnitude, +-finfo(float32).max excepted (0 if none)
+    small: float  # the smallest nonzero finite magnitude (inf if none)
+    fill: bool  # whether +-finfo(float32).max occurs: the mask-fill idiom
+
+
+def span_of(value: Any) -> Span:
+    a = np.abs(np.asarray(value).astype(np.float64)).ravel()
+    a = a[np.isfinite(a)]
+    fill = a == _F32_MAX
+    rest = a[~fill]
+    nonzero = rest[rest > 0]
+    return Span(
+        big=float(rest.max()) if rest.size else 0.0,
+        small=float(nonzero.min()) if nonzero.size else float("inf"),
+        fill=bool(fill.any()),
+    )
+
+
+def merge_spans(spans: Sequence[Span]) -> Span:
+    return Span(
+        big=max(s.big for s in spans),
+        small=min(s.small for s in spans),
+        fill=any(s.fill for s in spans),
+    )
+
+
+def fits(span: Span | None, dtype: Any, *, mask_fill: bool = False) -> bool:
+    """Whether a constant with ``span`` keeps its value, to rounding, in ``dtype``.
+
+    A value that would overflow to inf or flush below ``dtype``'s smallest
+    normal number does not fit; an unknown span (``None``) does not either.
+    With ``mask_fill``, +-finfo(float32).max is allowed: it saturates.
+    """
+    if span is None:
+        return False
+    info = jnp.finfo(dtype)
+    return (
+        span.big <= float(info.max)
+        and span.small >= float(info.smallest_normal)
+        and (mask_fill or not span.fill)
+    )

@@ -1,0 +1,69 @@
+"""Smoke test of benchmarks/autocast_memory.py: tiny models, no timing assertions."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VARIANTS = ("float32", "jamp.autocast bfloat16", "Flax dtype=bfloat16", "jmp policy bfloat16",
+            "jamp.autocast float16", "Flax dtype=float16", "jmp policy float16")  # fmt: skip
+
+
+def _run(tmp_path, *args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # A fresh interpreter: the benchmark must not inherit the test session's strict dtype
+    # promotion or its 8 virtual devices. Less LLVM optimisation: compiles dominate.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.autocast_memory", "--tiny", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def test_tiny_run_prints_every_variant_and_judges_the_targets(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# jamp benchmark results\n\nearlier sections\n")
+    out = _run(tmp_path, "--no-torch", "--out", str(tmp_path / "section.md"),
+               "--results", str(results))  # fmt: skip
+    section = (tmp_path / "section.md").read_text()
+    assert section.strip() == out.strip()
+    assert section.startswith("<!-- autocast-memory:start -->")
+    assert section.rstrip().endswith("<!-- autocast-memory:end -->")
+    for model in ("### GPT:", "### CNN:"):
+        assert model in section, model
+    for name in VARIANTS:
+        rows = [line for line in section.splitlines() if line.startswith(f"| {name} |")]
+        assert len(rows) == 2, name  # one per model
+        for row in rows:  # residuals, ratio, temp, temp ratio, cosine, loss
+            cells = [c.strip() for c in row.strip("|").split("|")]
+            assert len(cells) == 7 and float(cells[2]) > 0 and float(cells[4]) > 0, row
+    float32_rows = [line for line in section.splitlines() if line.startswith("| float32 |")]
+    assert all("| 1.000 |" in line for line in float32_rows)
+    # The targets the benchmark judges itself, with the ratios they compare.
+    targets = section.split("### Targets (issue #17)")[1]
+    for model in ("GPT", "CNN"):
+        for dtype in ("bfloat16", "float16"):
+            start = f"| {model}: jamp.autocast {dtype} residual ratio <= Flax"
+            line = next(t for t in targets.splitlines() if t.startswith(start))
+            assert re.search(r"\| \d\.\d{3} vs \d\.\d{3} \| (yes|\*\*no\*\*) \|", line), line
+            assert f"| {model}: jamp.autocast {dtype} gradient cosine >= 0.999 |" in targets
+    assert "residual ratio <= torch's 0.56" in targets
+    # --results appended the section after what the file had.
+    text = results.read_text()
+    assert text.startswith("# jamp benchmark results\n\nearlier sections\n")
+    assert text.count("<!-- autocast-memory:start -->") == 1
+    # A second run replaces the section instead of appending another.
+    _run(tmp_path, "--no-torch", "--models", "CNN", "--results", str(results))
+    text = results.read_text()
+    assert text.count("<!-- autocast-memory:start -->") == 1 and "### GPT:" not in text
+
+
+def test_tiny_step_time_table(tmp_path):
+    out = _run(tmp_path, "--step-time", "--step-rounds", "1", "--step-reps", "1")
+    assert "### GPT step time:" in out
+    for name in ("float32", "jamp.autocast bfloat16", "jamp.autocast float16",
+                 "Flax dtype=bfloat16", "Flax dtype=float16"):  # fmt: skip
+        assert sum(line.startswith(f"| {name} |") for line in out.splitlines()) == 1, name
