@@ -31,7 +31,7 @@ from jamp._src.finite import unscale_and_check as _unscale_and_check
 from jamp._src.leaves import check_bool_scalar, is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scaling import loss_scaling
-from jamp._src.skip import apply_or_keep, check_skip
+from jamp._src.skip import check_skip, optimizer_step
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -237,6 +237,7 @@ class GradScaler:
         params: Any,
         *,
         found_inf: Any = None,
+        filter: Any = None,
         **extra_args: Any,
     ) -> tuple[Any, Any, jax.Array]:
         """Unscale, and apply ``tx`` unless a gradient is inf/NaN: ``scaler.step(opt)``.
@@ -247,6 +248,13 @@ class GradScaler:
         With ``found_inf`` (from :meth:`unscale`), ``grads`` are taken as
         already unscaled. When disabled, the step is always applied,
         as in PyTorch.
+
+        ``params`` may be an Equinox module, with ``filter`` (not in PyTorch):
+        ``tx`` and the skip see only the leaves it selects
+        (``eqx.filter(params, filter)``; pass the filter the optimizer state
+        was initialised with, e.g. ``eqx.is_array``), the others come back
+        untouched, and ``None`` gradients (``eqx.filter_grad``'s) leave their
+        parameter as it is.
 
         Returns:
           ``(params, opt_state, found_inf)``; pass ``found_inf`` to :meth:`update`.
@@ -259,24 +267,32 @@ class GradScaler:
                 f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
             )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
+
+        def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
+            return optimizer_step(
+                pred,
+                tx,
+                grads_fn,
+                opt_state,
+                params,
+                filter=filter,
+                skip=self.skip,
+                extra_args=extra_args,
+                fn="GradScaler.step",
+            )
+
         if not self.enabled:
-            updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-            return optax.apply_updates(params, updates), opt_state, jnp.asarray(False)
+            params, opt_state = step(None, lambda: grads)
+            return params, opt_state, jnp.asarray(False)
         if found_inf is None:
-            finite = check_unscaled(state, grads, axis_name=self.axis_name)
-            unscaled = lambda: ls.unscale(state, grads)  # noqa: E731
+            finite = check_unscaled(state, grads, axis_name=self.axis_name, filter=filter)
+            unscaled = lambda: ls.unscale(state, grads, filter=filter)  # noqa: E731
         else:  # grads already unscaled by scaler.unscale
             finite = agree(jnp.logical_not(_found_inf_flag(found_inf)), self.axis_name)
             unscaled = lambda: grads  # noqa: E731
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
-        def apply() -> tuple[Any, Any]:
-            updates, new_opt_state = tx.update(unscaled(), opt_state, params, **extra_args)
-            return optax.apply_updates(params, updates), new_opt_state
-
-        new_params, new_opt_state = apply_or_keep(
-            finite, apply, lambda _: (params, opt_state), skip=self.skip
-        )
+        new_params, new_opt_state = step(finite, unscaled)
         return new_params, new_opt_state, jnp.logical_not(finite)
 
     def update(

@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.leaves import Filter, check_bool_scalar, check_filter, explicit_sharding, selected
+from jamp._src.leaves import (
+    Filter,
+    check_bool_scalar,
+    check_filter,
+    combine,
+    explicit_sharding,
+    partition,
+    selected,
+)
 
 SKIP_MODES = ("cond", "select")
 
@@ -213,3 +221,64 @@ def apply_updates(params: Any, updates: Any) -> Any:
         return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
 
     return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None)
+
+
+def check_params(params: Any, fn: str) -> None:
+    """A TypeError naming the path of a leaf of ``params`` no optimizer can update (a
+    function, a string), with the fix for an Equinox module."""
+
+    def visit(path: Any, leaf: Any) -> None:
+        if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype"):
+            return
+        raise TypeError(
+            f"`jamp.{fn}` expected `params` to be a pytree of arrays, got a leaf of type "
+            f"{type(leaf).__name__} at path {jax.tree_util.keystr(path) or '<root>'} "
+            f"({leaf!r:.60}) instead. For an Equinox module, pass the filter its optimizer "
+            "state was initialised with (filter=eqx.is_array for "
+            "tx.init(eqx.filter(model, eqx.is_array))): the leaves it leaves out are returned "
+            "untouched."
+        )
+
+    jax.tree_util.tree_map_with_path(visit, params)
+
+
+def optimizer_step(
+    pred: jax.Array | None,
+    tx: Any,
+    grads_fn: Callable[[], Any],
+    opt_state: Any,
+    params: Any,
+    *,
+    filter: Filter = None,
+    skip: str = "cond",
+    extra_args: dict | None = None,
+    fn: str = "step",
+) -> tuple[Any, Any]:
+    """``tx``'s step applied to ``params`` where ``pred`` holds, else both kept, by cond or
+    select: ``(params, opt_state)``. ``pred=None`` applies it unconditionally.
+
+    ``grads_fn()`` makes the gradients inside the applied branch (so XLA fuses
+    an unscale into the optimizer's pass). With ``filter``, ``tx`` and the
+    skip see only the leaves of ``params`` it selects (``eqx.filter(params,
+    filter)``); the others (an Equinox module's functions and flags) are
+    returned untouched. A ``None`` update (a leaf ``eqx.filter_grad`` did not
+    differentiate) leaves its parameter as it is.
+    """
+    check_filter(filter, fn)
+    if filter is None:
+        check_params(params, fn)
+        dynamic, static = params, None
+    else:
+        dynamic, static = partition(params, filter)
+
+    def apply() -> tuple[Any, Any]:
+        updates, new_opt_state = tx.update(grads_fn(), opt_state, dynamic, **(extra_args or {}))
+        return apply_updates(dynamic, updates), new_opt_state
+
+    if pred is None:
+        new_params, new_opt_state = apply()
+    else:
+        new_params, new_opt_state = apply_or_keep(
+            pred, apply, lambda _: (dynamic, opt_state), skip=skip
+        )
+    return (new_params if filter is None else combine(new_params, static)), new_opt_state
