@@ -5,7 +5,12 @@ activation function, a string, a Python flag) when asked to, strict by default.
 Equinox is not needed here: ``is_inexact_array`` below is ``eqx.is_inexact_array``.
 """
 
+import ast
 import logging
+import os
+import pathlib
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -276,3 +281,34 @@ def test_unscale_of_scale_is_the_identity_on_selected_leaves_and_leaves_the_rest
         else:
             assert after is before
     assert bool(jamp.all_finite(out, filter=is_inexact_array))
+
+
+# ---------------------------------------------------------------- equinox stays optional
+
+
+def test_jamp_never_imports_equinox():
+    """Equinox is an optional extra: jamp works with its modules by a filter argument and
+    duck typing, and imports without it."""
+    root = pathlib.Path(jamp.__file__).resolve().parent
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0:
+                names = [node.module or ""]
+            assert not any(n.split(".")[0] == "equinox" for n in names), path
+    code = (
+        "import sys; sys.modules['equinox'] = None; import jamp, jax.numpy as jnp; "
+        "out = jamp.filter_value_and_grad(lambda m: jnp.sum(m['w']))("
+        "jamp.dynamic_loss_scale(), {'w': jnp.ones(2), 'f': len}); "
+        "assert out.grads['f'] is None and sys.modules['equinox'] is None"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "PYTHONPATH": str(root.parent), "JAX_PLATFORMS": "cpu"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
