@@ -147,7 +147,8 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
 
     Args:
       pred: a boolean scalar.
-      on_true, on_false: two pytrees of the same structure.
+      on_true: the tree returned where ``pred`` holds.
+      on_false: the tree returned elsewhere, of ``on_true``'s structure.
       filter: a predicate on leaves, such as ``eqx.is_inexact_array``: only
         the leaves of ``on_true`` it selects are selected between; the others
         must be the same object in both trees (or equal non-arrays) and are
