@@ -22,7 +22,7 @@ from jax import lax
 from jamp._src.finite_cpu import cpu_finite
 from jamp._src.finite_default import default_finite
 from jamp._src.leaves import Filter, check_filter, float_leaves
-from jamp._src.loss_scale import LossScaleState, inverse_scale, unscale
+from jamp._src.loss_scale import LossScaleState, check_state, inverse_scale, unscale
 
 AxisName = Any  # an axis name (a str), or a tuple of them
 
@@ -165,6 +165,7 @@ def unscale_and_check(
       >>> g, bool(finite)
       (Array([2., 3.], dtype=float32), True)
     """
+    check_state(state, "unscale_and_check")
     check_filter(filter, "unscale_and_check")
     finite = check_unscaled(state, grads, axis_name=axis_name, filter=filter)
     return unscale(state, grads, filter=filter), finite
