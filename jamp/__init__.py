@@ -28,7 +28,12 @@ from jamp._src.loss_scaling import LossScalingState, loss_scaling, multi_steps
 from jamp._src.policy import Policy, get_policy, half_dtype, parse_dtype
 from jamp._src.report import NonfiniteCount, log_nonfinite, nonfinite_report
 from jamp._src.skip import select_tree
-from jamp._src.value_and_grad import ScaledValueAndGrad, value_and_grad
+from jamp._src.value_and_grad import (
+    ScaledValueAndGrad,
+    filter_value_and_grad,
+    step_if_finite,
+    value_and_grad,
+)
 
 _flax_support.register()
 
@@ -57,6 +62,8 @@ __all__ = [
     "get_loss_scale",
     "loss_scaling",
     "value_and_grad",
+    "filter_value_and_grad",
+    "step_if_finite",
     "LossScaleState",
     "all_finite",
     "dynamic_loss_scale",

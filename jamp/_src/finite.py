@@ -21,8 +21,8 @@ from jax import lax
 
 from jamp._src.finite_cpu import cpu_finite
 from jamp._src.finite_default import default_finite
-from jamp._src.leaves import float_leaves
-from jamp._src.loss_scale import LossScaleState, inverse_scale, unscale
+from jamp._src.leaves import Filter, check_filter, float_leaves
+from jamp._src.loss_scale import LossScaleState, check_state, inverse_scale, unscale
 
 AxisName = Any  # an axis name (a str), or a tuple of them
 
@@ -76,7 +76,7 @@ def agree(flag: jax.Array, axis_name: AxisName | None) -> jax.Array:
     return lax.pmax(bad, axis_name) == 0
 
 
-def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
+def all_finite(tree: Any, *, axis_name: AxisName | None = None, filter: Filter = None) -> jax.Array:
     """One boolean scalar: whether every floating element of ``tree`` is finite.
 
     Computed on device, with no host sync, and exact for every input: a NaN
@@ -103,12 +103,23 @@ def all_finite(tree: Any, *, axis_name: AxisName | None = None) -> jax.Array:
       >>> import jax.numpy as jnp, jamp
       >>> bool(jamp.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False
+
+      Only the leaves ``filter`` selects (a function held in the tree is not):
+
+      >>> tree = {"w": jnp.ones(3), "act": jnp.tanh}
+      >>> bool(jamp.all_finite(tree, filter=lambda x: hasattr(x, "dtype")))
+      True
     """
-    return agree(finite(float_leaves(tree, "all_finite")), axis_name)
+    check_filter(filter, "all_finite")
+    return agree(finite(float_leaves(tree, "all_finite", filter)), axis_name)
 
 
 def check_unscaled(
-    state: LossScaleState, grads: Any, *, axis_name: AxisName | None = None
+    state: LossScaleState,
+    grads: Any,
+    *,
+    axis_name: AxisName | None = None,
+    filter: Filter = None,
 ) -> jax.Array:
     """Whether ``unscale(state, grads)`` is all finite, from one read of ``grads``.
 
@@ -117,11 +128,15 @@ def check_unscaled(
     into the optimizer's own pass.
     """
     inv = inverse_scale(state) if state.enabled else None
-    return agree(finite(float_leaves(grads, "unscale_and_check"), inv), axis_name)
+    return agree(finite(float_leaves(grads, "unscale_and_check", filter), inv), axis_name)
 
 
 def unscale_and_check(
-    state: LossScaleState, grads: Any, *, axis_name: AxisName | None = None
+    state: LossScaleState,
+    grads: Any,
+    *,
+    axis_name: AxisName | None = None,
+    filter: Filter = None,
 ) -> tuple[Any, jax.Array]:
     """Unscale ``grads`` and check whether the *unscaled* values are all finite.
 
@@ -136,6 +151,8 @@ def unscale_and_check(
       state: a :class:`LossScaleState`.
       grads: the gradients of a scaled loss.
       axis_name: as in :func:`all_finite`.
+      filter: as in :func:`all_finite`; the leaves it is False for are
+        neither unscaled nor checked, and come back untouched.
 
     Returns:
       ``(unscaled_grads, finite)``: each leaf in its own dtype, and a boolean
@@ -148,4 +165,7 @@ def unscale_and_check(
       >>> g, bool(finite)
       (Array([2., 3.], dtype=float32), True)
     """
-    return unscale(state, grads), check_unscaled(state, grads, axis_name=axis_name)
+    check_state(state, "unscale_and_check")
+    check_filter(filter, "unscale_and_check")
+    finite = check_unscaled(state, grads, axis_name=axis_name, filter=filter)
+    return unscale(state, grads, filter=filter), finite

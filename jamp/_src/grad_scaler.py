@@ -39,7 +39,7 @@ from jamp._src.finite import unscale_and_check as _unscale_and_check
 from jamp._src.leaves import is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scaling import loss_scaling
-from jamp._src.skip import apply_or_keep, check_skip
+from jamp._src.skip import check_skip, optimizer_step
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -484,6 +484,8 @@ class GradScaler:
         grads: Any,
         opt_state: Any,
         params: Any,
+        *,
+        filter: Any = None,
         **extra_args: Any,
     ) -> tuple[Any, Any, GradScalerState]:
         """Apply ``tx`` unless a gradient is inf/NaN: torch's ``scaler.step(optimizer)``.
@@ -495,6 +497,13 @@ class GradScaler:
         (Adam's count does not advance). Extra keyword arguments go to
         ``tx.update``. When disabled, the step is always applied, as in
         PyTorch.
+
+        ``params`` may be an Equinox module, with ``filter`` (not in PyTorch):
+        ``tx`` and the skip see only the leaves it selects
+        (``eqx.filter(params, filter)``; pass the filter the optimizer state
+        was initialised with, e.g. ``eqx.is_array``), the others come back
+        untouched, and ``None`` gradients (``eqx.filter_grad``'s) leave their
+        parameter as it is.
 
         Returns:
           ``(params, opt_state, state)``: ``state`` records this step's inf
@@ -517,9 +526,23 @@ class GradScaler:
             )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
         _check_not_swapped(grads, opt_state, params)
+
+        def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
+            return optimizer_step(
+                pred,
+                tx,
+                grads_fn,
+                opt_state,
+                params,
+                filter=filter,
+                skip=self.skip,
+                extra_args=extra_args,
+                fn="GradScaler.step",
+            )
+
         if not self.enabled:
-            updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
-            return optax.apply_updates(params, updates), opt_state, state
+            params, opt_state = step(None, lambda: grads)
+            return params, opt_state, state
         _check_not_passed(state, "step")
         found_infs = _found_infs(state)
         if _stage(state) == UNSCALED:  # grads unscaled by scaler.unscale, its check recorded
@@ -527,18 +550,12 @@ class GradScaler:
             finite = jnp.logical_not(found_inf)
             unscaled = lambda: grads  # noqa: E731
         else:
-            finite = check_unscaled(state, grads, axis_name=self.axis_name)
+            finite = check_unscaled(state, grads, axis_name=self.axis_name, filter=filter)
             found_inf = None
-            unscaled = lambda: ls.unscale(state, grads)  # noqa: E731
+            unscaled = lambda: ls.unscale(state, grads, filter=filter)  # noqa: E731
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
-        def apply() -> tuple[Any, Any]:
-            updates, new_opt_state = tx.update(unscaled(), opt_state, params, **extra_args)
-            return optax.apply_updates(params, updates), new_opt_state
-
-        new_params, new_opt_state = apply_or_keep(
-            finite, apply, lambda _: (params, opt_state), skip=self.skip
-        )
+        new_params, new_opt_state = step(finite, unscaled)
         if found_inf is None:
             found_inf = jnp.logical_not(finite)
         _passed(state, "step", grads)

@@ -39,6 +39,29 @@ def is_half(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
+Filter = Callable[[Any], Any] | None  # a predicate on leaves, e.g. eqx.is_inexact_array
+
+
+def is_inexact_array(leaf: Any) -> bool:
+    """A floating or complex JAX/NumPy array: Equinox's ``eqx.is_inexact_array``."""
+    return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and is_float_dtype(leaf.dtype)
+
+
+def check_filter(filter: Any, fn: str) -> Filter:
+    """``filter`` if it is ``None`` or callable, else a TypeError naming ``jamp.{fn}``."""
+    if filter is None or callable(filter):
+        return filter
+    raise TypeError(
+        f"`jamp.{fn}` expected `filter` to be a function of a leaf that returns a bool, such as "
+        f"eqx.is_inexact_array, got {filter!r:.60} (type {type(filter).__name__}) instead."
+    )
+
+
+def selected(filter: Filter, leaf: Any) -> bool:
+    """Whether ``filter`` (``None``: every leaf) selects ``leaf``."""
+    return filter is None or bool(filter(leaf))
+
+
 def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
     """Classify a leaf: :data:`FLOAT` (scaled, checked) or :data:`PASS` (returned as is).
 
@@ -54,7 +77,8 @@ def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
     raise TypeError(
         f"`jamp.{fn}` expected a pytree of arrays, got a leaf of type "
         f"{type(leaf).__name__} at path {jax.tree_util.keystr(path) or '<root>'} "
-        f"({leaf!r:.60}) instead."
+        f"({leaf!r:.60}) instead. To leave such leaves untouched (an Equinox module's "
+        "functions), pass filter=eqx.is_inexact_array."
     )
 
 
@@ -108,27 +132,43 @@ def is_sharded(like: Any) -> bool:
     return sharding is not None and any(p is not None for p in sharding.spec)
 
 
-def map_floating(fn: Callable[[Any], Any], tree: Any, name: str) -> Any:
-    """Apply ``fn`` to every floating leaf; pass the others through."""
+def map_floating(fn: Callable[[Any], Any], tree: Any, name: str, filter: Filter = None) -> Any:
+    """Apply ``fn`` to every floating leaf ``filter`` selects; pass the others through."""
 
     def visit(path: Any, leaf: Any) -> Any:
-        if leaf_kind(path, leaf, name) == FLOAT:
+        if selected(filter, leaf) and leaf_kind(path, leaf, name) == FLOAT:
             return fn(leaf)
         return leaf
 
     return jax.tree_util.tree_map_with_path(visit, tree)
 
 
-def float_leaves(tree: Any, fn: str) -> list[jax.Array]:
-    """The floating leaves of ``tree`` as arrays, as ``unscale`` sees them."""
+def float_leaves(tree: Any, fn: str, filter: Filter = None) -> list[jax.Array]:
+    """The floating leaves of ``tree`` that ``filter`` selects, as arrays, as ``unscale``
+    sees them."""
     leaves: list[jax.Array] = []
 
     def visit(path: Any, leaf: Any) -> None:
-        if leaf_kind(path, leaf, fn) == FLOAT:
+        if selected(filter, leaf) and leaf_kind(path, leaf, fn) == FLOAT:
             leaves.append(as_array(leaf))
 
     jax.tree_util.tree_map_with_path(visit, tree)
     return leaves
+
+
+def partition(tree: Any, filter: Callable[[Any], Any]) -> tuple[Any, Any]:
+    """``(chosen, rest)``: ``tree`` with ``None`` where ``filter`` is False, and with
+    ``None`` where it is True (Equinox's ``eqx.partition``)."""
+    chosen = jax.tree_util.tree_map(lambda x: x if filter(x) else None, tree)
+    rest = jax.tree_util.tree_map(lambda x: None if filter(x) else x, tree)
+    return chosen, rest
+
+
+def combine(chosen: Any, rest: Any) -> Any:
+    """The tree :func:`partition` split: each leaf from ``chosen``, else from ``rest``."""
+    return jax.tree_util.tree_map(
+        lambda a, b: b if a is None else a, chosen, rest, is_leaf=lambda x: x is None
+    )
 
 
 def check_bool_scalar(value: Any, name: str, source: str) -> jax.Array:

@@ -15,7 +15,14 @@ import jax
 import jax.numpy as jnp
 
 from jamp._src.config import INT32_MAX, MAX_SCALE, MIN_SCALE, NO_SCALE, Config, check_config
-from jamp._src.leaves import check_bool_scalar, map_floating, scale_leaf, unscale_leaf
+from jamp._src.leaves import (
+    Filter,
+    check_bool_scalar,
+    check_filter,
+    map_floating,
+    scale_leaf,
+    unscale_leaf,
+)
 from jamp._src.torch_rounding import mul_as_torch
 
 DYNAMIC = "dynamic"
@@ -304,7 +311,7 @@ def no_loss_scale() -> LossScaleState:
 # Pure functions.
 
 
-def scale(state: LossScaleState, tree: Any) -> Any:
+def scale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     """Multiply every floating leaf of ``tree`` by the loss scale.
 
     Each array leaf keeps its dtype, except that a 0-d float16/bfloat16 leaf
@@ -315,6 +322,10 @@ def scale(state: LossScaleState, tree: Any) -> Any:
     Args:
       state: a :class:`LossScaleState`.
       tree: a loss, or any pytree of losses/outputs.
+      filter: a predicate on leaves, such as ``eqx.is_inexact_array``: the
+        leaves it is False for are returned untouched, whatever they are (an
+        Equinox module's functions, strings). By default every leaf must be
+        an array or a number.
 
     Returns:
       The scaled tree.
@@ -329,13 +340,14 @@ def scale(state: LossScaleState, tree: Any) -> Any:
       {'a': Array(6., dtype=float32), 'n': Array(3, dtype=int32)}
     """
     check_state(state, "scale")
+    check_filter(filter, "scale")
     if not state.enabled:
-        map_floating(lambda x: x, tree, "scale")  # validate leaves all the same
+        map_floating(lambda x: x, tree, "scale", filter)  # validate leaves all the same
         return tree
-    return map_floating(lambda x: scale_leaf(x, state.scale), tree, "scale")
+    return map_floating(lambda x: scale_leaf(x, state.scale), tree, "scale", filter)
 
 
-def unscale(state: LossScaleState, tree: Any) -> Any:
+def unscale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     """Multiply every floating leaf of ``tree`` by ``1/scale``, keeping dtypes.
 
     ``1/scale`` is computed once in float32 (torch's ``inv_scale``);
@@ -345,6 +357,8 @@ def unscale(state: LossScaleState, tree: Any) -> Any:
     Args:
       state: a :class:`LossScaleState`.
       tree: any pytree, usually gradients.
+      filter: a predicate on leaves, such as ``eqx.is_inexact_array``: the
+        leaves it is False for are returned untouched (see :func:`scale`).
 
     Returns:
       The unscaled tree, every leaf in its own dtype.
@@ -357,13 +371,20 @@ def unscale(state: LossScaleState, tree: Any) -> Any:
       >>> state = jamp.static_loss_scale(4.0)
       >>> jamp.unscale(state, jnp.array([8.0, 2.0], jnp.bfloat16))
       Array([2, 0.5], dtype=bfloat16)
+
+      A tree holding a function (an Equinox module holds its activation):
+
+      >>> tree = {"w": jnp.array([8.0]), "act": jnp.tanh}
+      >>> jamp.unscale(state, tree, filter=lambda x: hasattr(x, "dtype"))["w"]
+      Array([2.], dtype=float32)
     """
     check_state(state, "unscale")
+    check_filter(filter, "unscale")
     if not state.enabled:
-        map_floating(lambda x: x, tree, "unscale")
+        map_floating(lambda x: x, tree, "unscale", filter)
         return tree
     inv = inverse_scale(state)
-    return map_floating(lambda x: unscale_leaf(x, inv), tree, "unscale")
+    return map_floating(lambda x: unscale_leaf(x, inv), tree, "unscale", filter)
 
 
 def inverse_scale(state: LossScaleState) -> jax.Array:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp._src.leaves import FLOAT, is_sharded, leaf_kind
+from jamp._src.leaves import FLOAT, Filter, check_filter, is_sharded, leaf_kind, selected
 
 logger = logging.getLogger("jamp")
 
@@ -44,9 +44,11 @@ def _count_flat(v: jax.Array) -> NonfiniteCount:
 Transform = Callable[[jax.Array], jax.Array] | None
 
 
-def _count(path: Any, leaf: Any, transform: Transform = None) -> NonfiniteCount:
+def _count(
+    path: Any, leaf: Any, transform: Transform = None, fn: str = "nonfinite_report"
+) -> NonfiniteCount:
     """The counts of ``transform(leaf)``, applied a chunk at a time (never to the whole leaf)."""
-    if leaf_kind(path, leaf, "nonfinite_report") != FLOAT:
+    if leaf_kind(path, leaf, fn) != FLOAT:
         zero = jnp.zeros((), jnp.int32)
         return NonfiniteCount(zero, zero)
     f = transform or (lambda v: v)
@@ -81,7 +83,7 @@ def _count(path: Any, leaf: Any, transform: Transform = None) -> NonfiniteCount:
     return c
 
 
-def nonfinite_report(tree: Any) -> Any:
+def nonfinite_report(tree: Any, *, filter: Filter = None) -> Any:
     """Per leaf of ``tree``, how many entries are inf and how many are NaN.
 
     Computed on device (no host sync); use it in a jitted step and log it, or
@@ -89,6 +91,11 @@ def nonfinite_report(tree: Any) -> Any:
 
     Args:
       tree: any pytree of arrays.
+      filter: a predicate on leaves, such as ``eqx.is_inexact_array``: only
+        the leaves it selects are counted; the others, whatever they are (an
+        Equinox module's functions), become ``None`` in the report, as
+        ``eqx.filter`` leaves them. By default every leaf must be an array or
+        a number.
 
     Returns:
       A pytree of the same structure with a :class:`NonfiniteCount` (int32
@@ -101,11 +108,17 @@ def nonfinite_report(tree: Any) -> Any:
       >>> int(r["w"].inf), int(r["w"].nan)
       (2, 1)
     """
-    return _report(tree)
+    check_filter(filter, "nonfinite_report")
+    return _report(tree, filter=filter)
 
 
-def _report(tree: Any, transform: Transform = None) -> Any:
-    return jax.tree_util.tree_map_with_path(lambda p, x: _count(p, x, transform), tree)
+def _report(
+    tree: Any, transform: Transform = None, filter: Filter = None, fn: str = "nonfinite_report"
+) -> Any:
+    def one(path: Any, leaf: Any) -> NonfiniteCount | None:
+        return _count(path, leaf, transform, fn) if selected(filter, leaf) else None
+
+    return jax.tree_util.tree_map_with_path(one, tree)
 
 
 def _path_name(path: Any) -> str:
@@ -164,7 +177,9 @@ def _sender(prefix: str, names: tuple[str, ...]) -> Callable[..., jax.Array]:
     return send
 
 
-def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str = "") -> jax.Array:
+def log_nonfinite(
+    tree: Any, *, every: int = 1, count: Any = None, prefix: str = "", filter: Filter = None
+) -> jax.Array:
     """Log the paths of leaves holding inf/NaN, only on steps that have them.
 
     Inside a jitted step, the counts are computed on device and, only when a
@@ -184,6 +199,8 @@ def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str =
         overflows; required when ``every > 1``.
       prefix: text put in front of the message (a model name, ``"grads: "``);
         a str, fixed when the function is traced.
+      filter: a predicate on leaves, such as ``eqx.is_inexact_array``: only
+        the leaves it selects are counted (see :func:`nonfinite_report`).
 
     Returns:
       A bool scalar: whether the tree was all finite.
@@ -203,14 +220,21 @@ def log_nonfinite(tree: Any, *, every: int = 1, count: Any = None, prefix: str =
             f"Expected `prefix` to be a str, got {type(prefix).__name__} instead; a traced step "
             "number cannot go into it (log it with jamp.metrics, or count=/every=)."
         )
-    return log_counts(tree, every=every, count=count, prefix=prefix)
+    check_filter(filter, "log_nonfinite")
+    return log_counts(tree, every=every, count=count, prefix=prefix, filter=filter)
 
 
 def log_counts(
-    tree: Any, *, every: int = 1, count: Any = None, prefix: str = "", transform: Transform = None
+    tree: Any,
+    *,
+    every: int = 1,
+    count: Any = None,
+    prefix: str = "",
+    transform: Transform = None,
+    filter: Filter = None,
 ) -> jax.Array:
     """:func:`log_nonfinite` of ``transform`` applied to each leaf, chunk by chunk."""
-    report = _report(tree, transform)
+    report = _report(tree, transform, filter, "log_nonfinite")
     flat, _ = jax.tree_util.tree_flatten_with_path(
         report, is_leaf=lambda x: isinstance(x, NonfiniteCount)
     )

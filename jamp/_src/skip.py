@@ -15,7 +15,15 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.leaves import check_bool_scalar, explicit_sharding
+from jamp._src.leaves import (
+    Filter,
+    check_bool_scalar,
+    check_filter,
+    combine,
+    explicit_sharding,
+    partition,
+    selected,
+)
 
 SKIP_MODES = ("cond", "select")
 
@@ -128,13 +136,31 @@ def same_or_zeros(tree: Any, shapes: Any) -> Any:
     return tree if same else zeros(shapes)
 
 
-def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
+def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None) -> Any:
     """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
 
     Both trees must have the same structure, and matching leaves the same
-    shape and dtype; identical non-array leaves (``None``, a string) pass
-    through. Prefer :func:`jamp.loss_scaling` for skipping optimizer steps: it
-    skips with ``lax.cond`` and avoids a select over every parameter.
+    shape and dtype; identical non-array leaves (``None``, a string, the
+    activation function of an Equinox module) pass through. Prefer
+    :func:`jamp.loss_scaling` for skipping optimizer steps: it skips with
+    ``lax.cond`` and avoids a select over every parameter.
+
+    Args:
+      pred: a boolean scalar.
+      on_true: the tree returned where ``pred`` holds.
+      on_false: the tree returned elsewhere, of ``on_true``'s structure.
+      filter: a predicate on leaves, such as ``eqx.is_inexact_array``: only
+        the leaves of ``on_true`` it selects are selected between; the others
+        must be the same object in both trees (or equal non-arrays) and are
+        returned as they are. By default every array leaf is selected.
+
+    Returns:
+      A tree of ``on_true``'s structure.
+
+    Raises:
+      TypeError: two matching leaves differ in shape or dtype, or are
+        different non-array leaves (or, with ``filter``, different leaves it
+        leaves out); the message names the path.
 
     Examples:
       >>> import jax.numpy as jnp, jamp
@@ -142,6 +168,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
       {'a': Array([0., 0.], dtype=float32)}
     """
     pred = check_bool_scalar(pred, "pred", "e.g. from jamp.all_finite")
+    check_filter(filter, "select_tree")
     t_true = jax.tree_util.tree_structure(on_true)
     t_false = jax.tree_util.tree_structure(on_false)
     if t_true != t_false:
@@ -152,6 +179,19 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
 
     def pick(path: Sequence[Any], a: Any, b: Any) -> Any:
         where = jax.tree_util.keystr(path) or "<root>"
+        if not selected(filter, a):
+            if a is b or (
+                not hasattr(a, "dtype")
+                and not hasattr(b, "dtype")
+                and type(a) is type(b)
+                and a == b
+            ):
+                return a
+            raise TypeError(
+                f"`jamp.select_tree` got different leaves at path {where}, which `filter` leaves "
+                f"out: {a!r:.40} and {b!r:.40}. Select them too (a wider filter), or keep them "
+                "the same object in both trees."
+            )
         if not hasattr(a, "dtype") or not hasattr(b, "dtype"):
             if a is b or (type(a) is type(b) and a == b):
                 return a
@@ -168,3 +208,78 @@ def select_tree(pred: Any, on_true: Any, on_false: Any) -> Any:
         return lax.select(pred, a, b)
 
     return jax.tree_util.tree_map_with_path(pick, on_true, on_false)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """``optax.apply_updates`` that also takes ``None`` updates (Equinox's gradients of
+    leaves it does not differentiate): such a parameter is returned as it is."""
+
+    def one(p: Any, u: Any) -> Any:
+        if p is None:
+            return None
+        if u is None:
+            return p
+        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+
+    return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None)
+
+
+def check_params(params: Any, fn: str) -> None:
+    """A TypeError naming the path of a leaf of ``params`` no optimizer can update (a
+    function, a string), with the fix for an Equinox module."""
+
+    def visit(path: Any, leaf: Any) -> None:
+        if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype"):
+            return
+        raise TypeError(
+            f"`jamp.{fn}` expected `params` to be a pytree of arrays, got a leaf of type "
+            f"{type(leaf).__name__} at path {jax.tree_util.keystr(path) or '<root>'} "
+            f"({leaf!r:.60}) instead. For an Equinox module, pass the filter its optimizer "
+            "state was initialised with (filter=eqx.is_array for "
+            "tx.init(eqx.filter(model, eqx.is_array))): the leaves it leaves out are returned "
+            "untouched."
+        )
+
+    jax.tree_util.tree_map_with_path(visit, params)
+
+
+def optimizer_step(
+    pred: jax.Array | None,
+    tx: Any,
+    grads_fn: Callable[[], Any],
+    opt_state: Any,
+    params: Any,
+    *,
+    filter: Filter = None,
+    skip: str = "cond",
+    extra_args: dict | None = None,
+    fn: str = "step",
+) -> tuple[Any, Any]:
+    """``tx``'s step applied to ``params`` where ``pred`` holds, else both kept, by cond or
+    select: ``(params, opt_state)``. ``pred=None`` applies it unconditionally.
+
+    ``grads_fn()`` makes the gradients inside the applied branch (so XLA fuses
+    an unscale into the optimizer's pass). With ``filter``, ``tx`` and the
+    skip see only the leaves of ``params`` it selects (``eqx.filter(params,
+    filter)``); the others (an Equinox module's functions and flags) are
+    returned untouched. A ``None`` update (a leaf ``eqx.filter_grad`` did not
+    differentiate) leaves its parameter as it is.
+    """
+    check_filter(filter, fn)
+    if filter is None:
+        check_params(params, fn)
+        dynamic, static = params, None
+    else:
+        dynamic, static = partition(params, filter)
+
+    def apply() -> tuple[Any, Any]:
+        updates, new_opt_state = tx.update(grads_fn(), opt_state, dynamic, **(extra_args or {}))
+        return apply_updates(dynamic, updates), new_opt_state
+
+    if pred is None:
+        new_params, new_opt_state = apply()
+    else:
+        new_params, new_opt_state = apply_or_keep(
+            pred, apply, lambda _: (dynamic, opt_state), skip=skip
+        )
+    return (new_params if filter is None else combine(new_params, static)), new_opt_state

@@ -1,4 +1,9 @@
-"""``jamp.value_and_grad``: scale, differentiate, unscale, check and update in one call."""
+"""``jamp.value_and_grad``: scale, differentiate, unscale, check and update in one call.
+
+``filter_value_and_grad`` is the same with Equinox's convention (an
+``eqx.Module`` goes in as it is), and ``step_if_finite`` applies an optimizer
+step to gradients they return, unless they were not finite.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +17,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from jamp._src.finite import check_axis_name, unscale_and_check
+from jamp._src.leaves import check_bool_scalar, combine, is_inexact_array, partition
 from jamp._src.loss_scale import LossScaleState, backoff, scale, update
+from jamp._src.skip import check_skip, optimizer_step
 
 
 class ScaledValueAndGrad(NamedTuple):
@@ -52,7 +59,7 @@ def value_and_grad(
     gradients, checks them, and updates the scale: flax's
     ``DynamicScale.value_and_grad``, with growth on the ``growth_interval``-th
     finite step (torch's rule, not one step later) and gradients kept in their
-    own dtypes.
+    own dtypes. For an Equinox module, use :func:`filter_value_and_grad`.
 
     Args:
       fun: returns a scalar loss (and auxiliary data with ``has_aux=True``).
@@ -84,6 +91,172 @@ def value_and_grad(
       >>> float(out.value), out.grads, bool(out.finite)
       (5.0, Array([2., 4.], dtype=float32), True)
     """
+    _check_options(fun, axis_name, max_retries)
+    _check_argnums(argnums)
+    scaled = _scaled(fun, has_aux)
+
+    @_named_like(fun)
+    def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
+        _check_loss_scale(loss_scale, "value_and_grad")
+        grad_fn = jax.grad(scaled, argnums=_shift(argnums, len(args)), has_aux=True)
+        return _run(
+            lambda state: grad_fn(state, *args, **kwargs), loss_scale, axis_name, max_retries
+        )
+
+    return wrapped
+
+
+def filter_value_and_grad(
+    fun: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    axis_name: Any = None,
+    max_retries: int = 0,
+) -> Callable[..., ScaledValueAndGrad]:
+    """:func:`value_and_grad` with Equinox's convention: an ``eqx.Module`` goes in as it is.
+
+    ``eqx.filter_value_and_grad`` of a scaled loss, unscaled and checked in
+    one call. The gradients are taken with respect to the floating (and
+    complex) array leaves of ``fun``'s first argument, the leaves
+    ``eqx.is_inexact_array`` selects; every other leaf of it (an Equinox
+    module's activation functions, flags, integer arrays) and every other
+    argument is treated as static, so it may be anything. Equinox is not
+    needed: any pytree works.
+
+    The returned function takes the loss-scale state first, then ``fun``'s
+    arguments: ``(loss_scale, model, *args, **kwargs)``. Its ``grads`` have
+    the structure of ``model``, with ``None`` in place of the leaves that
+    are not differentiated, as ``eqx.filter_grad`` gives them, so they go to
+    ``optimizer.update`` and ``eqx.apply_updates`` (or
+    :func:`step_if_finite`) unchanged. Everything else is as in
+    :func:`value_and_grad`: the value is unscaled, the gradients are
+    unscaled in their own dtypes and checked, the scale is updated.
+
+    Args:
+      fun: ``fun(model, *args, **kwargs)`` returns a scalar loss (and
+        auxiliary data, such as an ``eqx.nn.State``, with ``has_aux=True``).
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      axis_name: as in :func:`value_and_grad`.
+      max_retries: as in :func:`value_and_grad`.
+
+    Returns:
+      A function ``(loss_scale, model, *args, **kwargs) -> ScaledValueAndGrad``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> model = {"w": jnp.array([1.0, 2.0]), "act": jnp.tanh, "n": 3}  # holds a function
+      >>> loss = lambda m, x: jnp.sum(m["w"] * x) * m["n"]
+      >>> out = jamp.filter_value_and_grad(loss)(jamp.dynamic_loss_scale(), model, 2.0)
+      >>> out.grads
+      {'act': None, 'n': None, 'w': Array([6., 6.], dtype=float32)}
+      >>> float(out.value), bool(out.finite)
+      (18.0, True)
+    """
+    _check_options(fun, axis_name, max_retries)
+
+    @_named_like(fun)
+    def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
+        _check_loss_scale(loss_scale, "filter_value_and_grad")
+        if not args:
+            raise TypeError(
+                "The function from jamp.filter_value_and_grad differentiates `fun`'s first "
+                "positional argument (the model), got none: call it as "
+                "f(loss_scale, model, *args)."
+            )
+        model, *args = args
+        diff, static = partition(model, is_inexact_array)
+        scaled = _scaled(lambda d: fun(combine(d, static), *args, **kwargs), has_aux)
+        grad_fn = jax.grad(scaled, argnums=1, has_aux=True)
+        return _run(lambda state: grad_fn(state, diff), loss_scale, axis_name, max_retries)
+
+    return wrapped
+
+
+def step_if_finite(
+    finite: Any,
+    tx: Any,
+    grads: Any,
+    opt_state: Any,
+    params: Any,
+    *,
+    filter: Any = None,
+    skip: str = "cond",
+    **extra_args: Any,
+) -> tuple[Any, Any]:
+    """Apply the optimizer step where ``finite`` holds; else keep parameters and state.
+
+    The skip for :func:`value_and_grad` and :func:`filter_value_and_grad`,
+    whose gradients are already unscaled and checked: ``tx.update``, then
+    ``optax.apply_updates``, inside a ``lax.cond`` (or selected, with
+    ``skip="select"``; see :func:`jamp.loss_scaling`), so on a skipped step
+    the parameters and ``opt_state`` come back unchanged (Adam's count does
+    not advance). MPX's ``optimizer_update``.
+
+    Args:
+      finite: a boolean scalar, the ``finite`` of a :class:`ScaledValueAndGrad`.
+      tx: an Optax transformation.
+      grads: unscaled gradients; ``None`` leaves (``eqx.filter_grad``'s) leave
+        their parameter as it is.
+      opt_state: ``tx``'s state.
+      params: the parameters, or an Equinox module with ``filter``.
+      filter: a predicate on leaves: ``tx`` and the skip see only the leaves
+        of ``params`` it selects (``eqx.filter(params, filter)``); pass the
+        filter the optimizer state was initialised with (``eqx.is_array`` for
+        ``tx.init(eqx.filter(model, eqx.is_array))``). The others are
+        returned untouched. By default every leaf of ``params`` is a
+        parameter.
+      skip: ``"cond"`` (default) or ``"select"``.
+      **extra_args: passed on to ``tx.update``.
+
+    Returns:
+      ``(params, opt_state)``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> tx = optax.sgd(0.5)
+      >>> params = {"w": jnp.ones(2)}
+      >>> opt_state = tx.init(params)
+      >>> vg = jamp.value_and_grad(lambda p: jnp.sum(p["w"] ** 2))
+      >>> out = vg(jamp.dynamic_loss_scale(), params)
+      >>> jamp.step_if_finite(out.finite, tx, out.grads, opt_state, params)[0]
+      {'w': Array([0., 0.], dtype=float32)}
+      >>> jamp.step_if_finite(jnp.bool_(False), tx, out.grads, opt_state, params)[0]  # skipped
+      {'w': Array([1., 1.], dtype=float32)}
+    """
+    finite = check_bool_scalar(finite, "finite", "the `finite` of jamp.value_and_grad")
+    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+        hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
+        raise TypeError(
+            "Expected `tx` to be an optax.GradientTransformation, got "
+            f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
+        )
+    check_skip(skip)
+    return optimizer_step(
+        finite,
+        tx,
+        lambda: grads,
+        opt_state,
+        params,
+        filter=filter,
+        skip=skip,
+        extra_args=extra_args,
+        fn="step_if_finite",
+    )
+
+
+def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``functools.wraps(fun)`` without ``__wrapped__``: the wrapper takes the loss-scale
+    state first, so its signature is its own (``eqx.filter_jit`` binds arguments by it)."""
+
+    def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+        functools.update_wrapper(wrapper, fun)
+        del wrapper.__wrapped__
+        return wrapper
+
+    return decorate
+
+
+def _check_options(fun: Any, axis_name: Any, max_retries: Any) -> None:
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
     check_axis_name(axis_name)
@@ -91,6 +264,18 @@ def value_and_grad(
         raise ValueError(
             f"Expected `max_retries` to be an int >= 0, got max_retries={max_retries!r} instead."
         )
+
+
+def _check_loss_scale(loss_scale: Any, fn: str) -> None:
+    if not isinstance(loss_scale, LossScaleState):
+        raise TypeError(
+            f"The function from jamp.{fn} takes the loss-scale state as its first argument, "
+            f"got {type(loss_scale).__name__} instead."
+        )
+
+
+def _scaled(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """``(state, *args) -> (scale(state, loss), (loss, aux))`` for ``jax.grad(has_aux=True)``."""
 
     def scaled(state: LossScaleState, *args: Any, **kwargs: Any) -> Any:
         out = fun(*args, **kwargs)
@@ -102,58 +287,57 @@ def value_and_grad(
         loss, aux = out if has_aux else (out, None)
         return scale(state, loss), (loss, aux)
 
-    _check_argnums(argnums)
+    return scaled
 
-    @functools.wraps(fun)
-    def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
-        if not isinstance(loss_scale, LossScaleState):
-            raise TypeError(
-                "The function from jamp.value_and_grad takes the loss-scale state as its "
-                f"first argument, got {type(loss_scale).__name__} instead."
-            )
-        grad_fn = jax.grad(scaled, argnums=_shift(argnums, len(args)), has_aux=True)
 
-        def attempt(state: LossScaleState) -> tuple[Any, Any, Any, jax.Array]:
-            grads, (loss, aux) = grad_fn(state, *args, **kwargs)
-            grads, finite = unscale_and_check(state, grads, axis_name=axis_name)
-            return loss, aux, grads, finite
+def _run(
+    grad_fn: Callable[[LossScaleState], Any],
+    loss_scale: LossScaleState,
+    axis_name: Any,
+    max_retries: int,
+) -> ScaledValueAndGrad:
+    """Differentiate at ``loss_scale`` (``grad_fn(state) -> (grads, (loss, aux))``),
+    unscale, check, retry at lower scales if asked, and update the scale."""
 
-        retries = jnp.zeros((), jnp.int32)
-        loss, aux, grads, finite = attempt(loss_scale)
-        retrying = bool(max_retries) and loss_scale.is_dynamic
-        if retrying:
+    def attempt(state: LossScaleState) -> tuple[Any, Any, Any, jax.Array]:
+        grads, (loss, aux) = grad_fn(state)
+        grads, finite = unscale_and_check(state, grads, axis_name=axis_name)
+        return loss, aux, grads, finite
 
-            def cond(carry: tuple) -> jax.Array:
-                retries, state, (_, _, _, finite) = carry
-                # At min_scale a retry would compute the same thing again.
-                above_min = state.scale > jnp.float32(state.min_scale)
-                return jnp.logical_not(finite) & (retries < max_retries) & above_min
+    retries = jnp.zeros((), jnp.int32)
+    loss, aux, grads, finite = attempt(loss_scale)
+    retrying = bool(max_retries) and loss_scale.is_dynamic
+    if retrying:
 
-            def body(carry: tuple) -> tuple:
-                retries, state, _ = carry
-                state = backoff(state)
-                return retries + 1, state, attempt(state)
+        def cond(carry: tuple) -> jax.Array:
+            retries, state, (_, _, _, finite) = carry
+            # At min_scale a retry would compute the same thing again.
+            above_min = state.scale > jnp.float32(state.min_scale)
+            return jnp.logical_not(finite) & (retries < max_retries) & above_min
 
-            retries, loss_scale, (loss, aux, grads, finite) = lax.while_loop(
-                cond, body, (retries, loss_scale, (loss, aux, grads, finite))
-            )
-        new_scale = update(loss_scale, finite)
-        if retrying:
-            # The last failed attempt backs off too, ignoring hysteresis.
-            backed_off = backoff(loss_scale).scale
-            new_scale = dataclasses.replace(
-                new_scale, scale=jnp.where(finite, new_scale.scale, backed_off)
-            )
-        return ScaledValueAndGrad(
-            value=loss,
-            aux=aux,
-            grads=grads,
-            finite=finite,
-            loss_scale=new_scale,
-            retries=retries,
+        def body(carry: tuple) -> tuple:
+            retries, state, _ = carry
+            state = backoff(state)
+            return retries + 1, state, attempt(state)
+
+        retries, loss_scale, (loss, aux, grads, finite) = lax.while_loop(
+            cond, body, (retries, loss_scale, (loss, aux, grads, finite))
         )
-
-    return wrapped
+    new_scale = update(loss_scale, finite)
+    if retrying:
+        # The last failed attempt backs off too, ignoring hysteresis.
+        backed_off = backoff(loss_scale).scale
+        new_scale = dataclasses.replace(
+            new_scale, scale=jnp.where(finite, new_scale.scale, backed_off)
+        )
+    return ScaledValueAndGrad(
+        value=loss,
+        aux=aux,
+        grads=grads,
+        finite=finite,
+        loss_scale=new_scale,
+        retries=retries,
+    )
 
 
 def _check_argnums(argnums: Any) -> None:

@@ -183,3 +183,36 @@ def test_train_digits_flags(tmp_path, capsys):
         mod.main(["--modes", "float8"])
     with pytest.raises(SystemExit):
         mod.main(["--growth-interval", "0"])
+
+
+@pytest.mark.standard_promotion  # the example trains with optax.adam
+def test_equinox_mlp_float16_with_scaling_and_an_injected_overflow(capsys):
+    mod = load("equinox_mlp")
+    args = ["--steps", "25", "--inject-inf-at", "3"]
+    results = {r.mode: r for r in mod.main(args)}
+    printed = capsys.readouterr().out
+    for header in ("mode", "loss", "test acc", "skipped", "scale", "underflow"):
+        assert header in printed
+    # Gradients normalised by 2**22 tokens underflow in float16 without scaling, not with it.
+    assert results["float32"].underflow == 0.0
+    assert results["float16"].underflow > 0.5
+    assert results["float16+scaling"].underflow < 0.01
+    for r in results.values():
+        # The injected inf: that step alone is skipped, and changes neither the model
+        # nor the optimizer state; training goes on.
+        assert [i for i, ok in enumerate(r.finite) if not ok] == [3], r.mode
+        assert r.unchanged == {3: (True, True)}, r.mode
+    scales = results["float16+scaling"].scales
+    assert scales[2] == 65536.0 and scales[3] == 32768.0
+    assert results["float32"].losses[-1] < results["float32"].losses[0]
+    # The Optax style (jamp.loss_scaling) trains the same model.
+    [other] = mod.main(args + ["--style", "optax", "--modes", "float16+scaling"])
+    assert other.unchanged == {3: (True, True)} and np.array_equal(other.scales, scales)
+    pairs = zip(
+        jax.tree.leaves(results["float16+scaling"].model),
+        jax.tree.leaves(other.model),
+        strict=True,
+    )
+    for a, b in pairs:
+        if isinstance(a, jax.Array):
+            np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
