@@ -22,9 +22,15 @@ cd "$ROOT"  # `-m benchmarks` and the tests run from the repository root
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 # ---------------------------------------------------------------- GPU-branch tests
-# TO FILL IN: the test files that exercise jamp's GPU branches (one path per
-# entry, relative to the repository root), e.g. GPU_TESTS=(tests/test_x.py).
-GPU_TESTS=()
+# The tests of the code paths a GPU compiles differently (the finite check's
+# default branch through the platform switch, golden trajectories, the skip
+# machinery, autocast, the report), run on the GPU itself; tests that need the
+# 8 virtual CPU devices are deselected (-m "not multidevice").
+GPU_TESTS=(
+  tests/test_finite.py tests/test_finite_default.py tests/test_loss_scale.py
+  tests/test_loss_scaling.py tests/test_grad_scaler.py tests/test_value_and_grad.py
+  tests/test_report.py tests/test_autocast.py tests/integration/test_golden_scenarios.py
+)
 # ----------------------------------------------------------------------------------
 
 if [[ $SMOKE == 1 ]]; then
@@ -70,7 +76,9 @@ main() {
   # 0. The GPU-branch tests.
   if ((${#GPU_TESTS[@]})); then
     echo "== 0. pytest ${GPU_TESTS[*]} on $backend"
-    if timeout 300 "$PY" -m pytest -q -p no:cacheprovider "${GPU_TESTS[@]}" 2>&1 |
+    # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the GPU platform.
+    if JAX_PLATFORMS=${GPU_SH_TEST_PLATFORM:-cuda} timeout 360 "$PY" -m pytest -q -x \
+      -p no:cacheprovider -m "not multidevice" "${GPU_TESTS[@]}" 2>&1 |
       tee "$OUT/pytest_gpu.txt"; then
       status[tests]=passed
     else

@@ -351,10 +351,12 @@ def test_fallback_is_exact_on_many_leaves_of_mixed_dtypes(branch):
 # ---------------------------------------------------------------- devices
 
 
+@pytest.mark.multidevice
 def test_eight_devices():
     assert jax.device_count() == 8
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("shape", [(8, 16), (8 * 128, 256)], ids=["small", "matrix-vector"])
 def test_shard_map_axis_name_agreement(shape):
     # Per replica, the larger leaf is (128, 256): summed by the CPU's
@@ -377,6 +379,7 @@ def test_shard_map_axis_name_agreement(shape):
     assert np.asarray(local_only).sum() == 7  # without axis_name, only one would
 
 
+@pytest.mark.multidevice
 def test_pmap_axis_name_agreement():
     g = np.ones((8, 4), np.float32)
     g[2, 1] = np.nan
@@ -386,6 +389,7 @@ def test_pmap_axis_name_agreement():
     assert np.asarray(ok).all()
 
 
+@pytest.mark.multidevice
 def test_sharded_jit_needs_no_axis_name():
     mesh = Mesh(np.array(jax.devices()), ("data",))
     g = np.ones((8, 16), np.float32)
@@ -394,6 +398,7 @@ def test_sharded_jit_needs_no_axis_name():
     assert not bool(jax.jit(jamp.all_finite)(x))
 
 
+@pytest.mark.multidevice
 @pytest.mark.parametrize("spec", [P("data", None), P(None, "data"), P(("data",), None)])
 def test_sharded_large_leaf_is_checked_where_it_lies(spec):
     # The CPU check contracts the last dimension without reshaping, so a leaf

@@ -255,13 +255,16 @@ def test_optax_multi_steps_mixed_precision_combinations(opt_kwargs):
             )
             opt_state, ms_state = opt.init(params), ms.init(params)
 
-            def grad(params, data, upd_dtype=upd_dtype):
+            @jax.jit
+            def step(params, opt_state, ms_state, data, upd_dtype=upd_dtype, opt=opt, ms=ms):
                 g = jax.grad(lambda p: loss.apply({"params": p}, data))(params)
-                return jax.tree.map(lambda x: x.astype(upd_dtype), g)
+                g = jax.tree.map(lambda x: x.astype(upd_dtype), g)
+                updates, opt_state = opt.update(g, opt_state, params)
+                ms_updates, ms_state = ms.update(g, ms_state, params)
+                return updates, opt_state, ms_updates, ms_state
 
             for _ in range(k_steps + 1):
-                updates, opt_state = opt.update(grad(params, data), opt_state, params)
-                ms_updates, ms_state = ms.update(grad(params, data), ms_state, params)
+                updates, opt_state, ms_updates, ms_state = step(params, opt_state, ms_state, data)
                 dtype_of = lambda t: jax.tree.map(lambda x: x.dtype, t)  # noqa: E731
                 assert dtype_of(updates) == dtype_of(ms_updates), (upd_dtype, param_dtype)
                 new_params = optax.apply_updates(params, ms_updates)
