@@ -41,13 +41,17 @@ class Config(NamedTuple):
     overflow_streak: int | None = None
 
 
-def _scalar_float(name: str, value: Any) -> float:
-    """A Python float from a number or a concrete float32/float64 0-d array."""
+def _refuse_tracer(name: str, value: Any, what: str, action: str) -> None:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
-            f"Expected `{name}` to be a concrete Python number, got a traced value instead; "
-            "build the loss-scale state outside `jit`."
+            f"Expected `{name}` to be a concrete {what}, got a traced value instead; {action} "
+            "outside `jit`."
         )
+
+
+def _scalar_float(name: str, value: Any) -> float:
+    """A Python float from a number or a concrete float32/float64 0-d array."""
+    _refuse_tracer(name, value, "Python number", "build the loss-scale state")
     if isinstance(value, (np.ndarray, np.generic, jax.Array)):
         dtype = np.dtype(value.dtype)
         if dtype not in (np.dtype(np.float32), np.dtype(np.float64)) and not np.issubdtype(
@@ -136,11 +140,7 @@ def _moves(factor: float, grows: bool) -> bool:
 
 def _counter(name: str, value: Any) -> int:
     """A restored counter: a concrete integer >= 0 (a Python int or an integer 0-d array)."""
-    if isinstance(value, jax.core.Tracer):
-        raise TypeError(
-            f"Expected `{name}` to be a concrete integer, got a traced value instead; restore "
-            "the loss-scale state outside `jit`."
-        )
+    _refuse_tracer(name, value, "integer", "restore the loss-scale state")
     if isinstance(value, (np.ndarray, np.generic, jax.Array)):
         if np.ndim(value) != 0 or not np.issubdtype(np.dtype(value.dtype), np.integer):
             raise TypeError(

@@ -25,6 +25,16 @@ from jamp._src.leaves import (
 )
 from jamp._src.torch_rounding import mul_as_torch
 
+# The static configuration: metadata of the pytree, arguments of check_config.
+CONFIG_FIELDS = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "min_scale",
+    "max_scale",
+    "hysteresis",
+)
+
 DYNAMIC = "dynamic"
 STATIC = "static"
 NONE = "none"
@@ -73,15 +83,7 @@ class LossScaleState:
 jax.tree_util.register_dataclass(
     LossScaleState,
     data_fields=["scale", "growth_tracker", "overflow_streak"],
-    meta_fields=[
-        "kind",
-        "growth_factor",
-        "backoff_factor",
-        "growth_interval",
-        "min_scale",
-        "max_scale",
-        "hysteresis",
-    ],
+    meta_fields=["kind", *CONFIG_FIELDS],
 )
 
 
@@ -102,26 +104,13 @@ def from_config(kind: str, config: Config) -> LossScaleState:
         growth_tracker=jnp.asarray(config.growth_tracker or 0, dtype=jnp.int32),
         overflow_streak=jnp.asarray(config.overflow_streak or 0, dtype=jnp.int32),
         kind=kind,
-        growth_factor=config.growth_factor,
-        backoff_factor=config.backoff_factor,
-        growth_interval=config.growth_interval,
-        min_scale=config.min_scale,
-        max_scale=config.max_scale,
-        hysteresis=config.hysteresis,
+        **{f: getattr(config, f) for f in CONFIG_FIELDS},
     )
 
 
 def config_of(state: LossScaleState, scale: Any = NO_SCALE) -> dict[str, Any]:
     """``state``'s configuration as keyword arguments of :func:`check_config`."""
-    return dict(
-        scale=scale,
-        growth_factor=state.growth_factor,
-        backoff_factor=state.backoff_factor,
-        growth_interval=state.growth_interval,
-        min_scale=state.min_scale,
-        max_scale=state.max_scale,
-        hysteresis=state.hysteresis,
-    )
+    return dict(scale=scale, **{f: getattr(state, f) for f in CONFIG_FIELDS})
 
 
 def restore(
