@@ -196,6 +196,23 @@ def test_every_public_function_traces_under_explicit_sharding(explicit_mesh, cap
     assert jamp.metrics(opt_state)["skipped_steps"] == 1
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=str)
+def test_autocast_under_explicit_sharding_keeps_the_gradients_shardings(explicit_mesh, dtype):
+    x = _sharded(explicit_mesh, jnp.ones((8, 16)), P("data", None))
+    w = _sharded(explicit_mesh, jnp.full((16, 32), 0.1), P(None, "model"))
+    b = _sharded(explicit_mesh, jnp.zeros((32,)), P("model"))
+
+    def loss(w, b, x):
+        return jnp.mean(jax.nn.gelu(x @ w + b[None, :]).astype(jnp.float32))
+
+    grads = jax.jit(jax.grad(jamp.autocast(loss, dtype), argnums=(0, 1)))(w, b, x)
+    want = jax.jit(jax.grad(loss, argnums=(0, 1)))(w, b, x)
+    assert _specs(grads) == _specs((w, b))
+    for g, r in zip(grads, want, strict=True):
+        assert g.dtype == jnp.float32
+        np.testing.assert_allclose(g, r, rtol=2e-2, atol=1e-4)
+
+
 # ---------------------------------------------------------------- 3. mixed-dtype inner state
 
 
