@@ -11,6 +11,7 @@ from jamp._src.autocast import (
     autocast_disabled,
     autocast_report,
 )
+from jamp._src.float8 import DelayedScaling, Float8State
 from jamp._src.finite import all_finite, unscale_and_check
 from jamp._src.flax_support import from_flax_dynamic_scale
 from jamp._src.grad_scaler import GradScaler, GradScalerState
@@ -40,6 +41,8 @@ __all__ = [
     "autocast",
     "autocast_disabled",
     "autocast_report",
+    "DelayedScaling",
+    "Float8State",
     "get_policy",
     "half_dtype",
     "parse_dtype",

@@ -1,0 +1,320 @@
+"""Float8 matrix products with per-tensor scaling, as pure functions.
+
+A float8 matrix product quantises each operand to ``float8_e4m3fn`` (max
+448, 3 mantissa bits) with a *per-tensor* scale that maps the tensor's
+largest magnitude (its *amax*) to the format's largest finite value, so a
+tensor of values near ``1e-6`` uses float8's full range as a tensor near
+``1e3`` does. It multiplies the quantised operands with float32 accumulation
+(``preferred_element_type=float32``) and multiplies the product by the
+inverse scales. The backward pass quantises the incoming gradient to
+``float8_e5m2`` (max 57344, 2 mantissa bits, more range) with its own scale
+and computes both transposed products with float8 operands: a
+``jax.custom_vjp``. This is the pattern XLA's GPU compiler rewrites into one
+cuBLASLt float8 GEMM (``__cublas$lt$matmul$f8``): float8 operands, a float32
+``dot_general``, and a multiply by a broadcast scalar.
+
+Two ways to choose the scales, both Transformer Engine's:
+
+*current scaling* (:func:`current_dot`)
+    ``scale = finfo(float8).max / amax`` of the tensor itself, computed in the
+    same step. Stateless and exact to the tensor, at the cost of one more
+    pass over the tensor before it is quantised.
+*delayed scaling* (:func:`delayed_dot`, recipe :class:`DelayedScaling`)
+    the scale of step ``t`` comes from the amaxes of earlier steps, kept in an
+    immutable :class:`Float8State` (an amax history and a scale per operand
+    and for the gradient). The amax of step ``t`` is recorded in the same
+    pass that quantises, and the next state is computed in the backward pass
+    and returned as the *cotangent of the state argument*: ``jax.grad`` with
+    respect to the state returns the next state.
+
+Quantisation saturates finite values at the format's largest finite value
+and keeps infinities and NaN non-finite (``float8_e4m3fn`` has no infinity:
+they become NaN), so an overflow still reaches loss scaling's finite check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)  # operands (forward)
+E5M2 = np.dtype(jnp.float8_e5m2)  # gradients (backward)
+E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
+E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
+F32 = np.dtype(jnp.float32)
+
+# The rows of a Float8State: the left operand, the right operand, the gradient
+# of the output; and the largest finite value of each row's format.
+LHS, RHS, GRAD = 0, 1, 2
+ROW_MAX = np.array([E4M3_MAX, E4M3_MAX, E5M2_MAX], np.float32)
+# A current scale is at most 2**126, so its inverse is a normal float32 number.
+_SMALLEST_AMAX = ROW_MAX * np.float32(2.0**-126)
+
+ALGOS = ("max", "most_recent")
+
+
+# ---------------------------------------------------------------------------
+# The state and the recipe of delayed scaling
+# ---------------------------------------------------------------------------
+
+
+class Float8State(NamedTuple):
+    """The delayed-scaling state of one float8 matrix product: immutable, a pytree.
+
+    Row 0 is the left operand, row 1 the right operand, row 2 the gradient of
+    the output (``float8_e5m2``). A product inside a ``lax.scan`` of length
+    ``n`` has one state per iteration, stacked: leading dimensions ``(n,)``
+    (``(n, m)`` for nested scans), as Transformer Engine stacks a scanned
+    layer's state.
+
+    Attributes:
+      amax_history: float32 ``(..., 3, amax_history_len)``: the amaxes of the
+        last ``amax_history_len`` steps, the most recent at index 0 (as
+        Transformer Engine and ``flax.linen.fp8_ops`` roll it).
+      scale: float32 ``(..., 3)``: the scales the next step quantises with
+        (``float8 = x * scale``): ``finfo.max / amax / 2**margin``.
+    """
+
+    amax_history: jax.Array
+    scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Transformer Engine's delayed-scaling recipe (``DelayedScaling`` in TE).
+
+    After every step, each tensor's amax is rolled into its history (most
+    recent at index 0, the oldest dropped) and the next scale is
+    ``finfo(float8).max / amax / 2**margin``, where ``amax`` is the largest
+    value of the history (``"max"``) or the newest (``"most_recent"``). A
+    scale is kept from the step before when ``amax`` is 0 or not finite, or
+    when the new scale would not be a finite float32 number (an amax below
+    ``finfo.max * 2**-128``; TE has no such guard). The first step quantises
+    with the initial scale, 1, as TE and Flax do.
+
+    Args:
+      amax_history_len: how many steps of amaxes to keep (TE: 1024).
+      margin: the scale is divided by ``2**margin``, leaving that many powers
+        of two of headroom above the recorded amax (TE: 0).
+      amax_compute_algo: ``"max"`` (TE's default) or ``"most_recent"``.
+
+    Raises:
+      TypeError: ``amax_history_len`` or ``margin`` is not an integer, or
+        ``amax_compute_algo`` not a string.
+      ValueError: ``amax_history_len < 1``, ``margin < 0`` or an unknown
+        ``amax_compute_algo``.
+    """
+
+    amax_history_len: int = 1024
+    margin: int = 0
+    amax_compute_algo: str = "max"
+
+    def __post_init__(self) -> None:
+        for name in ("amax_history_len", "margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Expected an int for `{name}`, got {value!r} instead.")
+        if self.amax_history_len < 1:
+            raise ValueError(
+                f"Expected `amax_history_len` >= 1, got {self.amax_history_len} instead."
+            )
+        if self.margin < 0:
+            raise ValueError(f"Expected `margin` >= 0, got {self.margin} instead.")
+        if not isinstance(self.amax_compute_algo, str):
+            raise TypeError(
+                f"Expected a string for `amax_compute_algo` ('max' or 'most_recent'), got "
+                f"{self.amax_compute_algo!r} instead."
+            )
+        if self.amax_compute_algo not in ALGOS:
+            raise ValueError(
+                f"Expected 'max' or 'most_recent' for `amax_compute_algo`, got "
+                f"{self.amax_compute_algo!r} instead."
+            )
+
+
+def init_state(recipe: DelayedScaling, stack: Sequence[int] = ()) -> Float8State:
+    """A fresh state: an empty history (zeros) and scale 1, as Transformer Engine starts."""
+    stack = tuple(stack)
+    return Float8State(
+        amax_history=jnp.zeros((*stack, 3, recipe.amax_history_len), F32),
+        scale=jnp.ones((*stack, 3), F32),
+    )
+
+
+def next_state(state: Float8State, amaxes: jax.Array, recipe: DelayedScaling) -> Float8State:
+    """Transformer Engine's update: roll ``amaxes`` (shape ``(3,)``) in, compute the scales."""
+    history = jnp.roll(state.amax_history, -1, axis=-1).at[..., 0].set(amaxes)
+    if recipe.amax_compute_algo == "max":
+        amax = jnp.max(history, axis=-1)
+    else:
+        amax = history[..., 0]
+    new = (ROW_MAX / amax) / np.float32(2.0**recipe.margin)
+    keep = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
+    return Float8State(history, jnp.where(keep, new, state.scale))
+
+
+# ---------------------------------------------------------------------------
+# Quantisation
+# ---------------------------------------------------------------------------
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """The largest magnitude of ``x`` as a float32 scalar (NaN if ``x`` holds a NaN)."""
+    if x.size == 0:
+        return jnp.zeros((), F32)
+    return jnp.max(jnp.abs(x)).astype(F32)
+
+
+def current_scale(amax: jax.Array, row: int) -> jax.Array:
+    """``finfo.max / amax`` for ``row``'s format, at most ``2**126`` (an ``amax`` of 0).
+
+    A non-finite ``amax`` gives a scale of 0 or NaN, so the product of a
+    tensor holding inf or NaN is not finite either.
+    """
+    return ROW_MAX[row] / jnp.maximum(amax, _SMALLEST_AMAX[row])
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``clip(x * scale, +-finfo(dtype).max)`` in ``dtype``; inf and NaN stay non-finite."""
+    big = np.float32(jnp.finfo(dtype).max)
+    y = x.astype(F32) * scale
+    return lax.select(lax.is_finite(x), lax.clamp(-big, y, big), y).astype(dtype)
+
+
+def _usable(scale: jax.Array, amax_now: jax.Array, row: int) -> jax.Array:
+    """The state's scale, or the current one where the state's is not positive and finite."""
+    ok = jnp.isfinite(scale) & (scale > 0)
+    return jnp.where(ok, scale, current_scale(amax_now, row))
+
+
+# ---------------------------------------------------------------------------
+# The products and their transposes
+# ---------------------------------------------------------------------------
+
+
+class Spec(NamedTuple):
+    """What a float8 product needs besides its arrays (static, hashable)."""
+
+    dimension_numbers: Any
+    out_dtype: np.dtype  # the dtype of the output (the autocast dtype, or a wider pet)
+    lhs_dtype: np.dtype  # the dtypes the gradients come back in
+    rhs_dtype: np.dtype
+    out_sharding: Any = None
+    recipe: DelayedScaling | None = None
+
+
+def _scaled_dot(q_lhs, q_rhs, dimension_numbers, inv, out_sharding=None):
+    """``dot_general(q_lhs, q_rhs) * inv`` in float32: what XLA rewrites to one FP8 GEMM."""
+    out = lax.dot_general(
+        q_lhs, q_rhs, dimension_numbers, preferred_element_type=F32, out_sharding=out_sharding
+    )
+    return out * inv
+
+
+def _operand_grad(g, other, dimension_numbers, ndims, wrt_lhs: bool, inv):
+    """The gradient of one operand of ``dot_general``: a product of ``g`` with the other.
+
+    ``g`` has the output's axes (batch, the left operand's free axes, the
+    right operand's free axes); it is contracted with ``other`` over the
+    other operand's free axes and batched over the batch axes. The result's
+    axes (batch, this operand's free axes, its contracting axes in the order
+    of the other operand's) are then permuted to this operand's layout. The
+    scale multiplies the product before the permutation, next to the dot.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs_nd, rhs_nd = ndims
+    own_c, oth_c, own_b, oth_b, own_nd, oth_nd = (
+        (lc, rc, lb, rb, lhs_nd, rhs_nd) if wrt_lhs else (rc, lc, rb, lb, rhs_nd, lhs_nd)
+    )
+    own_free = [i for i in range(own_nd) if i not in own_c and i not in own_b]
+    oth_free = [i for i in range(oth_nd) if i not in oth_c and i not in oth_b]
+    nb = len(lb)
+    n_lhs_free = lhs_nd - len(lc) - nb
+    g_oth = range(nb + n_lhs_free, g.ndim) if wrt_lhs else range(nb, nb + n_lhs_free)
+    dims = ((tuple(g_oth), tuple(oth_free)), (tuple(range(nb)), tuple(oth_b)))
+    y = lax.dot_general(g, other, dims, preferred_element_type=F32) * inv
+    own_c_by_other = [own_c[i] for i in np.argsort(oth_c)]
+    perm = tuple(int(i) for i in np.argsort([*own_b, *own_free, *own_c_by_other]))
+    return lax.transpose(y, perm)
+
+
+def _backward(spec: Spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, inv_g):
+    dn, ndims = spec.dimension_numbers, (q_lhs.ndim, q_rhs.ndim)
+    d_lhs = _operand_grad(q_g, q_rhs, dn, ndims, True, inv_g * inv_rhs)
+    d_rhs = _operand_grad(q_g, q_lhs, dn, ndims, False, inv_g * inv_lhs)
+    return d_lhs.astype(spec.lhs_dtype), d_rhs.astype(spec.rhs_dtype)
+
+
+# Current scaling --------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def current_dot(lhs: jax.Array, rhs: jax.Array, spec: Spec) -> jax.Array:
+    """``dot_general`` in float8 with current per-tensor scaling (see the module docstring)."""
+    return _current_fwd(lhs, rhs, spec)[0]
+
+
+def _current_fwd(lhs, rhs, spec):
+    s_lhs = current_scale(amax(lhs), LHS)
+    s_rhs = current_scale(amax(rhs), RHS)
+    q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
+    inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
+    out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
+    return out.astype(spec.out_dtype), (q_lhs, q_rhs, inv_lhs, inv_rhs)
+
+
+def _current_bwd(spec, res, g):
+    q_lhs, q_rhs, inv_lhs, inv_rhs = res
+    s_g = current_scale(amax(g), GRAD)
+    q_g = quantize(g, s_g, E5M2)
+    return _backward(spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, 1 / s_g)
+
+
+current_dot.defvjp(_current_fwd, _current_bwd)
+
+
+# Delayed scaling ------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def delayed_dot(
+    lhs: jax.Array, rhs: jax.Array, amax_history: jax.Array, scale: jax.Array, spec: Spec
+) -> jax.Array:
+    """``dot_general`` in float8 with delayed scaling: the state's scales, amaxes recorded.
+
+    The cotangent of ``(amax_history, scale)`` is the next state
+    (:func:`next_state` with this step's three amaxes), whatever the
+    cotangent of the output is.
+    """
+    return _delayed_fwd(lhs, rhs, amax_history, scale, spec)[0]
+
+
+def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
+    a_lhs, a_rhs = amax(lhs), amax(rhs)
+    s_lhs, s_rhs = _usable(scale[LHS], a_lhs, LHS), _usable(scale[RHS], a_rhs, RHS)
+    q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
+    inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
+    out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
+    res = (q_lhs, q_rhs, inv_lhs, inv_rhs, a_lhs, a_rhs, amax_history, scale)
+    return out.astype(spec.out_dtype), res
+
+
+def _delayed_bwd(spec, res, g):
+    q_lhs, q_rhs, inv_lhs, inv_rhs, a_lhs, a_rhs, amax_history, scale = res
+    a_g = amax(g)
+    s_g = _usable(scale[GRAD], a_g, GRAD)
+    q_g = quantize(g, s_g, E5M2)
+    d_lhs, d_rhs = _backward(spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, 1 / s_g)
+    new = next_state(Float8State(amax_history, scale), jnp.stack([a_lhs, a_rhs, a_g]), spec.recipe)
+    return d_lhs, d_rhs, new.amax_history, new.scale
+
+
+delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
