@@ -33,6 +33,7 @@ FLOORS = {
     "lookup": FRONT,
     "autocast_rules": FRONT,
     "autocast_interpreter": FRONT,
+    "autocast_float8": FRONT,
     "autocast": FRONT,
     "flax_support": FRONT,
     # the GradScaler facade over the shared pieces

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)  # operands (forward)
 E5M2 = np.dtype(jnp.float8_e5m2)  # gradients (backward)
@@ -219,37 +221,51 @@ def _scaled_dot(q_lhs, q_rhs, dimension_numbers, inv, out_sharding=None):
     return out * inv
 
 
-def _operand_grad(g, other, dimension_numbers, ndims, wrt_lhs: bool, inv):
-    """The gradient of one operand of ``dot_general``: a product of ``g`` with the other.
+def _operand_grad(g, other, own, dimension_numbers, wrt_lhs: bool, inv):
+    """The gradient of one operand (``own``) of ``dot_general``: ``g`` times the other.
 
     ``g`` has the output's axes (batch, the left operand's free axes, the
     right operand's free axes); it is contracted with ``other`` over the
     other operand's free axes and batched over the batch axes. The result's
     axes (batch, this operand's free axes, its contracting axes in the order
     of the other operand's) are then permuted to this operand's layout. The
-    scale multiplies the product before the permutation, next to the dot.
+    scale multiplies the product before the permutation, next to the dot. On
+    an explicit mesh the product is sharded as ``own`` is (as JAX's own
+    transpose of ``dot_general`` does), since a contraction over a sharded
+    axis would otherwise have no sharding.
     """
     (lc, rc), (lb, rb) = dimension_numbers
-    lhs_nd, rhs_nd = ndims
-    own_c, oth_c, own_b, oth_b, own_nd, oth_nd = (
-        (lc, rc, lb, rb, lhs_nd, rhs_nd) if wrt_lhs else (rc, lc, rb, lb, rhs_nd, lhs_nd)
-    )
-    own_free = [i for i in range(own_nd) if i not in own_c and i not in own_b]
-    oth_free = [i for i in range(oth_nd) if i not in oth_c and i not in oth_b]
+    lhs_nd, rhs_nd = (own.ndim, other.ndim) if wrt_lhs else (other.ndim, own.ndim)
+    own_c, oth_c, own_b, oth_b = (lc, rc, lb, rb) if wrt_lhs else (rc, lc, rb, lb)
+    own_free = [i for i in range(own.ndim) if i not in own_c and i not in own_b]
+    oth_free = [i for i in range(other.ndim) if i not in oth_c and i not in oth_b]
     nb = len(lb)
     n_lhs_free = lhs_nd - len(lc) - nb
     g_oth = range(nb + n_lhs_free, g.ndim) if wrt_lhs else range(nb, nb + n_lhs_free)
     dims = ((tuple(g_oth), tuple(oth_free)), (tuple(range(nb)), tuple(oth_b)))
-    y = lax.dot_general(g, other, dims, preferred_element_type=F32) * inv
-    own_c_by_other = [own_c[i] for i in np.argsort(oth_c)]
-    perm = tuple(int(i) for i in np.argsort([*own_b, *own_free, *own_c_by_other]))
-    return lax.transpose(y, perm)
+    order = [*own_b, *own_free, *(own_c[i] for i in np.argsort(oth_c))]
+    y = lax.dot_general(
+        g, other, dims, preferred_element_type=F32, out_sharding=_sharding_as(own, order)
+    )
+    return lax.transpose(y * inv, tuple(int(i) for i in np.argsort(order)))
+
+
+def _sharding_as(own: jax.Array, order: Sequence[int]) -> Any:
+    """``own``'s sharding with its axes in ``order``; replicated on the current mesh when
+    ``own`` has none (JAX's transpose of ``dot_general`` does the same); ``None`` when
+    there is no mesh (the compiler decides)."""
+    sharding = jax.typeof(own).sharding
+    if sharding.mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+        return None if mesh.empty else NamedSharding(mesh, P(*([None] * own.ndim)))
+    spec = (*sharding.spec, *([None] * (own.ndim - len(sharding.spec))))
+    return sharding.update(spec=P(*(spec[o] for o in order)))
 
 
 def _backward(spec: Spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, inv_g):
-    dn, ndims = spec.dimension_numbers, (q_lhs.ndim, q_rhs.ndim)
-    d_lhs = _operand_grad(q_g, q_rhs, dn, ndims, True, inv_g * inv_rhs)
-    d_rhs = _operand_grad(q_g, q_lhs, dn, ndims, False, inv_g * inv_lhs)
+    dn = spec.dimension_numbers
+    d_lhs = _operand_grad(q_g, q_rhs, q_lhs, dn, True, inv_g * inv_rhs)
+    d_rhs = _operand_grad(q_g, q_lhs, q_rhs, dn, False, inv_g * inv_lhs)
     return d_lhs.astype(spec.lhs_dtype), d_rhs.astype(spec.rhs_dtype)
 
 
