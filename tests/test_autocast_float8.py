@@ -360,6 +360,19 @@ def test_training_with_loss_scaling_skips_an_overflow_and_never_updates_the_stat
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(f8))
 
 
+def test_loss_scaling_refuses_a_float8_state_among_the_parameters_or_gradients():
+    params, x = mlp_params(), randn(20, 4, 16)
+    model = jamp.autocast(mlp, "float8", recipe=RECIPE)
+    tree = {"model": params, "float8": jamp.float8_init(model, params, x)}
+    grads = jax.eval_shape(jax.grad(lambda t: jnp.sum(model(t["float8"], t["model"], x))), tree)
+    tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale())
+    where = r"Float8State in the {} .* at \['float8'\]\['0:dot_general'\]: .* not a parameter"
+    with pytest.raises(TypeError, match=where.format("parameters")):
+        tx.init(tree)
+    with pytest.raises(TypeError, match=where.format("gradients")):
+        tx.update(grads, tx.init(params), params)
+
+
 @pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
 def test_eight_devices_with_a_sharded_batch_agree_with_one(axis_type):
     mesh = jax.make_mesh((8,), ("data",), axis_types=(axis_type,))

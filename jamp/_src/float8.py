@@ -334,3 +334,20 @@ def _delayed_bwd(spec, res, g):
 
 
 delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def refuse_in(tree: Any, what: str) -> None:
+    """A ``TypeError`` when ``tree`` holds a :class:`Float8State`: it is not a parameter."""
+    found = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, Float8State)
+    )[0]
+    for path, leaf in found:
+        if isinstance(leaf, Float8State):
+            raise TypeError(
+                f"Expected no jamp.Float8State in {what}, found one at "
+                f"{jax.tree_util.keystr(path)}: the float8 state is not a parameter. An "
+                "optimizer would apply a learning-rate update to it and loss scaling would "
+                "unscale it. Keep it out of the parameters: pass it to the delayed-scaling "
+                "function as its own argument and take the next state from jax.grad with "
+                "respect to that argument (docs/float8.md)."
+            )
