@@ -178,8 +178,7 @@ def test_mlp_error_against_float32_far_from_1_and_near_1e_minus_6(magnitude):
     y = randn(11, 32, 8, scale=magnitude)
     (_, want_out), want_grads = _F32_STEP(params, x, y)
     state = jamp.float8_init(_DELAYED, params, x)
-    for _ in range(2):  # the first step quantises with scale 1, as TE: warm the history up
-        _, (state, *_) = _DELAYED_STEP(state, params, x, y)
+    _, (state, *_) = _DELAYED_STEP(state, params, x, y)  # a history of one step
     (_, current_out), current_grads = _CURRENT_STEP(params, x, y)
     (_, delayed_out), (_, *delayed_grads) = _DELAYED_STEP(state, params, x, y)
     for name, out, grads in (
@@ -208,7 +207,7 @@ def test_delayed_state_through_autocast_evolves_bit_exactly_as_the_numpy_recipe(
     w, x, ct = jnp.ones((6, 3)), jnp.ones((4, 6)), jnp.ones((4, 3))
     state = jamp.float8_init(g, w, x, ct)
     assert list(state) == ["0:dot_general"]
-    history, scale = np.zeros((3, 4), np.float32), np.ones(3, np.float32)
+    history, scale = np.zeros((3, 4), np.float32), np.zeros(3, np.float32)  # a fresh state
     step = jax.jit(jax.grad(g, argnums=0))
     for t in range(6):
         mags = 10.0 ** r.uniform(-5, 4, size=3)
@@ -300,7 +299,7 @@ def test_sites_follow_jit_remat_and_scan_while_cond_and_custom_rules_use_current
     assert list(jamp.float8_init(g, w, randn(2, 7, 6))) == list(state)
 
 
-def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_and_current_scaling():
+def test_a_product_that_does_not_reach_the_loss_gets_a_fresh_state_and_current_scaling():
     def f(w, x):
         unused = x @ w.T  # noqa: F841
         return jnp.sum(x @ w)
@@ -309,8 +308,8 @@ def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_and_current_sc
     w, x = randn(0, 4, 4), randn(1, 2, 4, scale=1e3)
     state, _ = jax.jit(jax.grad(g, argnums=(0, 1)))(jamp.float8_init(g, w, x), w, x)
     dead = state["0:dot_general"]
-    assert not np.any(np.asarray(dead.scale))  # its cotangent: zero
-    # A zero (or non-finite) scale quantises with the current one instead of flushing.
+    assert not np.any(np.asarray(dead.scale))  # its cotangent: zero, as a fresh state
+    # A scale of zero (or non-finite) quantises with the current one instead of flushing.
     out = jamp.autocast(lambda w, x: x @ w.T, "float8", recipe=RECIPE)
     zero = {"0:dot_general": dead}
     current = jamp.autocast(lambda w, x: x @ w.T, "float8")(w, x)
@@ -387,11 +386,12 @@ def test_eight_devices_with_a_sharded_batch_agree_with_one(axis_type):
         eight = grad(f8, params, jax.device_put(x, batch), jax.device_put(y, batch))
     # One amax per tensor: the maximum is taken over the whole batch, not per shard.
     for a, b in zip(jax.tree.leaves(one[0]), jax.tree.leaves(eight[0]), strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-2)
-    np.testing.assert_array_equal(
-        one[0]["0:dot_general"].amax_history[:, 0][:2],
-        np.asarray([jnp.max(jnp.abs(x)), jnp.max(jnp.abs(params["w1"]))]),
-    )
+        np.testing.assert_allclose(a, b, rtol=0.03)
+    for run in (one, eight):  # the sharded input's amax is the whole batch's
+        np.testing.assert_array_equal(
+            run[0]["0:dot_general"].amax_history[:, 0][:2],
+            np.asarray([jnp.max(jnp.abs(x)), jnp.max(jnp.abs(params["w1"]))]),
+        )
     # The partitioned program rounds its bfloat16 intermediates differently (XLA's excess
     # precision), and float8 rounding magnifies that: close, not equal.
     assert rel_err(flat(one[1]), flat(eight[1])) < 0.05
@@ -481,6 +481,6 @@ def test_float8_init_takes_shapes_and_static_arguments():
     w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
     state = jamp.float8_init(g, w, jnp.ones((2, 4)), act=jnp.tanh)
     assert state["0:dot_general"].amax_history.dtype == jnp.float32
-    np.testing.assert_array_equal(state["0:dot_general"].scale, np.ones(3))
+    np.testing.assert_array_equal(state["0:dot_general"].scale, np.zeros(3))  # not measured
     jitted = functools.partial(jax.jit, static_argnames="act")(g)
     assert jitted(state, jnp.ones((4, 4)), jnp.ones((2, 4)), act=jnp.tanh).shape == (2, 4)

@@ -181,7 +181,7 @@ RECIPES = [
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["max", "most_recent_margin", "h1"])
 def test_delayed_state_evolves_bit_exactly_as_the_numpy_model_of_the_recipe(recipe):
-    state = float8.init_state(recipe)
+    state = float8.init_state(recipe, scale=1.0)  # TE's start, so every step uses the state
     history, scale = np.zeros((3, recipe.amax_history_len), F32), np.ones(3, F32)
     s = spec(recipe=recipe)
 
@@ -213,7 +213,7 @@ def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
     histories agree bit for bit, the scales are reciprocals, the products agree."""
     recipe = jamp.DelayedScaling(amax_history_len=5)
     h = recipe.amax_history_len
-    state = float8.init_state(recipe)
+    state = float8.init_state(recipe, scale=1.0)  # Flax's start
     meta = dict(
         lhs_scale=jnp.ones(1), rhs_scale=jnp.ones(1), grad_scale=jnp.ones(1),
         lhs_amax_history=jnp.zeros(h), rhs_amax_history=jnp.zeros(h),
@@ -253,6 +253,29 @@ def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
         for a, b in zip(grads, f_grads, strict=True):
             assert rel_err(a, b) < 1e-2
         state, meta = new_state, new_meta
+
+
+def test_a_fresh_state_quantises_with_the_current_scales_then_with_its_own():
+    """Scale 0 is "not measured yet": the first step is current scaling, bit for bit."""
+    recipe = jamp.DelayedScaling(amax_history_len=2)
+    lhs, rhs = operands(MM, 8)
+    lhs = lhs * 1e-6  # TE's start (scale 1) would flush it: float8_e4m3fn's smallest is 2**-9
+    ct = jnp.ones((3, 5))
+
+    def delayed(state):
+        f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+        out, vjp = jax.vjp(f, lhs, rhs, *state)
+        return out, vjp(ct)
+
+    out, (d_l, d_r, hist, scale) = delayed(float8.init_state(recipe))
+    want, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), lhs, rhs)
+    assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
+    for a, b in zip((d_l, d_r), vjp(ct), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    np.testing.assert_array_equal(scale, ROW_MAX / np.asarray(hist)[:, 0])
+    assert rel_err(delayed(float8.Float8State(hist, scale))[0], want) < 1e-6
+    flushed, _ = delayed(float8.init_state(recipe, scale=1.0))
+    assert not np.any(np.asarray(flushed))
 
 
 @settings(max_examples=20, deadline=None)

@@ -671,8 +671,11 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
     ``jax.ShapeDtypeStruct``), without the state. ``f`` is traced, not run.
     The state holds one :class:`jamp.Float8State` per float8 matrix product,
     keyed ``"<i>:<scope>"`` in program order (``scope`` is the product's name
-    stack, e.g. a Flax module path), with an empty amax history and scales
-    of 1, as Transformer Engine starts. A product inside a ``lax.scan`` of
+    stack, e.g. a Flax module path, with ``.`` for ``/``: ``"0:MLP.Dense_0"``;
+    ``"<i>:dot_general"`` without one), with an empty amax history and scales
+    of 0, "not measured yet", so the first step quantises every tensor with
+    its current scale (Transformer Engine starts from scale 1: see
+    :class:`jamp.DelayedScaling`). A product inside a ``lax.scan`` of
     length ``n`` has ``n`` states, stacked along a leading axis; products
     inside ``while_loop``, ``cond`` and custom-derivative bodies use current
     scaling and have none.

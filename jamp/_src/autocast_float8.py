@@ -9,9 +9,9 @@ in that dtype: XLA has no float8 convolution that jamp can rely on.
 
 With :class:`~jamp._src.float8.DelayedScaling`, each such product owns a
 :class:`~jamp._src.float8.Float8State`, kept in a dict keyed ``"<i>:<scope>"``
-(``i`` counts the products in program order, ``scope`` is their name stack,
-e.g. ``"0:Dense_0"``). :func:`sites` finds them, statically, in the traced
-jaxpr, following the interpreter: into ``jit``, ``closed_call`` and
+(``i`` counts the products in program order, ``scope`` is their name stack
+with ``/`` written ``.``, e.g. ``"0:MLP.Dense_0"``). :func:`sites` finds them,
+statically, in the traced jaxpr, following the interpreter: into ``jit``, ``closed_call`` and
 ``checkpoint``; into ``scan`` bodies, where a product gets one state per
 iteration (stacked along leading axes); not into ``while``, ``cond``,
 ``custom_jvp``/``custom_vjp`` bodies (their products run with current
@@ -131,7 +131,7 @@ def sites(closed: Any) -> list[Site]:
             name = eqn.primitive.name
             here = (*scope, *([name_stack] if name_stack else []))
             if eligible(eqn):
-                label = "/".join(here) or "dot_general"
+                label = ".".join(here).replace("/", ".") or "dot_general"
                 found.append(Site(f"{len(found)}:{label}", (*path, id(eqn)), stack))
             elif name in _CALLS:
                 sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))

@@ -82,7 +82,9 @@ class Float8State(NamedTuple):
         last ``amax_history_len`` steps, the most recent at index 0 (as
         Transformer Engine and ``flax.linen.fp8_ops`` roll it).
       scale: float32 ``(..., 3)``: the scales the next step quantises with
-        (``float8 = x * scale``): ``finfo.max / amax / 2**margin``.
+        (``float8 = x * scale``): ``finfo.max / amax / 2**margin``; 0 (a fresh
+        state) means "not measured yet": that tensor is quantised with its
+        current scale.
     """
 
     amax_history: jax.Array
@@ -99,8 +101,15 @@ class DelayedScaling:
     value of the history (``"max"``) or the newest (``"most_recent"``). A
     scale is kept from the step before when ``amax`` is 0 or not finite, or
     when the new scale would not be a finite float32 number (an amax below
-    ``finfo.max * 2**-128``; TE has no such guard). The first step quantises
-    with the initial scale, 1, as TE and Flax do.
+    ``finfo.max * 2**-128``; TE has no such guard).
+
+    A fresh state (:func:`jamp.float8_init`) has an empty history and scales
+    of 0, "not measured yet", and a tensor whose scale is not positive is
+    quantised with its current scale: the first step is current scaling. TE
+    and Flax start from scale 1 instead, which on the first step saturates
+    a tensor above 448 and flushes one below ``2**-9`` to zero, and since a
+    zero output has amax 0, the layer after it on the next step, and so on
+    down the network (``benchmarks/RESULTS.md`` measures it).
 
     Args:
       amax_history_len: how many steps of amaxes to keep (TE: 1024).
@@ -142,12 +151,14 @@ class DelayedScaling:
             )
 
 
-def init_state(recipe: DelayedScaling, stack: Sequence[int] = ()) -> Float8State:
-    """A fresh state: an empty history (zeros) and scale 1, as Transformer Engine starts."""
+def init_state(
+    recipe: DelayedScaling, stack: Sequence[int] = (), scale: float = 0.0
+) -> Float8State:
+    """A fresh state: an empty history and ``scale`` (0: "not measured yet"; TE starts at 1)."""
     stack = tuple(stack)
     return Float8State(
         amax_history=jnp.zeros((*stack, 3, recipe.amax_history_len), F32),
-        scale=jnp.ones((*stack, 3), F32),
+        scale=jnp.full((*stack, 3), scale, F32),
     )
 
 
@@ -192,7 +203,8 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
 
 
 def _usable(scale: jax.Array, amax_now: jax.Array, row: int) -> jax.Array:
-    """The state's scale, or the current one where the state's is not positive and finite."""
+    """The state's scale, or the current one where the state's is not positive and finite:
+    a fresh state (0), or the zero cotangent of a product that does not reach the loss."""
     ok = jnp.isfinite(scale) & (scale > 0)
     return jnp.where(ok, scale, current_scale(amax_now, row))
 
