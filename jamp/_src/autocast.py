@@ -695,15 +695,17 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
       >>> def loss(w, x):
-      ...   return jnp.sum(jnp.tanh(x @ w) @ w.T)
+      ...   return jnp.sum(x @ w)
       >>> f = jamp.autocast(loss, "float8", recipe=jamp.DelayedScaling(amax_history_len=4))
       >>> w, x = jnp.full((3, 3), 0.5), jnp.ones((2, 3))
       >>> state = jamp.float8_init(f, w, x)
       >>> list(state), state["0:dot_general"].amax_history.shape
-      (['0:dot_general', '1:dot_general'], (3, 4))
+      (['0:dot_general'], (3, 4))
       >>> state, grads = jax.grad(f, argnums=(0, 1))(state, w, x)  # the next state
-      >>> state["0:dot_general"].amax_history[:, 0]  # |x|, |w| and the gradient's amax
+      >>> state["0:dot_general"].amax_history[:, 0]  # the amaxes of x, w and the gradient
       Array([1. , 0.5, 1. ], dtype=float32)
+      >>> state["0:dot_general"].scale  # 448 / 1, 448 / 0.5, 57344 / 1
+      Array([  448.,   896., 57344.], dtype=float32)
     """
     meta = getattr(fun, "_jamp_float8", None)
     if meta is None:

@@ -122,6 +122,16 @@ class DelayedScaling:
         ``amax_compute_algo`` not a string.
       ValueError: ``amax_history_len < 1``, ``margin < 0`` or an unknown
         ``amax_compute_algo``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> recipe = jamp.DelayedScaling(amax_history_len=16, margin=1)
+      >>> recipe
+      DelayedScaling(amax_history_len=16, margin=1, amax_compute_algo='max')
+      >>> f = jamp.autocast(lambda w, x: x @ w, "float8", recipe=recipe)
+      >>> state = jamp.float8_init(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> f(state, jnp.ones((4, 4)), jnp.ones((2, 4))).shape  # the state comes first
+      (2, 4)
     """
 
     amax_history_len: int = 1024
