@@ -473,6 +473,15 @@ def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
     assert_clear_error(*BAD_INPUT[case])
 
 
+def test_disabled_with_a_recipe_keeps_the_signature_and_ignores_the_state():
+    params, x = mlp_params(), randn(2, 4, 16)
+    off = jamp.autocast(mlp, "float8", recipe=RECIPE, enabled=False)
+    assert jamp.float8_init(off, params, x) == {}
+    np.testing.assert_array_equal(off({}, params, x), mlp(params, x))
+    dots = dot_dtypes(jax.make_jaxpr(off)({}, params, x))
+    assert dots == [((F32, F32), F32)] * 2
+
+
 def test_float8_init_takes_shapes_and_static_arguments():
     def f(w, x, *, act):
         return act(x @ w)

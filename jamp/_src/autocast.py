@@ -440,7 +440,8 @@ def autocast(
         (``dtype`` must then be left out or agree) and its ``output_dtype``
         the dtype of the floating outputs.
       enabled: ``False`` returns ``autocast_disabled(fun)``: ``fun`` runs as
-        written, even inside another autocast function.
+        written, even inside another autocast function (with a ``recipe``,
+        it still takes a state first, and ignores it).
       recipe: with ``dtype="float8"``: ``None`` (current scaling) or a
         :class:`jamp.DelayedScaling`.
 
@@ -476,8 +477,20 @@ def autocast(
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"Expected a bool for `enabled`, got {enabled!r} instead.")
     if not enabled:
-        return autocast_disabled(fun)
+        return _without_state(fun, recipe) if recipe else autocast_disabled(fun)
     return _autocast(fun, low, policy, None, float8, recipe)
+
+
+def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
+    """``enabled=False`` with a recipe: the signature kept, the state taken and ignored."""
+    disabled = autocast_disabled(fun)
+
+    @functools.wraps(fun)
+    def ignoring(state: Any, *args: Any, **kwargs: Any) -> Any:
+        return disabled(*args, **kwargs)
+
+    ignoring._jamp_float8 = (disabled, recipe)  # float8_init finds no product: {}
+    return ignoring
 
 
 def autocast_disabled(fun: Callable) -> Callable:
