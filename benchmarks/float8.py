@@ -20,9 +20,11 @@ Every variant computes from the same float32 parameters:
     scales come from an amax history of 16 steps (Transformer Engine's
     recipe). In the error tables the state has seen three other batches of
     the same distribution (the history holds their amaxes, not this
-    batch's). ``float8 delayed, first step`` is a fresh state (scales 0, "not
-    measured yet": current scaling); ``float8 delayed, first step from scale
-    1`` starts as Transformer Engine and Flax do, with every scale 1.
+    batch's). ``float8 delayed, first step`` is a fresh state, which starts
+    as Transformer Engine and Flax do, with every scale 1;
+    ``float8 delayed (unmeasured='current'), first step`` a fresh state of
+    ``DelayedScaling(16, unmeasured="current")``, whose first step uses
+    current scales.
 ``float8, attention in bfloat16`` (GPT only)
     float8 current with the two attention products (scores and the weighted
     values) inside a nested ``jamp.autocast(..., jnp.bfloat16)``, as
@@ -55,7 +57,10 @@ from the same initialisation on the same batches.
 
 ``--step-time`` (for a GPU): the GPT stack at ``--step-config large`` (d=1024,
 16 heads, 8 layers, batch 16x512) or ``small``; median step time of a jitted
-``jax.value_and_grad`` + SGD step for bfloat16 and the float8 variants, and
+``jax.value_and_grad`` + SGD step for bfloat16 and the float8 variants
+(delayed scaling both with TE's ``unmeasured="one"``, whose amax XLA may
+compute in the quantising pass, and with ``"current"``, which reads each
+operand twice as current scaling does), and
 the compiled HLO's GEMM custom calls, counting cuBLASLt float8 GEMMs
 (``__cublas$lt$matmul$f8``): the proof XLA rewrote jamp's pattern.
 """
@@ -218,6 +223,7 @@ def _mse(out: jax.Array, y: jax.Array) -> jax.Array:
 def variants(forward: Callable, gpt_like: bool) -> dict[str, tuple[str, Callable]]:
     """name -> (kind, forward): kind "plain" takes (params, x); "delayed" (state, params, x)."""
     recipe = jamp.DelayedScaling(HISTORY)
+    measuring = jamp.DelayedScaling(HISTORY, unmeasured="current")
     out = {
         "float32": ("plain", forward),
         "bfloat16": ("plain", jamp.autocast(forward, jnp.bfloat16)),
@@ -226,8 +232,8 @@ def variants(forward: Callable, gpt_like: bool) -> dict[str, tuple[str, Callable
         "float8 delayed, first step": (
             "delayed", jamp.autocast(forward, "float8", recipe=recipe)
         ),
-        "float8 delayed, first step from scale 1": (
-            "delayed", jamp.autocast(forward, "float8", recipe=recipe)
+        "float8 delayed (unmeasured='current'), first step": (
+            "delayed", jamp.autocast(forward, "float8", recipe=measuring)
         ),
     }  # fmt: skip
     if gpt_like:
@@ -289,8 +295,6 @@ def measure_error(
             (value, out), grads = step(params, x, y)
         else:
             state = jamp.float8_init(f, params, x)
-            if "scale 1" in vname:  # Transformer Engine's and Flax's start
-                state = {k: s._replace(scale=jnp.ones_like(s.scale)) for k, s in state.items()}
             if "first step" not in vname:
                 for wx, wy in warmup:
                     _, (state, *_) = step(state, params, wx, wy)
@@ -613,14 +617,16 @@ def step_time(args, log) -> str:
     x, y = _normal(0, b, t, d), _normal(1, b, t, d)
     params = gpt_params(d, layers)
     forward = functools.partial(gpt, heads=heads)
-    recipe = jamp.DelayedScaling(HISTORY)
     attn = functools.partial(forward, attention_dtype=jnp.bfloat16)
     plain = {
         "bfloat16": jamp.autocast(forward, jnp.bfloat16),
         "float8 current": jamp.autocast(forward, "float8"),
         "float8, attention in bfloat16": jamp.autocast(attn, "float8"),
     }
-    delayed = jamp.autocast(forward, "float8", recipe=recipe)
+    delayed = {
+        "float8 delayed": jamp.DelayedScaling(HISTORY),
+        "float8 delayed, unmeasured='current'": jamp.DelayedScaling(HISTORY, unmeasured="current"),
+    }
 
     def sgd(p, g):
         return jax.tree_util.tree_map(lambda a, b: a - 1e-3 * b, p, g)
@@ -634,14 +640,16 @@ def step_time(args, log) -> str:
 
         steps[name] = jax.jit(step).lower(params, x, y).compile()
         args_of[name] = (params, x, y)
-    state = jamp.float8_init(delayed, params, x)
+    for name, recipe in delayed.items():
+        f = jamp.autocast(forward, "float8", recipe=recipe)
+        state = jamp.float8_init(f, params, x)
 
-    def delayed_step(s, p, x, y):
-        value, (s, g) = jax.value_and_grad(lambda s, p: _mse(delayed(s, p, x), y), (0, 1))(s, p)
-        return s, sgd(p, g), value
+        def delayed_step(s, p, x, y, f=f):
+            value, (s, g) = jax.value_and_grad(lambda s, p: _mse(f(s, p, x), y), (0, 1))(s, p)
+            return s, sgd(p, g), value
 
-    steps["float8 delayed"] = jax.jit(delayed_step).lower(state, params, x, y).compile()
-    args_of["float8 delayed"] = (state, params, x, y)
+        steps[name] = jax.jit(delayed_step).lower(state, params, x, y).compile()
+        args_of[name] = (state, params, x, y)
     for name, compiled in steps.items():
         hlos[name] = gemm_calls(compiled.as_text())
         jax.block_until_ready(compiled(*args_of[name]))

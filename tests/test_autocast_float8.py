@@ -178,7 +178,8 @@ def test_mlp_error_against_float32_far_from_1_and_near_1e_minus_6(magnitude):
     y = randn(11, 32, 8, scale=magnitude)
     (_, want_out), want_grads = _F32_STEP(params, x, y)
     state = jamp.float8_init(_DELAYED, params, x)
-    _, (state, *_) = _DELAYED_STEP(state, params, x, y)  # a history of one step
+    for _ in range(2):  # TE's start (scale 1) flushes inputs near 1e-6, a layer per step
+        _, (state, *_) = _DELAYED_STEP(state, params, x, y)
     (_, current_out), current_grads = _CURRENT_STEP(params, x, y)
     (_, delayed_out), (_, *delayed_grads) = _DELAYED_STEP(state, params, x, y)
     for name, out, grads in (
@@ -207,7 +208,7 @@ def test_delayed_state_through_autocast_evolves_bit_exactly_as_the_numpy_recipe(
     w, x, ct = jnp.ones((6, 3)), jnp.ones((4, 6)), jnp.ones((4, 3))
     state = jamp.float8_init(g, w, x, ct)
     assert list(state) == ["0:dot_general"]
-    history, scale = np.zeros((3, 4), np.float32), np.zeros(3, np.float32)  # a fresh state
+    history, scale = np.zeros((3, 4), np.float32), np.ones(3, np.float32)  # a fresh state
     step = jax.jit(jax.grad(g, argnums=0))
     for t in range(6):
         mags = 10.0 ** r.uniform(-5, 4, size=3)
@@ -299,21 +300,32 @@ def test_sites_follow_jit_remat_and_scan_while_cond_and_custom_rules_use_current
     assert list(jamp.float8_init(g, w, randn(2, 7, 6))) == list(state)
 
 
-def test_a_product_that_does_not_reach_the_loss_gets_a_fresh_state_and_current_scaling():
+def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_which_is_never_used():
+    """Its cotangent is zero (so under stop_gradient, or feeding only an aux output). A scale
+    that is not positive is replaced: by 1, TE's start (``unmeasured="one"``), or by the
+    current scale (``"current"``), never used to flush the product to zero."""
+
     def f(w, x):
         unused = x @ w.T  # noqa: F841
         return jnp.sum(x @ w)
 
     g = jamp.autocast(f, "float8", recipe=RECIPE)
-    w, x = randn(0, 4, 4), randn(1, 2, 4, scale=1e3)
+    w, x = randn(0, 4, 4), randn(1, 2, 4, scale=30.0)
     state, _ = jax.jit(jax.grad(g, argnums=(0, 1)))(jamp.float8_init(g, w, x), w, x)
-    dead = state["0:dot_general"]
-    assert not np.any(np.asarray(dead.scale))  # its cotangent: zero, as a fresh state
-    # A scale of zero (or non-finite) quantises with the current one instead of flushing.
-    out = jamp.autocast(lambda w, x: x @ w.T, "float8", recipe=RECIPE)
-    zero = {"0:dot_general": dead}
-    current = jamp.autocast(lambda w, x: x @ w.T, "float8")(w, x)
-    assert np.asarray(out(zero, w, x)).tobytes() == np.asarray(current).tobytes()
+    zero = {"0:dot_general": state["0:dot_general"]}
+    assert not np.any(np.asarray(zero["0:dot_general"].scale))
+
+    def product(w, x):
+        return x @ w.T
+
+    one = jamp.autocast(product, "float8", recipe=RECIPE)
+    current = jamp.autocast(product, "float8", recipe=jamp.DelayedScaling(4, unmeasured="current"))
+    pairs = (
+        (one(zero, w, x), one(jamp.float8_init(one, w, x), w, x)),  # as a fresh state
+        (current(zero, w, x), jamp.autocast(product, "float8")(w, x)),  # as current scaling
+    )
+    for got, want in pairs:
+        assert np.any(np.asarray(got)) and np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
 # --------------------------------------------------------------------------- composition
@@ -490,6 +502,6 @@ def test_float8_init_takes_shapes_and_static_arguments():
     w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
     state = jamp.float8_init(g, w, jnp.ones((2, 4)), act=jnp.tanh)
     assert state["0:dot_general"].amax_history.dtype == jnp.float32
-    np.testing.assert_array_equal(state["0:dot_general"].scale, np.zeros(3))  # not measured
+    np.testing.assert_array_equal(state["0:dot_general"].scale, np.ones(3))  # TE's start
     jitted = functools.partial(jax.jit, static_argnames="act")(g)
     assert jitted(state, jnp.ones((4, 4)), jnp.ones((2, 4)), act=jnp.tanh).shape == (2, 4)

@@ -22,6 +22,7 @@ from jamp._src import float8
 
 F32 = np.float32
 MM = (((1,), (0,)), ((), ()))  # x @ w
+E4M3 = np.dtype(jnp.float8_e4m3fn)
 
 
 def spec(dn=MM, out=jnp.float32, lhs=jnp.float32, rhs=jnp.float32, recipe=None):
@@ -255,27 +256,61 @@ def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
         state, meta = new_state, new_meta
 
 
-def test_a_fresh_state_quantises_with_the_current_scales_then_with_its_own():
+def _delayed(recipe, state, lhs, rhs, ct):
+    f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+    out, vjp = jax.vjp(f, lhs, rhs, *state)
+    return out, vjp(ct)
+
+
+def test_unmeasured_current_a_fresh_state_quantises_with_the_current_scales():
     """Scale 0 is "not measured yet": the first step is current scaling, bit for bit."""
-    recipe = jamp.DelayedScaling(amax_history_len=2)
+    recipe = jamp.DelayedScaling(amax_history_len=2, unmeasured="current")
     lhs, rhs = operands(MM, 8)
     lhs = lhs * 1e-6  # TE's start (scale 1) would flush it: float8_e4m3fn's smallest is 2**-9
     ct = jnp.ones((3, 5))
-
-    def delayed(state):
-        f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
-        out, vjp = jax.vjp(f, lhs, rhs, *state)
-        return out, vjp(ct)
-
-    out, (d_l, d_r, hist, scale) = delayed(float8.init_state(recipe))
+    fresh = float8.init_state(recipe)
+    np.testing.assert_array_equal(fresh.scale, np.zeros(3))
+    out, (d_l, d_r, hist, scale) = _delayed(recipe, fresh, lhs, rhs, ct)
     want, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), lhs, rhs)
     assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
     for a, b in zip((d_l, d_r), vjp(ct), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     np.testing.assert_array_equal(scale, ROW_MAX / np.asarray(hist)[:, 0])
-    assert rel_err(delayed(float8.Float8State(hist, scale))[0], want) < 1e-6
-    flushed, _ = delayed(float8.init_state(recipe, scale=1.0))
-    assert not np.any(np.asarray(flushed))
+    assert rel_err(_delayed(recipe, float8.Float8State(hist, scale), lhs, rhs, ct)[0], want) < 1e-6
+    te = jamp.DelayedScaling(amax_history_len=2)  # unmeasured="one": TE's start flushes it
+    assert not np.any(np.asarray(_delayed(te, float8.init_state(te), lhs, rhs, ct)[0]))
+
+
+def test_unmeasured_one_quantises_a_zero_state_with_scale_1_and_never_waits_for_the_amax():
+    """TE's start; and the operand's quantisation does not depend on its own amax, so XLA can
+    compute the amax in the pass that quantises (with "current" it must wait for it)."""
+    recipe = jamp.DelayedScaling(amax_history_len=2)
+    lhs, rhs = operands(MM, 9)
+    ct = jnp.ones((3, 5))
+    fresh = float8.init_state(recipe)
+    np.testing.assert_array_equal(fresh.scale, np.ones(3))
+    zero = float8.Float8State(fresh.amax_history, jnp.zeros(3))
+    assert (
+        np.asarray(_delayed(recipe, zero, lhs, rhs, ct)[0]).tobytes()
+        == np.asarray(_delayed(recipe, fresh, lhs, rhs, ct)[0]).tobytes()
+    )
+
+    def waits_for_amax(recipe):
+        """Whether a float8 convert of the forward pass depends on a reduce_max."""
+        f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+        jaxpr = jax.make_jaxpr(f)(lhs, rhs, *fresh).jaxpr.eqns[0].params["call_jaxpr"].jaxpr
+        from_max = set()
+        for e in jaxpr.eqns:
+            ins = {v for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+            if e.primitive.name == "reduce_max" or ins & from_max:
+                from_max.update(e.outvars)
+            if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == E4M3:
+                if ins & from_max:
+                    return True
+        return False
+
+    assert not waits_for_amax(recipe)
+    assert waits_for_amax(jamp.DelayedScaling(amax_history_len=2, unmeasured="current"))
 
 
 @settings(max_examples=20, deadline=None)
@@ -330,6 +365,16 @@ BAD_INPUT = {
         lambda: jamp.DelayedScaling(amax_compute_algo=max),
         TypeError,
         r"Expected a string for `amax_compute_algo`",
+    ),
+    "DelayedScaling(unmeasured='zero')": (
+        lambda: jamp.DelayedScaling(unmeasured="zero"),
+        ValueError,
+        r"Expected 'one' or 'current' for `unmeasured`, got 'zero'",
+    ),
+    "DelayedScaling(unmeasured=1.0)": (
+        lambda: jamp.DelayedScaling(unmeasured=1.0),
+        TypeError,
+        r"Expected a string for `unmeasured` \('one' or 'current'\), got 1.0",
     ),
 }
 

@@ -686,8 +686,8 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
     keyed ``"<i>:<scope>"`` in program order (``scope`` is the product's name
     stack, e.g. a Flax module path, with ``.`` for ``/``: ``"0:MLP.Dense_0"``;
     ``"<i>:dot_general"`` without one), with an empty amax history and scales
-    of 0, "not measured yet", so the first step quantises every tensor with
-    its current scale (Transformer Engine starts from scale 1: see
+    of 1, as Transformer Engine starts (0, "not measured yet", so that the
+    first step uses current scales, with ``unmeasured="current"``: see
     :class:`jamp.DelayedScaling`). A product inside a ``lax.scan`` of
     length ``n`` has ``n`` states, stacked along a leading axis; products
     inside ``while_loop``, ``cond`` and custom-derivative bodies use current
@@ -717,7 +717,7 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
       >>> state, grads = jax.grad(f, argnums=(0, 1))(state, w, x)  # the next state
       >>> state["0:dot_general"].amax_history[:, 0]  # the amaxes of x, w and the gradient
       Array([1. , 0.5, 1. ], dtype=float32)
-      >>> state["0:dot_general"].scale  # 448 / 1, 448 / 0.5, 57344 / 1
+      >>> state["0:dot_general"].scale  # 448 / 1, 448 / 0.5, 57344 / 1: the next step's
       Array([  448.,   896., 57344.], dtype=float32)
     """
     meta = getattr(fun, "_jamp_float8", None)

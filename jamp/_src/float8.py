@@ -61,6 +61,7 @@ ROW_MAX = np.array([E4M3_MAX, E4M3_MAX, E5M2_MAX], np.float32)
 _SMALLEST_AMAX = ROW_MAX * np.float32(2.0**-126)
 
 ALGOS = ("max", "most_recent")
+UNMEASURED = ("one", "current")
 
 
 # ---------------------------------------------------------------------------
@@ -82,9 +83,9 @@ class Float8State(NamedTuple):
         last ``amax_history_len`` steps, the most recent at index 0 (as
         Transformer Engine and ``flax.linen.fp8_ops`` roll it).
       scale: float32 ``(..., 3)``: the scales the next step quantises with
-        (``float8 = x * scale``): ``finfo.max / amax / 2**margin``; 0 (a fresh
-        state) means "not measured yet": that tensor is quantised with its
-        current scale.
+        (``float8 = x * scale``): ``finfo.max / amax / 2**margin``. A fresh
+        state's is 1, as Transformer Engine's (0, "not measured yet", with
+        ``DelayedScaling(unmeasured="current")``).
     """
 
     amax_history: jax.Array
@@ -103,31 +104,42 @@ class DelayedScaling:
     when the new scale would not be a finite float32 number (an amax below
     ``finfo.max * 2**-128``; TE has no such guard).
 
-    A fresh state (:func:`jamp.float8_init`) has an empty history and scales
-    of 0, "not measured yet", and a tensor whose scale is not positive is
-    quantised with its current scale: the first step is current scaling. TE
-    and Flax start from scale 1 instead, which on the first step saturates
-    a tensor above 448 and flushes one below ``2**-9`` to zero, and since a
-    zero output has amax 0, the layer after it on the next step, and so on
-    down the network (``benchmarks/RESULTS.md`` measures it).
+    ``unmeasured`` says what a tensor without a measured scale is quantised
+    with: a fresh state's (:func:`jamp.float8_init`), and one whose next
+    state came back zero (a product that the backward pass did not reach,
+    such as one under ``stop_gradient``: its cotangent is zero):
+
+    * ``"one"`` (TE's recipe, the default): scale 1, as Transformer Engine
+      and Flax start. The quantisation never waits for this step's amax, so
+      XLA can compute the amax in the same pass that quantises: the reason
+      delayed scaling is faster than current scaling. On the first step a
+      tensor above 448 saturates and one below ``2**-9`` flushes to zero,
+      and a zero output has amax 0, so the next layer flushes on the next
+      step, and so on down the network (``benchmarks/RESULTS.md``).
+    * ``"current"``: a fresh state has scales of 0, "not measured yet", and
+      a tensor whose scale is not positive and finite is quantised with its
+      current scale: the first step is current scaling. The quantisation then
+      depends on this step's amax on every step, so each operand is read
+      twice, as under current scaling.
 
     Args:
       amax_history_len: how many steps of amaxes to keep (TE: 1024).
       margin: the scale is divided by ``2**margin``, leaving that many powers
         of two of headroom above the recorded amax (TE: 0).
       amax_compute_algo: ``"max"`` (TE's default) or ``"most_recent"``.
+      unmeasured: ``"one"`` (TE's) or ``"current"``, see above.
 
     Raises:
       TypeError: ``amax_history_len`` or ``margin`` is not an integer, or
-        ``amax_compute_algo`` not a string.
+        ``amax_compute_algo`` or ``unmeasured`` not a string.
       ValueError: ``amax_history_len < 1``, ``margin < 0`` or an unknown
-        ``amax_compute_algo``.
+        ``amax_compute_algo`` or ``unmeasured``.
 
     Examples:
       >>> import jax.numpy as jnp, jamp
       >>> recipe = jamp.DelayedScaling(amax_history_len=16, margin=1)
       >>> recipe
-      DelayedScaling(amax_history_len=16, margin=1, amax_compute_algo='max')
+      DelayedScaling(amax_history_len=16, margin=1, amax_compute_algo='max', unmeasured='one')
       >>> f = jamp.autocast(lambda w, x: x @ w, "float8", recipe=recipe)
       >>> state = jamp.float8_init(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
       >>> f(state, jnp.ones((4, 4)), jnp.ones((2, 4))).shape  # the state comes first
@@ -137,6 +149,7 @@ class DelayedScaling:
     amax_history_len: int = 1024
     margin: int = 0
     amax_compute_algo: str = "max"
+    unmeasured: str = "one"
 
     def __post_init__(self) -> None:
         for name in ("amax_history_len", "margin"):
@@ -149,22 +162,23 @@ class DelayedScaling:
             )
         if self.margin < 0:
             raise ValueError(f"Expected `margin` >= 0, got {self.margin} instead.")
-        if not isinstance(self.amax_compute_algo, str):
-            raise TypeError(
-                f"Expected a string for `amax_compute_algo` ('max' or 'most_recent'), got "
-                f"{self.amax_compute_algo!r} instead."
-            )
-        if self.amax_compute_algo not in ALGOS:
-            raise ValueError(
-                f"Expected 'max' or 'most_recent' for `amax_compute_algo`, got "
-                f"{self.amax_compute_algo!r} instead."
-            )
+        for name, allowed in (("amax_compute_algo", ALGOS), ("unmeasured", UNMEASURED)):
+            value, choices = getattr(self, name), " or ".join(repr(a) for a in allowed)
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"Expected a string for `{name}` ({choices}), got {value!r} instead."
+                )
+            if value not in allowed:
+                raise ValueError(f"Expected {choices} for `{name}`, got {value!r} instead.")
 
 
 def init_state(
-    recipe: DelayedScaling, stack: Sequence[int] = (), scale: float = 0.0
+    recipe: DelayedScaling, stack: Sequence[int] = (), scale: float | None = None
 ) -> Float8State:
-    """A fresh state: an empty history and ``scale`` (0: "not measured yet"; TE starts at 1)."""
+    """A fresh state: an empty history and scales of 1 (``unmeasured="one"``, TE's start)
+    or 0 ("not measured yet", ``unmeasured="current"``), unless ``scale`` is given."""
+    if scale is None:
+        scale = 1.0 if recipe.unmeasured == "one" else 0.0
     stack = tuple(stack)
     return Float8State(
         amax_history=jnp.zeros((*stack, 3, recipe.amax_history_len), F32),
@@ -212,11 +226,13 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return lax.select(lax.is_finite(x), lax.clamp(-big, y, big), y).astype(dtype)
 
 
-def _usable(scale: jax.Array, amax_now: jax.Array, row: int) -> jax.Array:
-    """The state's scale, or the current one where the state's is not positive and finite:
-    a fresh state (0), or the zero cotangent of a product that does not reach the loss."""
+def _usable(scale: jax.Array, x: jax.Array, row: int, recipe: DelayedScaling) -> jax.Array:
+    """The state's scale where it is positive and finite; else 1 (``unmeasured="one"``: no
+    dependency on ``x``, so XLA may fuse the amax into the quantising pass) or ``x``'s
+    current scale (``"current"``)."""
     ok = jnp.isfinite(scale) & (scale > 0)
-    return jnp.where(ok, scale, current_scale(amax_now, row))
+    other = np.float32(1.0) if recipe.unmeasured == "one" else current_scale(amax(x), row)
+    return jnp.where(ok, scale, other)
 
 
 # ---------------------------------------------------------------------------
@@ -336,8 +352,9 @@ def delayed_dot(
 
 
 def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
-    a_lhs, a_rhs = amax(lhs), amax(rhs)
-    s_lhs, s_rhs = _usable(scale[LHS], a_lhs, LHS), _usable(scale[RHS], a_rhs, RHS)
+    a_lhs, a_rhs = amax(lhs), amax(rhs)  # recorded; quantised with the state's scales
+    s_lhs = _usable(scale[LHS], lhs, LHS, spec.recipe)
+    s_rhs = _usable(scale[RHS], rhs, RHS, spec.recipe)
     q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
     inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
     out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
@@ -348,7 +365,7 @@ def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
 def _delayed_bwd(spec, res, g):
     q_lhs, q_rhs, inv_lhs, inv_rhs, a_lhs, a_rhs, amax_history, scale = res
     a_g = amax(g)
-    s_g = _usable(scale[GRAD], a_g, GRAD)
+    s_g = _usable(scale[GRAD], g, GRAD, spec.recipe)
     q_g = quantize(g, s_g, E5M2)
     d_lhs, d_rhs = _backward(spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, 1 / s_g)
     new = next_state(Float8State(amax_history, scale), jnp.stack([a_lhs, a_rhs, a_g]), spec.recipe)

@@ -6,8 +6,15 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-VARIANTS = ("float32", "bfloat16", "float8 current", "float8 delayed", "float8 delayed, first step",
-            "float8 delayed, first step from scale 1", "per-tensor reference")  # fmt: skip
+VARIANTS = (
+    "float32",
+    "bfloat16",
+    "float8 current",
+    "float8 delayed",
+    "float8 delayed, first step",
+    "float8 delayed (unmeasured='current'), first step",
+    "per-tensor reference",
+)
 MODES = ("float32", "bfloat16", "float8 current", "float8 delayed", "per-tensor reference")
 
 
@@ -66,6 +73,7 @@ def test_tiny_run_reports_errors_curves_and_targets(tmp_path):
 def test_tiny_step_time_table():
     out = _run("--step-time", "--step-rounds", "1", "--step-reps", "1")
     assert "### GPT step time:" in out
-    for name in ("bfloat16", "float8 current", "float8, attention in bfloat16", "float8 delayed"):
+    for name in ("bfloat16", "float8 current", "float8, attention in bfloat16", "float8 delayed",
+                 "float8 delayed, unmeasured='current'"):  # fmt: skip
         assert len(rows(out, name)) == 1, name
     assert "float8 GEMMs in the compiled float8-current step:" in out
