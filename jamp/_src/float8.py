@@ -22,10 +22,11 @@ Two ways to choose the scales, both Transformer Engine's:
 *delayed scaling* (:func:`delayed_dot`, recipe :class:`DelayedScaling`)
     the scale of step ``t`` comes from the amaxes of earlier steps, kept in an
     immutable :class:`Float8State` (an amax history and a scale per operand
-    and for the gradient). The amax of step ``t`` is recorded in the same
-    pass that quantises, and the next state is computed in the backward pass
-    and returned as the *cotangent of the state argument*: ``jax.grad`` with
-    respect to the state returns the next state.
+    and for the gradient). Nothing waits for the amax of step ``t``, so XLA
+    may compute it in the pass that quantises; it is recorded, and the next
+    state is computed in the backward pass and returned as the *cotangent of
+    the state argument*: ``jax.grad`` with respect to the state returns the
+    next state.
 
 Quantisation saturates finite values at the format's largest finite value
 and keeps infinities and NaN non-finite (``float8_e4m3fn`` has no infinity:
