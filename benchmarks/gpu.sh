@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# jamp on one GPU: the GPU-branch tests, then two benchmark runs (~8 minutes in all).
+# jamp on one GPU: the GPU-branch tests, then three benchmark runs (~12 minutes in all).
 #
 #     bash benchmarks/gpu.sh [OUT_DIR]      # from any directory
 #     PYTHON=/path/to/python bash benchmarks/gpu.sh
@@ -35,8 +35,10 @@ GPU_TESTS=(
 
 if [[ $SMOKE == 1 ]]; then
   MODE=(--tiny) FINITE_SIZES=()
+  FLOAT8=(--tiny --step-rounds 1 --step-reps 1)
 else
   MODE=(--quick) FINITE_SIZES=(--finite-sizes 1e6,1e7,5e7)
+  FLOAT8=(--step-config large)
 fi
 
 where() {
@@ -110,11 +112,24 @@ main() {
     status[half]="FAILED or timed out (rc $?): see $OUT/log_half.txt"
   fi
 
+  # 3. Float8 (issue #18): GPT step time of bfloat16 vs jamp.autocast(f, "float8")
+  #    (current, delayed, attention in bfloat16) on d=1024, 8 layers, batch 16x512, and
+  #    the cuBLASLt float8 GEMMs (__cublas$lt$matmul$f8) in each compiled step; ~3 min.
+  echo "== 3. float8 step time and float8 GEMMs on $backend: ${FLOAT8[*]}"
+  if timeout 300 "$PY" -m benchmarks.float8 --step-time "${FLOAT8[@]}" \
+    --out "$OUT/RESULTS_gpu_float8.md" 2>&1 | tee "$OUT/log_float8.txt"; then
+    status[float8]="ok: $OUT/RESULTS_gpu_float8.md"
+  else
+    status[float8]="FAILED or timed out (rc $?): see $OUT/log_float8.txt"
+  fi
+
   echo "== summary (what ran where: $OUT/where.txt)"
   echo "==   0. GPU-branch tests: ${status[tests]}"
   echo "==   1. float32 benchmark: ${status[f32]}"
   echo "==   2. half-precision speed-up: ${status[half]}"
-  [[ ${status[tests]} != FAILED* && ${status[f32]} == ok* && ${status[half]} == ok* ]]
+  echo "==   3. float8 step time: ${status[float8]}"
+  [[ ${status[tests]} != FAILED* && ${status[f32]} == ok* && ${status[half]} == ok* &&
+    ${status[float8]} == ok* ]]
 }
 
 main 2>&1 | tee "$OUT/gpu.sh.log"

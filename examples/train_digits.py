@@ -1,7 +1,7 @@
 """Mixed precision on a small CNN: what float16 loses to underflow, and what loss scaling wins back.
 
 Trains the same Flax CNN on scikit-learn's bundled 8x8 digits (nothing is
-downloaded) in four modes and compares them:
+downloaded) in five modes and compares them:
 
 ``float32``
     the reference.
@@ -12,6 +12,11 @@ downloaded) in four modes and compares them:
     the same, with ``jamp.loss_scaling`` and a dynamic loss scale.
 ``bfloat16``
     ``jamp.autocast(..., jnp.bfloat16)``, no loss scaling.
+``float8``
+    ``jamp.autocast(..., "float8")``: the dense layers' matrix products in
+    float8 (``float8_e4m3fn`` forward, ``float8_e5m2`` gradients) with a scale
+    per tensor, the convolutions and everything else in bfloat16; no loss
+    scaling.
 
 The modes are the rows of ``MODES``: a compute dtype and a loss scale each,
 so a new one is one more row.
@@ -35,7 +40,10 @@ scaling (``jamp.dynamic_loss_scale(growth_interval=50)``: PyTorch's defaults
 except a shorter growth interval, as this run is short) the loss is
 multiplied by 2**16 and more, the activation gradients sit in float16's
 normal range, and the scaled run matches float32. bfloat16 has float32's
-exponent range, so it needs no scaling.
+exponent range, so it needs no scaling. Neither does float8, whose range is
+narrower still (``float8_e5m2``'s smallest subnormal is 2**-16): each
+tensor is scaled so that its own largest value maps to the format's
+largest, which is loss scaling done per tensor, every step.
 
 The scale doubles every 50 finite steps until the scaled gradients overflow
 float16 (near 2**35 here): that step's gradients are inf, ``loss_scaling``
@@ -100,7 +108,7 @@ def dynamic_scaling(args: argparse.Namespace) -> jamp.LossScaleState:
 class Mode:
     """A row of the comparison: the dtype of the matrix products, the loss scale, the style."""
 
-    compute_dtype: Any  # None: the model as written, in float32
+    compute_dtype: Any  # None: the model as written, in float32; "float8": float8 products
     loss_scale: Callable[[argparse.Namespace], jamp.LossScaleState]
     style: dict  # matplotlib keyword arguments of the mode's lines
 
@@ -111,6 +119,7 @@ MODES = {
     "float16": Mode(jnp.float16, no_scaling, dict(color="tab:red", lw=1.5)),
     "float16+scaling": Mode(jnp.float16, dynamic_scaling, dict(color="tab:blue", lw=1.5, ls="--")),
     "bfloat16": Mode(jnp.bfloat16, no_scaling, dict(color="tab:green", lw=1.5, ls=":")),
+    "float8": Mode("float8", no_scaling, dict(color="tab:purple", lw=1.5, ls="-.")),
 }
 
 
@@ -312,7 +321,8 @@ def plot(results: Sequence[Result], path: str) -> None:
         f"Why the loss is normalised so: as in LLM pretraining, the summed cross-entropy is "
         f"divided by the tokens of the 2**{tokens}-token global batch, so every gradient "
         f"carries a factor 2**-{tokens},\nfar below float16's smallest normal number (2**-14) "
-        "and well inside bfloat16's range: float16 needs the loss scaled up, bfloat16 does not.",
+        "and well inside bfloat16's range: float16 needs the loss scaled up, bfloat16 does not, "
+        "float8 scales each tensor itself.",
         ha="center",
         fontsize=9,
     )

@@ -10,9 +10,11 @@ from jamp._src.autocast import (
     autocast,
     autocast_disabled,
     autocast_report,
+    float8_init,
 )
 from jamp._src.finite import all_finite, unscale_and_check
 from jamp._src.flax_support import from_flax_dynamic_scale
+from jamp._src.float8 import DelayedScaling, Float8State
 from jamp._src.grad_scaler import GradScaler, GradScalerState
 from jamp._src.lookup import check_restored, get_loss_scale, metrics
 from jamp._src.loss_scale import (
@@ -45,6 +47,9 @@ __all__ = [
     "autocast",
     "autocast_disabled",
     "autocast_report",
+    "DelayedScaling",
+    "Float8State",
+    "float8_init",
     "get_policy",
     "half_dtype",
     "parse_dtype",

@@ -14,12 +14,13 @@ SRC = pathlib.Path(__file__).resolve().parent.parent / "jamp" / "_src"
 
 GROUND, CHECKS, FRONT, FACADE = range(4)
 FLOORS = {
-    # state and its rule, tree/leaf utilities, torch rounding, policy
+    # state and its rule, tree/leaf utilities, torch rounding, policy, float8 products
     "config": GROUND,
     "leaves": GROUND,
     "torch_rounding": GROUND,
     "loss_scale": GROUND,
     "policy": GROUND,
+    "float8": GROUND,
     # the checks and the shared skip machinery
     "finite_default": CHECKS,
     "finite_cpu": CHECKS,
@@ -32,6 +33,7 @@ FLOORS = {
     "lookup": FRONT,
     "autocast_rules": FRONT,
     "autocast_interpreter": FRONT,
+    "autocast_float8": FRONT,
     "autocast": FRONT,
     "flax_support": FRONT,
     # the GradScaler facade over the shared pieces

@@ -26,6 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp._src.autocast_float8 import (
+    check_states,
+    current_rule,
+    delayed_rule,
+    init_states,
+    sites,
+)
 from jamp._src.autocast_interpreter import (
     SCOPE_AUTOCAST,
     SCOPE_DISABLED,
@@ -37,6 +44,7 @@ from jamp._src.autocast_interpreter import (
     is_float,
 )
 from jamp._src.autocast_rules import RULES
+from jamp._src.float8 import DelayedScaling, Float8State
 from jamp._src.policy import Policy, check_dtype, get_policy
 
 __all__ = [
@@ -45,6 +53,7 @@ __all__ = [
     "autocast",
     "autocast_disabled",
     "autocast_report",
+    "float8_init",
 ]
 
 _DEFAULT = np.dtype(jnp.bfloat16)  # autocast's dtype when neither dtype nor policy is given
@@ -163,23 +172,6 @@ def _is_array(leaf: Any) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def _split_static(args: tuple, kwargs: dict) -> tuple[list, Callable[[Sequence[Any]], tuple]]:
-    """Array leaves (traced) and a function rebuilding ``(args, kwargs)`` from them.
-
-    Non-array leaves (Python numbers, booleans, strings, ...) stay static, so
-    ``fun`` can branch on them as it would without autocast.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    mask = [_is_array(leaf) for leaf in leaves]
-
-    def rebuild(dynamic: Sequence[Any]) -> tuple:
-        it = iter(dynamic)
-        full = [next(it) if is_dyn else leaf for leaf, is_dyn in zip(leaves, mask, strict=True)]
-        return jax.tree_util.tree_unflatten(treedef, full)
-
-    return [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn], rebuild
-
-
 def _check_fun(fun: Any, name: str) -> None:
     if not callable(fun):
         raise TypeError(
@@ -202,10 +194,24 @@ def _low_dtype(value: Any, what: str) -> np.dtype:
     return dtype
 
 
-def _resolve(dtype: Any, policy: Any) -> tuple[np.dtype, Policy | None]:
-    """The low-precision dtype and the policy; ``dtype=None`` means "not given"."""
+FLOAT8 = "float8"  # the dtype argument of float8 mode
+
+
+def _is_float8(dtype: Any) -> bool:
+    return isinstance(dtype, str) and dtype.strip().lower() == FLOAT8
+
+
+def _resolve(dtype: Any, policy: Any) -> tuple[np.dtype, Policy | None, bool]:
+    """The low-precision dtype, the policy and whether it is float8 mode.
+
+    ``dtype=None`` means "not given"; in float8 mode the low-precision dtype
+    (of everything but the float8 products) is bfloat16 or the policy's.
+    """
+    float8 = _is_float8(dtype)
+    if float8:
+        dtype = None
     if policy is None:
-        return (_DEFAULT if dtype is None else _low_dtype(dtype, "`dtype`")), None
+        return (_DEFAULT if dtype is None else _low_dtype(dtype, "`dtype`")), None, float8
     if not isinstance(policy, (Policy, str)):
         raise TypeError(
             "Expected a jamp.Policy or a policy string such as 'p=f32,c=bf16,o=f32' for "
@@ -220,21 +226,79 @@ def _resolve(dtype: Any, policy: Any) -> tuple[np.dtype, Policy | None]:
             f"{compute.name}, got {low.name} instead: with a policy, its compute_dtype is "
             "the low-precision dtype."
         )
-    return compute, policy
+    return compute, policy, float8
 
 
-def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: Recorder | None):
-    ctx = Context(dtype=low, recorder=recorder)
+def _check_recipe(recipe: Any, float8: bool) -> None:
+    if recipe is None:
+        return
+    if not isinstance(recipe, DelayedScaling):
+        raise TypeError(
+            f"Expected a jamp.DelayedScaling (or None, for current scaling) for `recipe`, "
+            f"got {recipe!r} (type {type(recipe).__name__}) instead."
+        )
+    if not float8:
+        raise ValueError(
+            f"Expected dtype='float8' with `recipe`, got recipe={recipe!r} for a "
+            "half-precision autocast instead: a scaling recipe applies to float8 products "
+            "only. Write jamp.autocast(fun, 'float8', recipe=...)."
+        )
 
-    @functools.wraps(fun)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        dynamic, rebuild = _split_static(args, kwargs)
 
-        def flat_fun(*xs: Any) -> Any:
-            a, k = rebuild(xs)
-            return fun(*a, **k)
+def _check_state_first(fun: Callable, state: Any, args: tuple, kwargs: dict) -> None:
+    """A clear error when a delayed-scaling function is called without its state."""
+    try:
+        signature = inspect.signature(fun)
+        signature.bind(*args, **kwargs)
+    except TypeError:
+        try:
+            signature.bind(state, *args, **kwargs)
+        except TypeError:
+            return  # a call error of fun's own, which fun will report
+        raise TypeError(
+            "Expected the float8 state (a dict of jamp.Float8State from jamp.float8_init) as "
+            "the first argument of a delayed-scaling autocast function, then the arguments "
+            f"of {getattr(fun, '__name__', 'fun')}; got only the latter. Call f(state, "
+            "*args)."
+        ) from None
+    except ValueError:  # no signature
+        return
 
-        closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
+
+def _trace(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
+    """``fun``'s closed jaxpr, output shapes and dynamic arguments.
+
+    Array leaves are traced (and ``jax.ShapeDtypeStruct`` with ``shapes``);
+    other leaves (Python numbers, booleans, strings, ...) are passed to
+    ``fun`` unchanged, so ``fun`` can branch on them as it would without
+    autocast.
+    """
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    mask = [
+        _is_array(leaf) or (shapes and isinstance(leaf, jax.ShapeDtypeStruct)) for leaf in leaves
+    ]
+    dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
+
+    def flat_fun(*xs: Any) -> Any:
+        it = iter(xs)
+        full = [next(it) if is_dyn else leaf for leaf, is_dyn in zip(leaves, mask, strict=True)]
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        return fun(*a, **k)
+
+    closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
+    return closed, out_shape, dynamic
+
+
+def _autocast(
+    fun: Callable,
+    low: np.dtype,
+    policy: Policy | None,
+    recorder: Recorder | None,
+    float8: bool = False,
+    recipe: DelayedScaling | None = None,
+):
+    def run(closed: Any, out_shape: Any, dynamic: list, rule: Any) -> Any:
+        ctx = Context(dtype=low, recorder=recorder, rule=rule)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         with jax.named_scope(SCOPE_AUTOCAST):
             outs, _ = eval_closed(closed, dynamic, [Info()] * len(dynamic), ctx)
@@ -245,6 +309,24 @@ def _autocast(fun: Callable, low: np.dtype, policy: Policy | None, recorder: Rec
                     target = policy.output_dtype
                 final.append(cast(x, target))
         return jax.tree_util.tree_unflatten(out_tree, final)
+
+    if recipe is not None:
+
+        @functools.wraps(fun)
+        def delayed(state: Any, *args: Any, **kwargs: Any) -> Any:
+            _check_state_first(fun, state, args, kwargs)
+            closed, out_shape, dynamic = _trace(fun, args, kwargs)
+            found = sites(closed)
+            check_states(state, found, recipe)
+            return run(closed, out_shape, dynamic, delayed_rule(state, found, recipe))
+
+        delayed._jamp_float8 = (fun, recipe)  # for float8_init
+        return delayed
+
+    @functools.wraps(fun)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        closed, out_shape, dynamic = _trace(fun, args, kwargs)
+        return run(closed, out_shape, dynamic, current_rule if float8 else None)
 
     return wrapped
 
@@ -288,6 +370,7 @@ def autocast(
     *,
     policy: Policy | str | None = None,
     enabled: bool = True,
+    recipe: DelayedScaling | None = None,
 ) -> Callable:
     """Runs ``fun`` with matrix products in ``dtype`` and sensitive ops in float32.
 
@@ -335,30 +418,46 @@ def autocast(
     keyword arguments) are traced; other leaves (Python numbers, booleans,
     strings) are passed to ``fun`` unchanged, so ``fun`` may branch on them.
 
+    ``dtype="float8"`` runs every ``dot_general`` of floating operands with
+    float8 operands scaled per tensor (``float8_e4m3fn`` forward,
+    ``float8_e5m2`` for the gradient, float32 accumulation) and everything
+    else as ``dtype=jnp.bfloat16`` (or the policy's compute dtype) would,
+    the products' outputs included; convolutions stay bfloat16. The scales
+    are computed from each tensor in the same step (current scaling), or,
+    with ``recipe=jamp.DelayedScaling(...)``, come from an amax history kept
+    in a state: the returned function then takes that state first,
+    ``f(state, *args)``, :func:`float8_init` creates it, and ``jax.grad``
+    with respect to it returns the next state (``docs/float8.md``).
+
     Args:
       fun: the function to transform.
       dtype: the low-precision dtype: ``jnp.bfloat16`` (the default) or
         ``jnp.float16``; the short names of :func:`jamp.get_policy`
-        (``"bf16"``, ``"f16"``, ``"half"``) work too. Left out (``None``) it
-        is bfloat16, or the policy's compute dtype.
+        (``"bf16"``, ``"f16"``, ``"half"``) work too; or ``"float8"``. Left
+        out (``None``) it is bfloat16, or the policy's compute dtype.
       policy: optional :class:`jamp.Policy` or policy string. Its
         ``compute_dtype`` (float16 or bfloat16) is the low-precision dtype
         (``dtype`` must then be left out or agree) and its ``output_dtype``
         the dtype of the floating outputs.
       enabled: ``False`` returns ``autocast_disabled(fun)``: ``fun`` runs as
-        written, even inside another autocast function.
+        written, even inside another autocast function (with a ``recipe``,
+        it still takes a state first, and ignores it).
+      recipe: with ``dtype="float8"``: ``None`` (current scaling) or a
+        :class:`jamp.DelayedScaling`.
 
     Returns:
-      A function with the signature of ``fun``.
+      A function with the signature of ``fun``; with a ``recipe``, one that
+      takes the float8 state (a dict of :class:`jamp.Float8State`) first.
 
     Raises:
       TypeError: ``fun`` is not callable, ``dtype`` is not a dtype or not a
-        floating one (``jnp.int32``, ``"int32"``), or ``policy`` is neither a
-        ``Policy`` nor a string.
+        floating one (``jnp.int32``, ``"int32"``), ``policy`` is neither a
+        ``Policy`` nor a string, or ``recipe`` is not a ``DelayedScaling``.
       ValueError: ``dtype`` (or the policy's compute dtype) is a floating
         dtype other than float16 and bfloat16 (``jnp.float32``,
-        ``jnp.float8_e4m3fn``) or a name that is no dtype (``"fp8"``); an
-        invalid policy string; or ``dtype`` disagrees with ``policy``.
+        ``jnp.float8_e4m3fn``: float8 is ``"float8"``) or a name that is no
+        dtype (``"fp8"``); an invalid policy string; ``dtype`` disagrees
+        with ``policy``; or a ``recipe`` without ``dtype="float8"``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
@@ -373,12 +472,25 @@ def autocast(
       [('dot_general', 'bfloat16'), ('exp', 'float32'), ('log', 'float32')]
     """
     _check_fun(fun, "autocast")
-    low, policy = _resolve(dtype, policy)
+    low, policy, float8 = _resolve(dtype, policy)
+    _check_recipe(recipe, float8)
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"Expected a bool for `enabled`, got {enabled!r} instead.")
     if not enabled:
-        return autocast_disabled(fun)
-    return _autocast(fun, low, policy, None)
+        return _without_state(fun, recipe) if recipe else autocast_disabled(fun)
+    return _autocast(fun, low, policy, None, float8, recipe)
+
+
+def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
+    """``enabled=False`` with a recipe: the signature kept, the state taken and ignored."""
+    disabled = autocast_disabled(fun)
+
+    @functools.wraps(fun)
+    def ignoring(state: Any, *args: Any, **kwargs: Any) -> Any:
+        return disabled(*args, **kwargs)
+
+    ignoring._jamp_float8 = (disabled, recipe)  # float8_init finds no product: {}
+    return ignoring
 
 
 def autocast_disabled(fun: Callable) -> Callable:
@@ -468,7 +580,9 @@ def autocast_report(
     Args:
       fun: the function, as it would be passed to :func:`autocast`.
       *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-      dtype: the low-precision dtype, as in :func:`autocast`.
+      dtype: the low-precision dtype, as in :func:`autocast`; ``"float8"``
+        reports float8 products as ``dot_general`` in ``float8_e4m3fn``
+        (with current scaling; delayed scaling runs the same dtypes).
       policy: optional policy, as in :func:`autocast`.
       **kwargs: its other keyword arguments.
 
@@ -491,9 +605,9 @@ def autocast_report(
     """
     _check_fun(fun, "autocast_report")
     _check_report_keywords(fun, args, kwargs, dtype=dtype, policy=policy)
-    low, policy = _resolve(dtype, policy)
+    low, policy, float8 = _resolve(dtype, policy)
     recorder = Recorder()
-    wrapped = _autocast(fun, low, policy, recorder)
+    wrapped = _autocast(fun, low, policy, recorder, float8)
     leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
     mask = [_is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
 
@@ -510,7 +624,7 @@ def autocast_report(
     rows = tuple(
         (prim, rule, dt, count) for (prim, rule, dt), count in sorted(recorder.counts.items())
     )
-    residuals, note = _residuals(_autocast(fun, low, policy, None), treedef, leaves, mask)
+    residuals, note = _residuals(_autocast(fun, low, policy, None, float8), treedef, leaves, mask)
     return AutocastReport(
         dtype=low,
         rows=rows,
@@ -560,3 +674,59 @@ def _residuals(
     ]
     rows.sort(key=lambda r: (-r.nbytes, r.source))
     return tuple(rows), ""
+
+
+def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8State]:
+    """The first float8 state of a delayed-scaling autocast function.
+
+    ``fun`` is what ``jamp.autocast(f, "float8", recipe=jamp.DelayedScaling(...))``
+    returned; ``args`` and ``kwargs`` are ``f``'s arguments (arrays or
+    ``jax.ShapeDtypeStruct``), without the state. ``f`` is traced, not run.
+    The state holds one :class:`jamp.Float8State` per float8 matrix product,
+    keyed ``"<i>:<scope>"`` in program order (``scope`` is the product's name
+    stack, e.g. a Flax module path, with ``.`` for ``/``: ``"0:MLP.Dense_0"``;
+    ``"<i>:dot_general"`` without one), with an empty amax history and scales
+    of 1, as Transformer Engine starts (0, "not measured yet", so that the
+    first step uses current scales, with ``unmeasured="current"``: see
+    :class:`jamp.DelayedScaling`). A product inside a ``lax.scan`` of
+    length ``n`` has ``n`` states, stacked along a leading axis; products
+    inside ``while_loop``, ``cond`` and custom-derivative bodies use current
+    scaling and have none.
+
+    Args:
+      fun: a function returned by :func:`autocast` with ``dtype="float8"`` and
+        a ``recipe``.
+      *args: ``f``'s positional arguments after the state.
+      **kwargs: ``f``'s keyword arguments.
+
+    Returns:
+      A dict ``{key: Float8State}``, to pass as ``fun``'s first argument.
+
+    Raises:
+      TypeError: ``fun`` is not a delayed-scaling autocast function.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> def loss(w, x):
+      ...   return jnp.sum(x @ w)
+      >>> f = jamp.autocast(loss, "float8", recipe=jamp.DelayedScaling(amax_history_len=4))
+      >>> w, x = jnp.full((3, 3), 0.5), jnp.ones((2, 3))
+      >>> state = jamp.float8_init(f, w, x)
+      >>> list(state), state["0:dot_general"].amax_history.shape
+      (['0:dot_general'], (3, 4))
+      >>> state, grads = jax.grad(f, argnums=(0, 1))(state, w, x)  # the next state
+      >>> state["0:dot_general"].amax_history[:, 0]  # the amaxes of x, w and the gradient
+      Array([1. , 0.5, 1. ], dtype=float32)
+      >>> state["0:dot_general"].scale  # 448 / 1, 448 / 0.5, 57344 / 1: the next step's
+      Array([  448.,   896., 57344.], dtype=float32)
+    """
+    meta = getattr(fun, "_jamp_float8", None)
+    if meta is None:
+        raise TypeError(
+            "Expected for `fun` a function returned by jamp.autocast(f, 'float8', "
+            f"recipe=jamp.DelayedScaling(...)), got {fun!r} instead; jamp.float8_init "
+            "creates the state that such a function takes first."
+        )
+    inner, recipe = meta
+    closed, _, _ = _trace(inner, args, kwargs, shapes=True)
+    return init_states(sites(closed), recipe)

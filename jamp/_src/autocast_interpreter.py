@@ -91,6 +91,9 @@ class Context:
     dtype: np.dtype
     recorder: Recorder | None
     as_traced: bool = False
+    # A rule tried before the table (float8: autocast_float8): (eqn, invals, infos, ctx) ->
+    # (outs, infos), or None to leave the equation to the table.
+    rule: Callable[..., tuple[list, list] | None] | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -403,6 +406,9 @@ def _eval_eqn(
     name = eqn.primitive.name
     if ctx.as_traced:
         return _as_traced(eqn, invals, infos, ctx, "disabled")
+    done = None if ctx.rule is None else ctx.rule(eqn, invals, infos, ctx)
+    if done is not None:
+        return done
     handler = HIGHER_ORDER.get(name)
     if handler is not None:
         if ctx.recorder is not None:
@@ -560,7 +566,16 @@ def _remat(eqn: Any, invals: list, infos: list, ctx: Context):
     return list(outs), [_traced(i) for i in out_infos]
 
 
-def _scan(eqn: Any, invals: list, infos: list, ctx: Context):
+def scan_with(
+    eqn: Any,
+    invals: list,
+    infos: list,
+    ctx: Context,
+    extra: Sequence[Any] = (),
+    body_ctx: Callable[[Context, list], Context] | None = None,
+) -> tuple[list, list]:
+    """A ``scan`` under the rules; ``extra`` arrays are scanned over too (one slice per
+    iteration), and ``body_ctx(ctx, slices)`` is the context the body runs in."""
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts = invals[:n_consts]
@@ -575,14 +590,15 @@ def _scan(eqn: Any, invals: list, infos: list, ctx: Context):
     y_infos: list = []
 
     def body(carry: list, x: list) -> tuple[list, list]:
-        outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, ctx)
+        x, slices = x[: len(xs)], x[len(xs) :]
+        inner = ctx if body_ctx is None else body_ctx(ctx, slices)
+        outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, inner)
         y_infos[:] = [_traced(i) for i in out_infos[n_carry:]]
         new_carry = [_strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
         return new_carry, outs[n_carry:]
 
-    carry, ys = lax.scan(
-        body, init, xs, length=p["length"], reverse=p["reverse"], unroll=p.get("unroll", 1)
-    )
+    length, reverse, unroll = p["length"], p["reverse"], p.get("unroll", 1)
+    carry, ys = lax.scan(body, init, [*xs, *extra], length=length, reverse=reverse, unroll=unroll)
     return [*carry, *ys], [*([Info()] * n_carry), *y_infos]
 
 
@@ -754,7 +770,7 @@ HIGHER_ORDER: dict[str, Callable[..., tuple[list, list]]] = {
     "remat": _remat,
     "remat2": _remat,
     "checkpoint": _remat,
-    "scan": _scan,
+    "scan": scan_with,
     "while": _while,
     "cond": _cond,
     "custom_jvp_call": _custom_jvp,

@@ -65,6 +65,20 @@ interpreted recursively with the same rules; loop carries and the outputs of
 agrees. ``convert_element_type`` written by the user (``x.astype(...)``) is
 honoured; a no-op conversion in the traced program stays a no-op.
 
+``jamp.autocast(fun, "float8")`` adds one rule in front of the table:
+
+================  ==========================================================
+``float8``        ``dot_general`` of float16, bfloat16 or float32 operands
+                  (:data:`FLOAT8_PRIMITIVES`): operands quantised to
+                  ``float8_e4m3fn`` with a per-tensor scale, accumulated in
+                  float32, the output rescaled and cast to the autocast
+                  dtype (bfloat16, or the policy's float16), so the rest of
+                  the program runs as under ``autocast(fun, bfloat16)``; the
+                  gradient of the output is quantised to ``float8_e5m2``
+                  (``jamp/_src/float8.py``, ``autocast_float8.py``).
+                  Convolutions and ``ragged_dot_general`` stay ``lower``.
+================  ==========================================================
+
 Regions that must not be autocast are marked with :func:`autocast_disabled`
 (a ``jax.named_scope`` the interpreter recognises); inside them every
 primitive runs as traced. An inner ``autocast`` inside an outer one marks its
@@ -82,6 +96,7 @@ import jax.numpy as jnp
 import numpy as np
 
 LOWER = "lower"
+FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
 FLOAT32 = "float32"
 PROMOTE = "promote"
 KEEP = "keep"
@@ -101,6 +116,10 @@ _LOWER_PRECISION = (
     "conv_general_dilated",
     "ragged_dot_general",
 )
+
+# float8 mode: these run with float8 operands (autocast_float8). XLA has no float8
+# convolution jamp can rely on, so conv_general_dilated stays in the autocast dtype.
+FLOAT8_PRIMITIVES = frozenset({"dot_general"})
 
 _FLOAT32 = (
     # torch: exp, expm1, log, log1p, log2, log10, pow, reciprocal, rsqrt, ...

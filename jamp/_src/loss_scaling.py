@@ -16,6 +16,7 @@ import optax
 from jax import lax
 
 from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
+from jamp._src.float8 import refuse_in
 from jamp._src.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -138,6 +139,7 @@ def loss_scaling(
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params: Any) -> LossScalingState:
+        refuse_in(params, "the parameters of jamp.loss_scaling's init")
         # New buffers on every call, as optax's states: a train step that
         # donates one state must not delete another made by the same `tx`.
         return LossScalingState(
@@ -156,6 +158,7 @@ def loss_scaling(
                 f"got {type(state).__name__} instead."
             )
         refuse_axis_name(extra_args, "`update`", "the inner transformation", "jamp.loss_scaling")
+        refuse_in(updates, "the gradients given to jamp.loss_scaling's update")
         finite = check_unscaled(state.loss_scale, updates, axis_name=axis_name)
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.

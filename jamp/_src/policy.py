@@ -85,7 +85,8 @@ def _describe(value: Any) -> str:
 
 
 # The dtypes a policy may hold. float8 and narrower formats need per-tensor
-# scaling that jamp does not do, so they are rejected rather than silently used.
+# scaling that a policy does not do, so they are rejected rather than silently
+# used; jamp.autocast(fun, "float8") does it for matrix products.
 _SUPPORTED = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
 _SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
 
@@ -146,7 +147,8 @@ def check_dtype(value: Any, what: str) -> np.dtype:
         raise ValueError(
             f"Expected one of {_SUPPORTED_NAMES} for {what}, got {dtype.name} instead. "
             "Narrower floating formats such as float8 need per-tensor scaling, which jamp's "
-            "policies and autocast do not do."
+            "policies do not do; for float8 matrix products, jamp.autocast(fun, 'float8') "
+            "scales per tensor."
         )
     return dtype
 

@@ -47,6 +47,7 @@ MODULES = sorted(
 WITH_EXAMPLES = {
     "jamp._src.autocast",
     "jamp._src.finite",
+    "jamp._src.float8",
     "jamp._src.flax_support",
     "jamp._src.grad_scaler",
     "jamp._src.lookup",

@@ -1,0 +1,238 @@
+"""``jamp.autocast(fun, "float8")``: the interpreter's float8 rule and the delayed-scaling state.
+
+In float8 mode every eligible ``dot_general`` (floating operands of float16,
+bfloat16 or float32; none in a disabled region) runs as a float8 product
+(``jamp/_src/float8.py``); everything else follows the half-precision rules
+of ``autocast_rules`` with the autocast dtype (bfloat16 unless a policy says
+float16), which is also the dtype of the products' outputs. Convolutions stay
+in that dtype: XLA has no float8 convolution that jamp can rely on.
+
+With :class:`~jamp._src.float8.DelayedScaling`, each such product owns a
+:class:`~jamp._src.float8.Float8State`, kept in a dict keyed ``"<i>:<scope>"``
+(``i`` counts the products in program order, ``scope`` is their name stack
+with ``/`` written ``.``, e.g. ``"0:MLP.Dense_0"``). :func:`sites` finds them,
+statically, in the traced jaxpr, following the interpreter: into ``jit``, ``closed_call`` and
+``checkpoint``; into ``scan`` bodies, where a product gets one state per
+iteration (stacked along leading axes); not into ``while``, ``cond``,
+``custom_jvp``/``custom_vjp`` bodies (their products run with current
+scaling: a while loop cannot be differentiated, a branch not taken would
+return a zero state, and a custom rule's body is traced more than once) nor
+into disabled regions. The interpreter then finds each product's state by
+the path of equations leading to it, so a body traced twice finds the same
+states.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import numpy as np
+from jax.extend import core as jex_core
+
+from jamp._src.autocast_interpreter import HIGHER_ORDER, MARKER, Context, Info, scan_with
+from jamp._src.autocast_rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
+from jamp._src.float8 import (
+    E4M3,
+    F32,
+    DelayedScaling,
+    Float8State,
+    Spec,
+    current_dot,
+    delayed_dot,
+    init_state,
+)
+
+# Sub-computations the products inside of which get a state (as the interpreter evaluates
+# them: with the same context), and those inside of which products use current scaling.
+_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint")
+_CURRENT_ONLY = (
+    "while", "cond", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+)  # fmt: skip
+
+
+def eligible(eqn: Any) -> bool:
+    """Whether ``eqn`` runs in float8: a ``dot_general`` of float16/bfloat16/float32 operands.
+
+    Decided from the traced dtypes, which autocast never moves in or out of
+    that set, so :func:`sites` and the interpreter agree.
+    """
+    if eqn.primitive.name not in FLOAT8_PRIMITIVES:
+        return False
+    pet = eqn.params.get("preferred_element_type")
+    dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
+    return all(d in ELIGIBLE for d in dtypes) and (pet is None or np.dtype(pet) in ELIGIBLE)
+
+
+def _out_dtype(eqn: Any, low: np.dtype) -> np.dtype:
+    """The autocast dtype, unless the program asked for a wider ``preferred_element_type``
+    than its inputs (``bf16 x bf16 -> f32``), as the ``lower`` rule does."""
+    pet = eqn.params.get("preferred_element_type")
+    traced = max(np.dtype(v.aval.dtype).itemsize for v in eqn.invars)
+    if pet is not None and np.dtype(pet).itemsize > traced:
+        return np.dtype(pet)
+    return low
+
+
+def _spec(eqn: Any, invals: Sequence[Any], ctx: Context, recipe=None) -> Spec:
+    lhs, rhs = invals
+    return Spec(
+        dimension_numbers=eqn.params["dimension_numbers"],
+        out_dtype=_out_dtype(eqn, ctx.dtype),
+        lhs_dtype=np.dtype(lhs.dtype),
+        rhs_dtype=np.dtype(rhs.dtype),
+        out_sharding=eqn.params.get("out_sharding"),
+        recipe=recipe,
+    )
+
+
+def _finish(eqn: Any, out: Any, infos: Sequence[Info], ctx: Context, rule: str):
+    if ctx.recorder is not None:
+        ctx.recorder.add(eqn.primitive.name, rule, E4M3.name)
+    kind = min(i.kind for i in infos)
+    return [out], [Info(kind=kind, low=True)]  # a low activation, as a lower-rule output
+
+
+def current_rule(eqn: Any, invals: list, infos: list, ctx: Context):
+    """The float8 rule with current scaling: an eligible product runs in float8."""
+    if not eligible(eqn):
+        return None
+    return _finish(eqn, current_dot(*invals, _spec(eqn, invals, ctx)), infos, ctx, FLOAT8)
+
+
+# ---------------------------------------------------------------------------
+# Delayed scaling: where the products are, and their states
+# ---------------------------------------------------------------------------
+
+
+class Site(NamedTuple):
+    """A float8 product that owns a state."""
+
+    key: str  # its key in the user's dict
+    path: tuple[int, ...]  # ids of the equations from the traced jaxpr down to the product
+    stack: tuple[int, ...]  # the lengths of the scans around it: its state's leading axes
+
+
+def _jaxpr(value: Any) -> Any:
+    return value.jaxpr if isinstance(value, jex_core.ClosedJaxpr) else value
+
+
+def sites(closed: Any) -> list[Site]:
+    """The products of ``closed`` that own a state, in program order (module docstring)."""
+    found: list[Site] = []
+
+    def walk(jaxpr: Any, path: tuple, stack: tuple, scope: tuple) -> None:
+        for eqn in jaxpr.eqns:
+            name_stack = str(eqn.source_info.name_stack)
+            if MARKER in name_stack:  # a disabled region: runs as traced
+                continue
+            name = eqn.primitive.name
+            here = (*scope, *([name_stack] if name_stack else []))
+            if eligible(eqn):
+                label = ".".join(here).replace("/", ".") or "dot_general"
+                found.append(Site(f"{len(found)}:{label}", (*path, id(eqn)), stack))
+            elif name in _CALLS:
+                sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                call = eqn.params.get("name")
+                inner = (*here, call) if isinstance(call, str) and call else here
+                walk(_jaxpr(sub), (*path, id(eqn)), stack, inner)
+            elif name == "scan":
+                length = int(eqn.params["length"])
+                walk(_jaxpr(eqn.params["jaxpr"]), (*path, id(eqn)), (*stack, length), here)
+
+    walk(_jaxpr(closed), (), (), ())
+    return found
+
+
+def init_states(found: Sequence[Site], recipe: DelayedScaling) -> dict[str, Float8State]:
+    return {site.key: init_state(recipe, site.stack) for site in found}
+
+
+def check_states(state: Any, found: Sequence[Site], recipe: DelayedScaling) -> None:
+    """A clear error unless ``state`` has one well-formed Float8State per site."""
+    fix = "create it with jamp.float8_init(f, *args) from the function and arguments f takes"
+    if not isinstance(state, Mapping):
+        raise TypeError(
+            f"Expected a dict of jamp.Float8State for the float8 state (the first argument "
+            f"of a delayed-scaling autocast function), got {type(state).__name__} instead; "
+            f"{fix}."
+        )
+    want, got = [s.key for s in found], list(state)
+    if sorted(want) != sorted(got):
+        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
+        raise ValueError(
+            f"Expected a float8 state with one entry per float8 matrix product of the "
+            f"function, keys {want}, got keys {got} instead (missing {missing}, unexpected "
+            f"{extra}); {fix}."
+        )
+    h = recipe.amax_history_len
+    for site in found:
+        entry = state[site.key]
+        shapes = {"amax_history": (*site.stack, 3, h), "scale": (*site.stack, 3)}
+        ok = isinstance(entry, Float8State) and all(
+            tuple(np.shape(getattr(entry, f))) == shape and np.dtype(getattr(entry, f).dtype) == F32
+            for f, shape in shapes.items()
+        )
+        if not ok:
+            described = (
+                jax.tree_util.tree_map(lambda x: (np.dtype(x.dtype).name, np.shape(x)), entry)
+                if isinstance(entry, tuple)
+                else type(entry).__name__
+            )
+            raise ValueError(
+                f"Expected a jamp.Float8State of float32 arrays with shapes {shapes} for "
+                f"float8 state entry {site.key!r} (amax_history_len={h}), got {described} "
+                f"instead; {fix}."
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedRule:
+    """The float8 rule with delayed scaling: each product finds its state by its path."""
+
+    states: Mapping[tuple[int, ...], tuple[Any, Any]]  # path -> (amax_history, scale)
+    recipe: DelayedScaling
+    prefix: tuple[int, ...] = ()
+
+    def __call__(self, eqn: Any, invals: list, infos: list, ctx: Context):
+        name = eqn.primitive.name
+        path = (*self.prefix, id(eqn))
+        if eligible(eqn):
+            history, scale = self.states[path]
+            spec = _spec(eqn, invals, ctx, self.recipe)
+            return _finish(eqn, delayed_dot(*invals, history, scale, spec), infos, ctx, FLOAT8)
+        if name in _CALLS:
+            inner = dataclasses.replace(ctx, rule=dataclasses.replace(self, prefix=path))
+            return self._recurse(eqn, invals, infos, inner)
+        if name in _CURRENT_ONLY:
+            return self._recurse(eqn, invals, infos, dataclasses.replace(ctx, rule=current_rule))
+        if name == "scan":
+            return self._scan(eqn, invals, infos, ctx, path)
+        return None
+
+    def _recurse(self, eqn: Any, invals: list, infos: list, ctx: Context):
+        if ctx.recorder is not None:
+            ctx.recorder.add(eqn.primitive.name, "recurse", "-")
+        return HIGHER_ORDER[eqn.primitive.name](eqn, invals, infos, ctx)
+
+    def _scan(self, eqn: Any, invals: list, infos: list, ctx: Context, path: tuple):
+        """Each iteration gets its slice of the stacked states of the products inside."""
+        inside = [p for p in self.states if p[: len(path)] == path]
+        extra = [x for p in inside for x in self.states[p]]
+
+        def body_ctx(ctx: Context, slices: list) -> Context:
+            states = {p: (slices[2 * i], slices[2 * i + 1]) for i, p in enumerate(inside)}
+            return dataclasses.replace(ctx, rule=DelayedRule(states, self.recipe, path))
+
+        if ctx.recorder is not None:
+            ctx.recorder.add("scan", "recurse", "-")
+        return scan_with(eqn, invals, infos, ctx, extra, body_ctx)
+
+
+def delayed_rule(
+    state: Mapping[str, Float8State], found: Sequence[Site], recipe: DelayedScaling
+) -> Callable[..., Any]:
+    states = {s.path: tuple(state[s.key]) for s in found}
+    return DelayedRule(states, recipe)

@@ -1,0 +1,393 @@
+"""Float8 matrix products with per-tensor scaling, as pure functions.
+
+A float8 matrix product quantises each operand to ``float8_e4m3fn`` (max
+448, 3 mantissa bits) with a *per-tensor* scale that maps the tensor's
+largest magnitude (its *amax*) to the format's largest finite value, so a
+tensor of values near ``1e-6`` uses float8's full range as a tensor near
+``1e3`` does. It multiplies the quantised operands with float32 accumulation
+(``preferred_element_type=float32``) and multiplies the product by the
+inverse scales. The backward pass quantises the incoming gradient to
+``float8_e5m2`` (max 57344, 2 mantissa bits, more range) with its own scale
+and computes both transposed products with float8 operands: a
+``jax.custom_vjp``. This is the pattern XLA's GPU compiler rewrites into one
+cuBLASLt float8 GEMM (``__cublas$lt$matmul$f8``): float8 operands, a float32
+``dot_general``, and a multiply by a broadcast scalar.
+
+Two ways to choose the scales, both Transformer Engine's:
+
+*current scaling* (:func:`current_dot`)
+    ``scale = finfo(float8).max / amax`` of the tensor itself, computed in the
+    same step. Stateless and exact to the tensor, at the cost of one more
+    pass over the tensor before it is quantised.
+*delayed scaling* (:func:`delayed_dot`, recipe :class:`DelayedScaling`)
+    the scale of step ``t`` comes from the amaxes of earlier steps, kept in an
+    immutable :class:`Float8State` (an amax history and a scale per operand
+    and for the gradient). Nothing waits for the amax of step ``t``, so XLA
+    may compute it in the pass that quantises; it is recorded, and the next
+    state is computed in the backward pass and returned as the *cotangent of
+    the state argument*: ``jax.grad`` with respect to the state returns the
+    next state.
+
+Quantisation saturates finite values at the format's largest finite value
+and keeps infinities and NaN non-finite (``float8_e4m3fn`` has no infinity:
+they become NaN), so an overflow still reaches loss scaling's finite check.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+E4M3 = np.dtype(jnp.float8_e4m3fn)  # operands (forward)
+E5M2 = np.dtype(jnp.float8_e5m2)  # gradients (backward)
+E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
+E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
+F32 = np.dtype(jnp.float32)
+
+# The rows of a Float8State: the left operand, the right operand, the gradient
+# of the output; and the largest finite value of each row's format.
+LHS, RHS, GRAD = 0, 1, 2
+ROW_MAX = np.array([E4M3_MAX, E4M3_MAX, E5M2_MAX], np.float32)
+# A current scale is at most 2**126, so its inverse is a normal float32 number.
+_SMALLEST_AMAX = ROW_MAX * np.float32(2.0**-126)
+
+ALGOS = ("max", "most_recent")
+UNMEASURED = ("one", "current")
+
+
+# ---------------------------------------------------------------------------
+# The state and the recipe of delayed scaling
+# ---------------------------------------------------------------------------
+
+
+class Float8State(NamedTuple):
+    """The delayed-scaling state of one float8 matrix product: immutable, a pytree.
+
+    Row 0 is the left operand, row 1 the right operand, row 2 the gradient of
+    the output (``float8_e5m2``). A product inside a ``lax.scan`` of length
+    ``n`` has one state per iteration, stacked: leading dimensions ``(n,)``
+    (``(n, m)`` for nested scans), as Transformer Engine stacks a scanned
+    layer's state.
+
+    Attributes:
+      amax_history: float32 ``(..., 3, amax_history_len)``: the amaxes of the
+        last ``amax_history_len`` steps, the most recent at index 0 (as
+        Transformer Engine and ``flax.linen.fp8_ops`` roll it).
+      scale: float32 ``(..., 3)``: the scales the next step quantises with
+        (``float8 = x * scale``): ``finfo.max / amax / 2**margin``. A fresh
+        state's is 1, as Transformer Engine's (0, "not measured yet", with
+        ``DelayedScaling(unmeasured="current")``).
+    """
+
+    amax_history: jax.Array
+    scale: jax.Array
+
+
+@dataclasses.dataclass(frozen=True)
+class DelayedScaling:
+    """Transformer Engine's delayed-scaling recipe (``DelayedScaling`` in TE).
+
+    After every step, each tensor's amax is rolled into its history (most
+    recent at index 0, the oldest dropped) and the next scale is
+    ``finfo(float8).max / amax / 2**margin``, where ``amax`` is the largest
+    value of the history (``"max"``) or the newest (``"most_recent"``). A
+    scale is kept from the step before when ``amax`` is 0 or not finite, or
+    when the new scale would not be a finite float32 number (an amax below
+    ``finfo.max * 2**-128``; TE has no such guard).
+
+    ``unmeasured`` says what a tensor without a measured scale is quantised
+    with: a fresh state's (:func:`jamp.float8_init`), and one whose next
+    state came back zero (a product that the backward pass did not reach,
+    such as one under ``stop_gradient``: its cotangent is zero):
+
+    * ``"one"`` (TE's recipe, the default): scale 1, as Transformer Engine
+      and Flax start. The quantisation never waits for this step's amax, so
+      XLA can compute the amax in the same pass that quantises: the reason
+      delayed scaling is faster than current scaling. On the first step a
+      tensor above 448 saturates and one below ``2**-9`` flushes to zero,
+      and a zero output has amax 0, so the next layer flushes on the next
+      step, and so on down the network (``benchmarks/RESULTS.md``).
+    * ``"current"``: a fresh state has scales of 0, "not measured yet", and
+      a tensor whose scale is not positive and finite is quantised with its
+      current scale: the first step is current scaling. The quantisation then
+      depends on this step's amax on every step, so each operand is read
+      twice, as under current scaling.
+
+    Args:
+      amax_history_len: how many steps of amaxes to keep (TE: 1024).
+      margin: the scale is divided by ``2**margin``, leaving that many powers
+        of two of headroom above the recorded amax (TE: 0).
+      amax_compute_algo: ``"max"`` (TE's default) or ``"most_recent"``.
+      unmeasured: ``"one"`` (TE's) or ``"current"``, see above.
+
+    Raises:
+      TypeError: ``amax_history_len`` or ``margin`` is not an integer, or
+        ``amax_compute_algo`` or ``unmeasured`` not a string.
+      ValueError: ``amax_history_len < 1``, ``margin < 0`` or an unknown
+        ``amax_compute_algo`` or ``unmeasured``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> recipe = jamp.DelayedScaling(amax_history_len=16, margin=1)
+      >>> recipe
+      DelayedScaling(amax_history_len=16, margin=1, amax_compute_algo='max', unmeasured='one')
+      >>> f = jamp.autocast(lambda w, x: x @ w, "float8", recipe=recipe)
+      >>> state = jamp.float8_init(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> f(state, jnp.ones((4, 4)), jnp.ones((2, 4))).shape  # the state comes first
+      (2, 4)
+    """
+
+    amax_history_len: int = 1024
+    margin: int = 0
+    amax_compute_algo: str = "max"
+    unmeasured: str = "one"
+
+    def __post_init__(self) -> None:
+        for name in ("amax_history_len", "margin"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"Expected an int for `{name}`, got {value!r} instead.")
+        if self.amax_history_len < 1:
+            raise ValueError(
+                f"Expected `amax_history_len` >= 1, got {self.amax_history_len} instead."
+            )
+        if self.margin < 0:
+            raise ValueError(f"Expected `margin` >= 0, got {self.margin} instead.")
+        for name, allowed in (("amax_compute_algo", ALGOS), ("unmeasured", UNMEASURED)):
+            value, choices = getattr(self, name), " or ".join(repr(a) for a in allowed)
+            if not isinstance(value, str):
+                raise TypeError(
+                    f"Expected a string for `{name}` ({choices}), got {value!r} instead."
+                )
+            if value not in allowed:
+                raise ValueError(f"Expected {choices} for `{name}`, got {value!r} instead.")
+
+
+def init_state(
+    recipe: DelayedScaling, stack: Sequence[int] = (), scale: float | None = None
+) -> Float8State:
+    """A fresh state: an empty history and scales of 1 (``unmeasured="one"``, TE's start)
+    or 0 ("not measured yet", ``unmeasured="current"``), unless ``scale`` is given."""
+    if scale is None:
+        scale = 1.0 if recipe.unmeasured == "one" else 0.0
+    stack = tuple(stack)
+    return Float8State(
+        amax_history=jnp.zeros((*stack, 3, recipe.amax_history_len), F32),
+        scale=jnp.full((*stack, 3), scale, F32),
+    )
+
+
+def next_state(state: Float8State, amaxes: jax.Array, recipe: DelayedScaling) -> Float8State:
+    """Transformer Engine's update: roll ``amaxes`` (shape ``(3,)``) in, compute the scales."""
+    history = jnp.roll(state.amax_history, -1, axis=-1).at[..., 0].set(amaxes)
+    if recipe.amax_compute_algo == "max":
+        amax = jnp.max(history, axis=-1)
+    else:
+        amax = history[..., 0]
+    new = (ROW_MAX / amax) / np.float32(2.0**recipe.margin)
+    keep = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
+    return Float8State(history, jnp.where(keep, new, state.scale))
+
+
+# ---------------------------------------------------------------------------
+# Quantisation
+# ---------------------------------------------------------------------------
+
+
+def amax(x: jax.Array) -> jax.Array:
+    """The largest magnitude of ``x`` as a float32 scalar (NaN if ``x`` holds a NaN)."""
+    if x.size == 0:
+        return jnp.zeros((), F32)
+    return jnp.max(jnp.abs(x)).astype(F32)
+
+
+def current_scale(amax: jax.Array, row: int) -> jax.Array:
+    """``finfo.max / amax`` for ``row``'s format, at most ``2**126`` (an ``amax`` of 0).
+
+    A non-finite ``amax`` gives a scale of 0 or NaN, so the product of a
+    tensor holding inf or NaN is not finite either.
+    """
+    return ROW_MAX[row] / jnp.maximum(amax, _SMALLEST_AMAX[row])
+
+
+def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """``clip(x * scale, +-finfo(dtype).max)`` in ``dtype``; inf and NaN stay non-finite."""
+    big = np.float32(jnp.finfo(dtype).max)
+    y = x.astype(F32) * scale
+    return lax.select(lax.is_finite(x), lax.clamp(-big, y, big), y).astype(dtype)
+
+
+def _usable(scale: jax.Array, x: jax.Array, row: int, recipe: DelayedScaling) -> jax.Array:
+    """The state's scale where it is positive and finite; else 1 (``unmeasured="one"``: no
+    dependency on ``x``, so XLA may fuse the amax into the quantising pass) or ``x``'s
+    current scale (``"current"``)."""
+    ok = jnp.isfinite(scale) & (scale > 0)
+    other = np.float32(1.0) if recipe.unmeasured == "one" else current_scale(amax(x), row)
+    return jnp.where(ok, scale, other)
+
+
+# ---------------------------------------------------------------------------
+# The products and their transposes
+# ---------------------------------------------------------------------------
+
+
+class Spec(NamedTuple):
+    """What a float8 product needs besides its arrays (static, hashable)."""
+
+    dimension_numbers: Any
+    out_dtype: np.dtype  # the dtype of the output (the autocast dtype, or a wider pet)
+    lhs_dtype: np.dtype  # the dtypes the gradients come back in
+    rhs_dtype: np.dtype
+    out_sharding: Any = None
+    recipe: DelayedScaling | None = None
+
+
+def _scaled_dot(q_lhs, q_rhs, dimension_numbers, inv, out_sharding=None):
+    """``dot_general(q_lhs, q_rhs) * inv`` in float32: what XLA rewrites to one FP8 GEMM."""
+    out = lax.dot_general(
+        q_lhs, q_rhs, dimension_numbers, preferred_element_type=F32, out_sharding=out_sharding
+    )
+    return out * inv
+
+
+def _operand_grad(g, other, own, dimension_numbers, wrt_lhs: bool, inv):
+    """The gradient of one operand (``own``) of ``dot_general``: ``g`` times the other.
+
+    ``g`` has the output's axes (batch, the left operand's free axes, the
+    right operand's free axes); it is contracted with ``other`` over the
+    other operand's free axes and batched over the batch axes. The result's
+    axes (batch, this operand's free axes, its contracting axes in the order
+    of the other operand's) are then permuted to this operand's layout. The
+    scale multiplies the product before the permutation, next to the dot. On
+    an explicit mesh the product is sharded as ``own`` is (as JAX's own
+    transpose of ``dot_general`` does), since a contraction over a sharded
+    axis would otherwise have no sharding.
+    """
+    (lc, rc), (lb, rb) = dimension_numbers
+    lhs_nd, rhs_nd = (own.ndim, other.ndim) if wrt_lhs else (other.ndim, own.ndim)
+    own_c, oth_c, own_b, oth_b = (lc, rc, lb, rb) if wrt_lhs else (rc, lc, rb, lb)
+    own_free = [i for i in range(own.ndim) if i not in own_c and i not in own_b]
+    oth_free = [i for i in range(other.ndim) if i not in oth_c and i not in oth_b]
+    nb = len(lb)
+    n_lhs_free = lhs_nd - len(lc) - nb
+    g_oth = range(nb + n_lhs_free, g.ndim) if wrt_lhs else range(nb, nb + n_lhs_free)
+    dims = ((tuple(g_oth), tuple(oth_free)), (tuple(range(nb)), tuple(oth_b)))
+    order = [*own_b, *own_free, *(own_c[i] for i in np.argsort(oth_c))]
+    y = lax.dot_general(
+        g, other, dims, preferred_element_type=F32, out_sharding=_sharding_as(own, order)
+    )
+    return lax.transpose(y * inv, tuple(int(i) for i in np.argsort(order)))
+
+
+def _sharding_as(own: jax.Array, order: Sequence[int]) -> Any:
+    """``own``'s sharding with its axes in ``order``; replicated on the current mesh when
+    ``own`` has none (JAX's transpose of ``dot_general`` does the same); ``None`` when
+    there is no mesh (the compiler decides)."""
+    sharding = jax.typeof(own).sharding
+    if sharding.mesh.empty:
+        mesh = jax.sharding.get_abstract_mesh()
+        return None if mesh.empty else NamedSharding(mesh, P(*([None] * own.ndim)))
+    spec = (*sharding.spec, *([None] * (own.ndim - len(sharding.spec))))
+    return sharding.update(spec=P(*(spec[o] for o in order)))
+
+
+def _backward(spec: Spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, inv_g):
+    dn = spec.dimension_numbers
+    d_lhs = _operand_grad(q_g, q_rhs, q_lhs, dn, True, inv_g * inv_rhs)
+    d_rhs = _operand_grad(q_g, q_lhs, q_rhs, dn, False, inv_g * inv_lhs)
+    return d_lhs.astype(spec.lhs_dtype), d_rhs.astype(spec.rhs_dtype)
+
+
+# Current scaling --------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def current_dot(lhs: jax.Array, rhs: jax.Array, spec: Spec) -> jax.Array:
+    """``dot_general`` in float8 with current per-tensor scaling (see the module docstring)."""
+    return _current_fwd(lhs, rhs, spec)[0]
+
+
+def _current_fwd(lhs, rhs, spec):
+    s_lhs = current_scale(amax(lhs), LHS)
+    s_rhs = current_scale(amax(rhs), RHS)
+    q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
+    inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
+    out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
+    return out.astype(spec.out_dtype), (q_lhs, q_rhs, inv_lhs, inv_rhs)
+
+
+def _current_bwd(spec, res, g):
+    q_lhs, q_rhs, inv_lhs, inv_rhs = res
+    s_g = current_scale(amax(g), GRAD)
+    q_g = quantize(g, s_g, E5M2)
+    return _backward(spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, 1 / s_g)
+
+
+current_dot.defvjp(_current_fwd, _current_bwd)
+
+
+# Delayed scaling ------------------------------------------------------------
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def delayed_dot(
+    lhs: jax.Array, rhs: jax.Array, amax_history: jax.Array, scale: jax.Array, spec: Spec
+) -> jax.Array:
+    """``dot_general`` in float8 with delayed scaling: the state's scales, amaxes recorded.
+
+    The cotangent of ``(amax_history, scale)`` is the next state
+    (:func:`next_state` with this step's three amaxes), whatever the
+    cotangent of the output is.
+    """
+    return _delayed_fwd(lhs, rhs, amax_history, scale, spec)[0]
+
+
+def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
+    a_lhs, a_rhs = amax(lhs), amax(rhs)  # recorded; quantised with the state's scales
+    s_lhs = _usable(scale[LHS], lhs, LHS, spec.recipe)
+    s_rhs = _usable(scale[RHS], rhs, RHS, spec.recipe)
+    q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
+    inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
+    out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
+    res = (q_lhs, q_rhs, inv_lhs, inv_rhs, a_lhs, a_rhs, amax_history, scale)
+    return out.astype(spec.out_dtype), res
+
+
+def _delayed_bwd(spec, res, g):
+    q_lhs, q_rhs, inv_lhs, inv_rhs, a_lhs, a_rhs, amax_history, scale = res
+    a_g = amax(g)
+    s_g = _usable(scale[GRAD], g, GRAD, spec.recipe)
+    q_g = quantize(g, s_g, E5M2)
+    d_lhs, d_rhs = _backward(spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, 1 / s_g)
+    new = next_state(Float8State(amax_history, scale), jnp.stack([a_lhs, a_rhs, a_g]), spec.recipe)
+    return d_lhs, d_rhs, new.amax_history, new.scale
+
+
+delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
+
+
+def refuse_in(tree: Any, what: str) -> None:
+    """A ``TypeError`` when ``tree`` holds a :class:`Float8State`: it is not a parameter."""
+    found = jax.tree_util.tree_flatten_with_path(
+        tree, is_leaf=lambda x: isinstance(x, Float8State)
+    )[0]
+    for path, leaf in found:
+        if isinstance(leaf, Float8State):
+            raise TypeError(
+                f"Expected no jamp.Float8State in {what}, found one at "
+                f"{jax.tree_util.keystr(path)}: the float8 state is not a parameter. An "
+                "optimizer would apply a learning-rate update to it and loss scaling would "
+                "unscale it. Keep it out of the parameters: pass it to the delayed-scaling "
+                "function as its own argument and take the next state from jax.grad with "
+                "respect to that argument (docs/float8.md)."
+            )

@@ -1,0 +1,79 @@
+"""Smoke test of benchmarks/float8.py: tiny models, no timing assertions."""
+
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VARIANTS = (
+    "float32",
+    "bfloat16",
+    "float8 current",
+    "float8 delayed",
+    "float8 delayed, first step",
+    "float8 delayed (unmeasured='current'), first step",
+    "per-tensor reference",
+)
+MODES = ("float32", "bfloat16", "float8 current", "float8 delayed", "per-tensor reference")
+
+
+def _run(*args):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    # A fresh interpreter: the benchmark must not inherit the test session's strict dtype
+    # promotion or its 8 virtual devices. Less LLVM optimisation: compiles dominate.
+    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.float8", "--tiny", *args],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+def rows(text, name):
+    return [line for line in text.splitlines() if line.startswith(f"| {name} |")]
+
+
+def test_tiny_run_reports_errors_curves_and_targets(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("# jamp benchmark results\n\nearlier sections\n")
+    out = _run("--out", str(tmp_path / "section.md"), "--results", str(results))
+    section = (tmp_path / "section.md").read_text()
+    assert section.strip() == out.strip()
+    assert section.startswith("<!-- float8:start -->")
+    assert section.rstrip().endswith("<!-- float8:end -->")
+    models = re.findall(r"^### (MLP, inputs ~\S+|GPT .*)$", section, re.M)
+    assert len(models) == 4
+    for name in VARIANTS:  # output error, grad cosine [worst], loss error: one row per model
+        found = rows(section, name)
+        assert len(found) >= 4, name
+        cells = [c.strip() for c in found[0].strip("|").split("|")]
+        assert len(cells) == 4 and 0 <= float(cells[1]) and -1 <= float(cells[2].split()[0]) <= 1
+    assert len(rows(section, "float8, attention in bfloat16")) == 1  # GPT only
+    assert all("| 0.0000 | 1.00000 [1.0000] |" in line for line in rows(section, "float32")[:4])
+    for task in ("### Training: digits CNN", "### Training: regression"):
+        assert task in section
+    for name in MODES:  # two curves per mode: losses at steps, final, ratio, last column
+        assert len(rows(section, name)) >= 6, name
+    targets = section.split("### Targets (issue #18)")[1]
+    assert len(re.findall(r"\| (yes|\*\*no\*\*) \|", targets)) == 8
+    text = results.read_text()
+    assert text.startswith("# jamp benchmark results\n\nearlier sections\n")
+    assert text.count("<!-- float8:start -->") == 1
+    # Another run replaces the section instead of appending another.
+    from benchmarks import float8
+
+    float8.splice(str(results), "<!-- float8:start -->\nnew\n<!-- float8:end -->")
+    text = results.read_text()
+    assert text.count("<!-- float8:start -->") == 1 and "### Training" not in text
+    assert "\nnew\n" in text and "earlier sections" in text
+
+
+def test_tiny_step_time_table():
+    out = _run("--step-time", "--step-rounds", "1", "--step-reps", "1")
+    assert "### GPT step time:" in out
+    for name in ("bfloat16", "float8 current", "float8, attention in bfloat16", "float8 delayed",
+                 "float8 delayed, unmeasured='current'"):  # fmt: skip
+        assert len(rows(out, name)) == 1, name
+    assert "float8 GEMMs in the compiled float8-current step:" in out

@@ -1,0 +1,384 @@
+"""jamp/_src/float8.py: quantisation, the float8 products' custom_vjps, TE's delayed recipe.
+
+The recipe is checked bit-exactly against a NumPy model of Transformer
+Engine's delayed scaling over several steps, and against flax.linen.fp8_ops
+on the same inputs and history.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from _autocast_helpers import eqns_named, rel_err
+from _bad_input import assert_clear_error
+from flax.linen import fp8_ops
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import jamp
+from jamp._src import float8
+
+F32 = np.float32
+MM = (((1,), (0,)), ((), ()))  # x @ w
+E4M3 = np.dtype(jnp.float8_e4m3fn)
+
+
+def spec(dn=MM, out=jnp.float32, lhs=jnp.float32, rhs=jnp.float32, recipe=None):
+    return float8.Spec(dn, np.dtype(out), np.dtype(lhs), np.dtype(rhs), None, recipe)
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+# --------------------------------------------------------------------------- quantisation
+
+
+def test_quantize_is_a_saturating_round_to_nearest_and_keeps_non_finite_values():
+    x = np.array([0.0, 1e-3, -0.3, 2.5, 447.9, 460.0, -1e6, np.inf, -np.inf, np.nan], F32)
+    for dtype, big in ((jnp.float8_e4m3fn, 448.0), (jnp.float8_e5m2, 57344.0)):
+        got = np.asarray(float8.quantize(jnp.asarray(x), F32(1.0), dtype))
+        want = np.clip(x, -big, big).astype(np.dtype(dtype))
+        finite = np.isfinite(x)
+        assert got[finite].tobytes() == want[finite].tobytes()  # bit-exact, as ml_dtypes rounds
+        assert not np.isfinite(got[~finite].astype(F32)).any()  # inf stays inf (e5m2) or NaN
+    e5m2 = np.asarray(float8.quantize(jnp.asarray(x), F32(1.0), jnp.float8_e5m2)).astype(F32)
+    assert e5m2[7] == np.inf and e5m2[8] == -np.inf  # e5m2 has infinities
+
+
+def test_current_scale_maps_amax_to_the_largest_finite_value():
+    for amax, row, want in ((2.0, 0, 224.0), (1e-6, 0, 448e6), (1.0, 2, 57344.0)):
+        assert float(float8.current_scale(jnp.float32(amax), row)) == pytest.approx(want)
+    assert float(float8.current_scale(jnp.float32(0.0), 0)) == 2.0**126  # 1/scale is normal
+    assert float(float8.current_scale(jnp.float32(np.inf), 0)) == 0.0  # x * 0: inf -> NaN
+    assert np.isnan(float(float8.current_scale(jnp.float32(np.nan), 0)))
+
+
+def test_tiny_values_keep_their_precision():
+    x = jnp.asarray(rng(0).standard_normal(1000) * 1e-6, jnp.float32)
+    s = float8.current_scale(float8.amax(x), 0)
+    back = float8.quantize(x, s, jnp.float8_e4m3fn).astype(jnp.float32) / s
+    assert rel_err(back, x) < 0.04  # 3 mantissa bits: about 2**-5 relative per element
+    # Without a scale, float8_e4m3fn flushes them all (smallest subnormal 2**-9).
+    assert not np.any(np.asarray(x.astype(jnp.float8_e4m3fn), F32))
+
+
+# --------------------------------------------------------------------------- the products
+
+DNS = [
+    MM,  # x @ w
+    (((1,), (1,)), ((), ())),  # x @ w.T
+    (((2,), (1,)), ((0,), (0,))),  # batched
+    (((0, 2), (2, 0)), ((1,), (1,))),  # two contracting axes, a batch axis in the middle
+]
+
+
+def operands(dn, seed):
+    (lc, rc), (lb, rb) = dn
+    shapes = {
+        MM: ((3, 4), (4, 5)),
+        DNS[1]: ((3, 4), (5, 4)),
+        DNS[2]: ((2, 3, 4), (2, 4, 5)),
+        DNS[3]: ((4, 2, 3), (3, 2, 4)),
+    }[dn]
+    r = rng(seed)
+    return tuple(jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes)
+
+
+@pytest.mark.parametrize("dn", DNS, ids=["mm", "mm_t", "batched", "two_contracting"])
+def test_current_dot_and_its_gradients_match_float32(dn):
+    lhs, rhs = operands(dn, 1)
+
+    def plain(a, b):
+        return lax.dot_general(a, b, dn)
+
+    ct = jnp.asarray(rng(2).standard_normal(plain(lhs, rhs).shape), jnp.float32)
+    out, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec(dn)), lhs, rhs)
+    want, want_vjp = jax.vjp(plain, lhs, rhs)
+    assert out.dtype == jnp.float32 and rel_err(out, want) < 0.08
+    for got, ref in zip(vjp(ct), want_vjp(ct), strict=True):
+        assert got.shape == ref.shape and got.dtype == ref.dtype
+        assert rel_err(got, ref) < 0.1
+
+
+def test_the_forward_and_backward_jaxprs_hold_e4m3_and_e5m2_operands():
+    lhs, rhs = operands(MM, 3)
+    f = lambda a, b: jnp.sum(float8.current_dot(a, b, spec()))  # noqa: E731
+    fwd = jax.make_jaxpr(f)(lhs, rhs)
+    bwd = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(lhs, rhs)
+
+    def dots(jaxpr):
+        return [
+            ([str(v.aval.dtype) for v in e.invars], str(e.outvars[0].aval.dtype))
+            for e in eqns_named(jaxpr, "dot_general")
+        ]
+
+    assert dots(fwd) == [(["float8_e4m3fn", "float8_e4m3fn"], "float32")]
+    assert sorted(dots(bwd)) == [
+        (["float8_e4m3fn", "float8_e4m3fn"], "float32"),  # the forward product
+        (["float8_e5m2", "float8_e4m3fn"], "float32"),  # gradient x weight
+        (["float8_e5m2", "float8_e4m3fn"], "float32"),  # gradient x input
+    ]
+
+
+def test_non_finite_operands_give_non_finite_products_and_gradients():
+    lhs, rhs = operands(MM, 4)
+    lhs = lhs.at[0, 0].set(jnp.inf)
+    out, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), lhs, rhs)
+    assert not np.isfinite(np.asarray(out)).all()
+    out, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), *operands(MM, 5))
+    d_lhs, d_rhs = vjp(jnp.full(out.shape, jnp.inf))  # an overflowed gradient stays one
+    assert not np.isfinite(np.asarray(d_lhs)).all() and not np.isfinite(np.asarray(d_rhs)).all()
+
+
+# --------------------------------------------------------------------------- delayed scaling
+
+ROW_MAX = np.array([448.0, 448.0, 57344.0], F32)
+
+
+def numpy_recipe(history, scale, amaxes, recipe):
+    """Transformer Engine's DelayedScaling, in NumPy float32: roll the amaxes in, rescale."""
+    history = np.roll(history, -1, axis=-1)
+    history[..., 0] = amaxes
+    amax = history.max(-1) if recipe.amax_compute_algo == "max" else history[..., 0]
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        new = (ROW_MAX / amax) / F32(2.0**recipe.margin)
+    keep = (amax > 0) & np.isfinite(amax) & np.isfinite(new)
+    return history, np.where(keep, new, scale).astype(F32)
+
+
+def numpy_quantize(x, scale, dtype):
+    big = F32(ml_dtypes.finfo(dtype).max)
+    y = x.astype(F32) * scale
+    return np.where(np.isfinite(x), np.clip(y, -big, big), y).astype(dtype)
+
+
+def steps(n, shape_l=(4, 6), shape_r=(6, 3)):
+    """Per step (lhs, rhs, output cotangent), with magnitudes that move; one all-zero step
+    and one with an infinite gradient, which the recipe must not turn into a scale."""
+    r = rng(7)
+    out = []
+    for t in range(n):
+        mag = 10.0 ** r.uniform(-4, 3, size=3)
+        lhs = (r.standard_normal(shape_l) * mag[0]).astype(F32)
+        rhs = (r.standard_normal(shape_r) * mag[1]).astype(F32)
+        ct = (r.standard_normal((shape_l[0], shape_r[1])) * mag[2]).astype(F32)
+        if t == 2:
+            lhs = np.zeros_like(lhs)
+        if t == 4:
+            ct[0, 0] = np.inf
+        out.append((lhs, rhs, ct))
+    return out
+
+
+RECIPES = [
+    jamp.DelayedScaling(amax_history_len=4),
+    jamp.DelayedScaling(amax_history_len=3, margin=2, amax_compute_algo="most_recent"),
+    jamp.DelayedScaling(amax_history_len=1),
+]
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=["max", "most_recent_margin", "h1"])
+def test_delayed_state_evolves_bit_exactly_as_the_numpy_model_of_the_recipe(recipe):
+    state = float8.init_state(recipe, scale=1.0)  # TE's start, so every step uses the state
+    history, scale = np.zeros((3, recipe.amax_history_len), F32), np.ones(3, F32)
+    s = spec(recipe=recipe)
+
+    @jax.jit
+    def step(state, lhs, rhs, ct):
+        def f(a, b, hist, scale):
+            return float8.delayed_dot(a, b, hist, scale, s)
+
+        out, vjp = jax.vjp(f, lhs, rhs, *state)
+        return out, float8.Float8State(*vjp(ct)[2:])
+
+    for t, (lhs, rhs, ct) in enumerate(steps(7)):
+        out, state = step(state, lhs, rhs, ct)
+        # The forward pass quantised with the scales of the state it was given.
+        q_l = numpy_quantize(lhs, scale[0], ml_dtypes.float8_e4m3fn).astype(np.float64)
+        q_r = numpy_quantize(rhs, scale[1], ml_dtypes.float8_e4m3fn).astype(np.float64)
+        want = (q_l @ q_r) / (np.float64(scale[0]) * np.float64(scale[1]))
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * abs(want).max())
+        amaxes = np.array([abs(lhs).max(), abs(rhs).max(), abs(ct).max()], F32)
+        history, scale = numpy_recipe(history, scale, amaxes, recipe)
+        assert np.asarray(state.amax_history).tobytes() == history.tobytes(), t
+        assert np.asarray(state.scale).tobytes() == scale.tobytes(), t
+    assert np.isinf(history).any() or recipe.amax_history_len < 3  # the inf step is recorded
+
+
+def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
+    """flax.linen.fp8_ops keeps the reciprocal of jamp's scale and computes it at the start
+    of a step from the history jamp computed it from at the end of the step before: the
+    histories agree bit for bit, the scales are reciprocals, the products agree."""
+    recipe = jamp.DelayedScaling(amax_history_len=5)
+    h = recipe.amax_history_len
+    state = float8.init_state(recipe, scale=1.0)  # Flax's start
+    meta = dict(
+        lhs_scale=jnp.ones(1), rhs_scale=jnp.ones(1), grad_scale=jnp.ones(1),
+        lhs_amax_history=jnp.zeros(h), rhs_amax_history=jnp.zeros(h),
+        grad_amax_history=jnp.zeros(h),
+    )  # fmt: skip
+    s = spec(recipe=recipe)
+
+    @jax.jit
+    def ours(state, lhs, rhs, ct):
+        def f(a, b, hist, scale):
+            return float8.delayed_dot(a, b, hist, scale, s)
+
+        out, vjp = jax.vjp(f, lhs, rhs, *state)
+        d_l, d_r, *new = vjp(ct)
+        return out, (d_l, d_r), float8.Float8State(*new)
+
+    @jax.jit
+    def theirs(meta, lhs, rhs, ct):
+        def f(lhs, rhs, meta):
+            return fp8_ops.fp8_scaled_dot_general(
+                lhs, rhs, MM, preferred_element_type=jnp.float32, **meta
+            )
+
+        out, vjp = jax.vjp(f, lhs, rhs, meta)
+        d_l, d_r, new = vjp(ct)
+        return out, (d_l, d_r), new
+
+    for lhs, rhs, ct in steps(4):  # the steps before the infinite gradient
+        out, grads, new_state = ours(state, lhs, rhs, ct)
+        f_out, f_grads, new_meta = theirs(meta, lhs, rhs, ct)
+        for row, name in enumerate(("lhs", "rhs", "grad")):
+            hist, f_hist = new_state.amax_history[row], new_meta[f"{name}_amax_history"]
+            assert np.asarray(hist).tobytes() == np.asarray(f_hist).tobytes(), name
+            used, f_used = state.scale[row], new_meta[f"{name}_scale"][0]  # this step's
+            assert np.asarray(F32(1) / used).tobytes() == np.asarray(f_used).tobytes(), name
+        assert rel_err(out, f_out) < 1e-2
+        for a, b in zip(grads, f_grads, strict=True):
+            assert rel_err(a, b) < 1e-2
+        state, meta = new_state, new_meta
+
+
+def _delayed(recipe, state, lhs, rhs, ct):
+    f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+    out, vjp = jax.vjp(f, lhs, rhs, *state)
+    return out, vjp(ct)
+
+
+def test_unmeasured_current_a_fresh_state_quantises_with_the_current_scales():
+    """Scale 0 is "not measured yet": the first step is current scaling, bit for bit."""
+    recipe = jamp.DelayedScaling(amax_history_len=2, unmeasured="current")
+    lhs, rhs = operands(MM, 8)
+    lhs = lhs * 1e-6  # TE's start (scale 1) would flush it: float8_e4m3fn's smallest is 2**-9
+    ct = jnp.ones((3, 5))
+    fresh = float8.init_state(recipe)
+    np.testing.assert_array_equal(fresh.scale, np.zeros(3))
+    out, (d_l, d_r, hist, scale) = _delayed(recipe, fresh, lhs, rhs, ct)
+    want, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), lhs, rhs)
+    assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
+    for a, b in zip((d_l, d_r), vjp(ct), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    np.testing.assert_array_equal(scale, ROW_MAX / np.asarray(hist)[:, 0])
+    assert rel_err(_delayed(recipe, float8.Float8State(hist, scale), lhs, rhs, ct)[0], want) < 1e-6
+    te = jamp.DelayedScaling(amax_history_len=2)  # unmeasured="one": TE's start flushes it
+    assert not np.any(np.asarray(_delayed(te, float8.init_state(te), lhs, rhs, ct)[0]))
+
+
+def test_unmeasured_one_quantises_a_zero_state_with_scale_1_and_never_waits_for_the_amax():
+    """TE's start; and the operand's quantisation does not depend on its own amax, so XLA can
+    compute the amax in the pass that quantises (with "current" it must wait for it)."""
+    recipe = jamp.DelayedScaling(amax_history_len=2)
+    lhs, rhs = operands(MM, 9)
+    ct = jnp.ones((3, 5))
+    fresh = float8.init_state(recipe)
+    np.testing.assert_array_equal(fresh.scale, np.ones(3))
+    zero = float8.Float8State(fresh.amax_history, jnp.zeros(3))
+    assert (
+        np.asarray(_delayed(recipe, zero, lhs, rhs, ct)[0]).tobytes()
+        == np.asarray(_delayed(recipe, fresh, lhs, rhs, ct)[0]).tobytes()
+    )
+
+    def waits_for_amax(recipe):
+        """Whether a float8 convert of the forward pass depends on a reduce_max."""
+        f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+        jaxpr = jax.make_jaxpr(f)(lhs, rhs, *fresh).jaxpr.eqns[0].params["call_jaxpr"].jaxpr
+        from_max = set()
+        for e in jaxpr.eqns:
+            ins = {v for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+            if e.primitive.name == "reduce_max" or ins & from_max:
+                from_max.update(e.outvars)
+            if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == E4M3:
+                if ins & from_max:
+                    return True
+        return False
+
+    assert not waits_for_amax(recipe)
+    assert waits_for_amax(jamp.DelayedScaling(amax_history_len=2, unmeasured="current"))
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    amaxes=st.lists(
+        st.sampled_from([0.0, 1e-40, 1e-30, 3e-3, 0.5, 7.0, 1e4, 3e38, np.inf, np.nan]),
+        min_size=3,
+        max_size=3,
+    ),
+    old=st.sampled_from([1.0, 0.25, 3e5]),
+    recipe=st.sampled_from(RECIPES),
+)
+def test_next_state_is_the_numpy_recipe_for_any_amaxes(amaxes, old, recipe):
+    h = recipe.amax_history_len
+    history = np.linspace(0, 2, 3 * h, dtype=F32).reshape(3, h)
+    state = float8.Float8State(jnp.asarray(history), jnp.full(3, old, jnp.float32))
+    amaxes = np.array(amaxes, F32)
+    got = float8.next_state(state, jnp.asarray(amaxes), recipe)
+    want_h, want_s = numpy_recipe(history, np.full(3, old, F32), amaxes, recipe)
+    assert np.asarray(got.amax_history).tobytes() == want_h.tobytes()
+    assert np.asarray(got.scale).tobytes() == want_s.tobytes()
+    assert np.isfinite(np.asarray(got.scale)).all() and (np.asarray(got.scale) > 0).all()
+
+
+BAD_INPUT = {
+    "DelayedScaling(amax_history_len=0)": (
+        lambda: jamp.DelayedScaling(amax_history_len=0),
+        ValueError,
+        r"Expected `amax_history_len` >= 1, got 0",
+    ),
+    "DelayedScaling(amax_history_len=2.0)": (
+        lambda: jamp.DelayedScaling(amax_history_len=2.0),
+        TypeError,
+        r"Expected an int for `amax_history_len`, got 2.0",
+    ),
+    "DelayedScaling(margin=-1)": (
+        lambda: jamp.DelayedScaling(margin=-1),
+        ValueError,
+        r"Expected `margin` >= 0, got -1",
+    ),
+    "DelayedScaling(margin=True)": (
+        lambda: jamp.DelayedScaling(margin=True),
+        TypeError,
+        r"Expected an int for `margin`",
+    ),
+    "DelayedScaling(amax_compute_algo='mean')": (
+        lambda: jamp.DelayedScaling(amax_compute_algo="mean"),
+        ValueError,
+        r"'max' or 'most_recent' for `amax_compute_algo`, got 'mean'",
+    ),
+    "DelayedScaling(amax_compute_algo=max)": (
+        lambda: jamp.DelayedScaling(amax_compute_algo=max),
+        TypeError,
+        r"Expected a string for `amax_compute_algo`",
+    ),
+    "DelayedScaling(unmeasured='zero')": (
+        lambda: jamp.DelayedScaling(unmeasured="zero"),
+        ValueError,
+        r"Expected 'one' or 'current' for `unmeasured`, got 'zero'",
+    ),
+    "DelayedScaling(unmeasured=1.0)": (
+        lambda: jamp.DelayedScaling(unmeasured=1.0),
+        TypeError,
+        r"Expected a string for `unmeasured` \('one' or 'current'\), got 1.0",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
