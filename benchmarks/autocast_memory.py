@@ -597,7 +597,8 @@ def step_time(args, log) -> str:
 # --------------------------------------------------------------------------- main
 
 
-def main(argv: list[str] | None = None) -> str:
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.autocast_memory``."""
     ap = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -616,7 +617,11 @@ def main(argv: list[str] | None = None) -> str:
                     "8 layers, batch 16x512 (large)")  # fmt: skip
     ap.add_argument("--step-rounds", type=int, default=10)
     ap.add_argument("--step-reps", type=int, default=10)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> str:
+    args = parser().parse_args(argv)
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)

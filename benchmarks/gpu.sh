@@ -36,9 +36,11 @@ GPU_TESTS=(
 if [[ $SMOKE == 1 ]]; then
   MODE=(--tiny) FINITE_SIZES=()
   FLOAT8=(--tiny --step-rounds 1 --step-reps 1)
+  AUTOCAST=(--tiny --step-rounds 1 --step-reps 1)
 else
   MODE=(--quick) FINITE_SIZES=(--finite-sizes 1e6,1e7,5e7)
   FLOAT8=(--step-config large)
+  AUTOCAST=(--step-config large)
 fi
 
 where() {
@@ -123,13 +125,24 @@ main() {
     status[float8]="FAILED or timed out (rc $?): see $OUT/log_float8.txt"
   fi
 
+  # 4. Autocast (issue #17): GPT step time and temp memory of float32 vs
+  #    jamp.autocast bfloat16/float16 vs Flax modules with dtype=; ~2 min.
+  echo "== 4. autocast step time on $backend: ${AUTOCAST[*]}"
+  if timeout 240 "$PY" -m benchmarks.autocast_memory --step-time "${AUTOCAST[@]}" \
+    --out "$OUT/RESULTS_gpu_autocast.md" 2>&1 | tee "$OUT/log_autocast.txt"; then
+    status[autocast]="ok: $OUT/RESULTS_gpu_autocast.md"
+  else
+    status[autocast]="FAILED or timed out (rc $?): see $OUT/log_autocast.txt"
+  fi
+
   echo "== summary (what ran where: $OUT/where.txt)"
   echo "==   0. GPU-branch tests: ${status[tests]}"
   echo "==   1. float32 benchmark: ${status[f32]}"
   echo "==   2. half-precision speed-up: ${status[half]}"
   echo "==   3. float8 step time: ${status[float8]}"
+  echo "==   4. autocast step time: ${status[autocast]}"
   [[ ${status[tests]} != FAILED* && ${status[f32]} == ok* && ${status[half]} == ok* &&
-    ${status[float8]} == ok* ]]
+    ${status[float8]} == ok* && ${status[autocast]} == ok* ]]
 }
 
 main 2>&1 | tee "$OUT/gpu.sh.log"

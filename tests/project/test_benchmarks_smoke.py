@@ -116,27 +116,44 @@ def test_gpu_sh_parses_and_uses_only_real_flags():
     import pathlib
     import re
 
-    from benchmarks import cli, float8
+    from benchmarks import autocast_memory, cli, float8
 
     script = pathlib.Path(ROOT, "benchmarks", "gpu.sh")
     subprocess.run(["bash", "-n", script], check=True)
-    options = {s for a in cli.parser()._actions for s in a.option_strings}
-    float8_options = {s for a in float8.parser()._actions for s in a.option_strings}
-    lines, float8_lines, previous = [], [], ""
+    # Each benchmark module, the lines of gpu.sh that call it (its own flag arrays and
+    # continuation lines included), and the flags it must see there.
+    modules = {
+        "cli": (cli, ("python",), {"--quick", "--tiny", "--half-speedup", "--variants"}),
+        "float8": (float8, ("FLOAT8=", "benchmarks.float8"), {"--step-time", "--step-config"}),
+        "autocast": (
+            autocast_memory,
+            ("AUTOCAST=", "benchmarks.autocast_memory"),
+            {"--step-time", "--step-config"},
+        ),
+    }
+    lines = {name: [] for name in modules}
+    owner = "cli"
     for line in script.read_text().splitlines():
         if line.lstrip().startswith("#") or re.search(r"nvidia-smi|pytest|git |sed ", line):
             continue
-        ours = "FLOAT8=" in line or "benchmarks.float8" in line
-        if ours or (previous in float8_lines and previous.rstrip().endswith("\\")):
-            float8_lines.append(line)
-        else:
-            lines.append(line)
-        previous = line
+        continued = owner != "cli" and lines[owner] and lines[owner][-1].rstrip().endswith("\\")
+        if not continued:
+            owner = next(
+                (
+                    n
+                    for n, (_, keys, _) in modules.items()
+                    if n != "cli" and any(k in line for k in keys)
+                ),
+                "cli",
+            )
+        lines[owner].append(line)
 
     def flags(text):
         return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", "\n".join(text)))
 
-    assert {"--quick", "--tiny", "--half-speedup", "--variants", "--all-peers"} <= flags(lines)
-    assert flags(lines) <= options, flags(lines) - options
-    assert {"--step-time", "--step-config", "--tiny", "--out"} <= flags(float8_lines)
-    assert flags(float8_lines) <= float8_options, flags(float8_lines) - float8_options
+    for name, (module, _, expected) in modules.items():
+        options = {s for a in module.parser()._actions for s in a.option_strings}
+        found = flags(lines[name])
+        assert expected <= found, (name, expected - found)
+        assert found <= options, (name, found - options)
+    assert "--all-peers" in flags(lines["cli"])
