@@ -39,8 +39,9 @@ SENSITIVE = {
     "erf_inv", "lgamma", "digamma", "reduce_sum", "reduce_prod", "cumsum", "cumprod",
     "cumlogsumexp",
 }  # fmt: skip
-# x**3 (gelu's tanh approximation) runs in bfloat16 under bfloat16, float32 under float16.
-POW_MAX_LOW = {F16: 2, BF16: 3}
+# x**3 (gelu's tanh approximation) runs in float32 from its half input, recomputed in the
+# backward pass (test_autocast_residuals.py).
+POW_MAX_LOW = {F16: 2, BF16: 2}
 
 
 # --------------------------------------------------------------------------
@@ -772,10 +773,9 @@ def test_gelu_cube_in_float16_runs_in_float32_so_large_inputs_keep_a_finite_grad
     for dtype in HALF:
         grads = jax.grad(jamp.autocast(f, dtype), argnums=(0, 1))(x, w)
         assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads), dtype
-    (cube,) = eqns_named(jax.make_jaxpr(jamp.autocast(f, F16))(x, w), "integer_pow")
-    assert in_dtypes(cube) == [F32]  # 3 x**2 overflows float16 from |x| = 148
-    (cube,) = eqns_named(jax.make_jaxpr(jamp.autocast(f, BF16))(x, w), "integer_pow")
-    assert in_dtypes(cube) == [BF16]
+    for dtype in HALF:  # 3 x**2 overflows float16 from |x| = 148
+        (cube,) = eqns_named(jax.make_jaxpr(jamp.autocast(f, dtype))(x, w), "integer_pow")
+        assert in_dtypes(cube) == [F32]
 
 
 def test_report_lists_the_dtype_of_every_saved_residual():

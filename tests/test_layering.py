@@ -32,6 +32,7 @@ FLOORS = {
     "value_and_grad": FRONT,
     "lookup": FRONT,
     "autocast_rules": FRONT,
+    "autocast_residuals": FRONT,
     "autocast_interpreter": FRONT,
     "autocast_float8": FRONT,
     "autocast": FRONT,

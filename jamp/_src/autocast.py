@@ -406,6 +406,13 @@ def autocast(
     * primitives the table does not know run as traced (float32 for a float32
       program); :func:`autocast_report` lists them.
 
+    The backward pass keeps half-precision values where JAX's rules would keep
+    float32 ones: a unary float32 primitive of a ``dtype`` activation (``x**3``
+    in gelu, ``exp``) is recomputed from that activation, with unchanged
+    values, and a softmax whose only consumers are matmuls keeps just the
+    ``dtype`` probabilities those matmuls keep, its backward computed in
+    float32 from them (``docs/autocast.md``, "Memory").
+
     The rules apply inside ``jit``, ``scan``, ``while_loop``, ``cond``,
     ``checkpoint``, ``custom_jvp`` and ``custom_vjp`` too. Loop carries and
     ``cond`` outputs keep their traced dtypes; the outputs of the returned

@@ -24,6 +24,7 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from jamp._src.autocast_residuals import evaluate_group, find_softmax, recomputed
 from jamp._src.autocast_rules import (
     ARITHMETIC,
     AS_TRACED,
@@ -33,6 +34,7 @@ from jamp._src.autocast_rules import (
     KEEP,
     LOWER,
     MASK_FILL,
+    RECOMPUTED,
     REDUCTIONS,
     SPAN_PRESERVING,
     STRUCTURAL,
@@ -41,10 +43,13 @@ from jamp._src.autocast_rules import (
     div_rule,
     fits,
     merge_spans,
+    narrows,
     output_is_low,
     rule_of,
     runs_low,
+    saturated,
     span_of,
+    widest,
 )
 
 try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
@@ -113,28 +118,6 @@ def cast(x: Any, dtype: Any) -> Any:
     return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
-def _narrows(src: Any, dst: Any) -> bool:
-    """Whether casting floating ``src`` to ``dst`` can overflow to inf."""
-    return is_float(src) and is_float(dst) and jnp.finfo(dst).max < jnp.finfo(src).max
-
-
-def _saturate(x: Any, dtype: Any) -> Any:
-    """``x`` with its finite values clipped to ``dtype``'s finite range.
-
-    Infinities and NaN are kept. A concrete value (a literal, a constant
-    array) is checked and clipped at trace time, and returned as it is when
-    nothing needs clipping; a traced one gets a clamp that XLA folds.
-    """
-    big = np.asarray(jnp.finfo(dtype).max, dtype=x.dtype)  # exact in the wider dtype
-    if not isinstance(x, jax.core.Tracer):
-        a = np.asarray(x)
-        over = np.isfinite(a) & (np.abs(a) > big)
-        if not over.any():
-            return x
-        return np.where(over, np.sign(a) * big, a).astype(a.dtype)
-    return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
-
-
 class _Casts:
     """The casts autocast inserts, one per value and dtype (torch's cast cache).
 
@@ -154,8 +137,8 @@ class _Casts:
         if hit is not None and hit[0] is x:
             return hit[1]
         y = x
-        if saturate and info.kind >= CONST and _narrows(x.dtype, dtype):
-            y = _saturate(y, dtype)
+        if saturate and info.kind >= CONST and narrows(x.dtype, dtype):
+            y = saturated(y, dtype)
         if info.kind < CONST or isinstance(y, jax.core.Tracer) or np.size(y) > _FOLD_MAX:
             y = lax.convert_element_type(y, dtype)
         else:  # a small concrete constant: cast now, not in the program
@@ -163,22 +146,14 @@ class _Casts:
         self._done[key] = (x, y)  # keeps x alive, so its id is not reused
         return y
 
+    def prime(self, x: Any, dtype: Any, y: Any) -> None:
+        """Makes ``y`` the cast of ``x`` to ``dtype`` (a fused softmax's own cast)."""
+        self._done[(id(x), np.dtype(dtype), False)] = (x, y)
+
 
 def _strong_cast(x: Any, dtype: Any) -> Any:
     """A cast that also drops weak typing (loop carries must type-check)."""
     return lax.convert_element_type(x, dtype)
-
-
-def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
-    """The widest of some floating dtypes; float16 with bfloat16 is float32."""
-    distinct = list(dict.fromkeys(np.dtype(d) for d in dtypes))
-    if len(distinct) == 1:
-        return distinct[0]
-    size = max(d.itemsize for d in distinct)
-    top = [d for d in distinct if d.itemsize == size]
-    if len(top) == 1:
-        return top[0]
-    return FLOAT32_DTYPE if size < 4 else np.dtype(jnp.float64)
 
 
 def _source(eqn: Any) -> contextlib.AbstractContextManager:
@@ -261,13 +236,22 @@ def _eval_jaxpr(
         env[v] = (x, info)
     to_float32 = _float32_operands(jaxpr, ctx.dtype)
     casts = _Casts()
-    for eqn in jaxpr.eqns:
+    softmaxes = find_softmax(jaxpr, ctx.dtype)
+    done: set[int] = set()  # equations a fused softmax evaluated
+    for k, eqn in enumerate(jaxpr.eqns):
+        if k in done:
+            continue
         read_in = [read(v) for v in eqn.invars]
         invals = [x for x, _ in read_in]
         ininfos = [i for _, i in read_in]
         sub = ctx
         if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
             sub = dataclasses.replace(ctx, as_traced=True)
+        group = softmaxes.get(k)
+        if group is not None and not sub.as_traced and _upcast(invals[0], ininfos[0], 4):
+            env[group.y] = _softmax(jaxpr, group, invals[0], ininfos[0], sub, casts)
+            done.update(group.indices)
+            continue
         feeds_float32 = any(v in to_float32 for v in eqn.outvars)
         fold = _foldable(eqn, invals, ininfos)
         with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
@@ -276,6 +260,24 @@ def _eval_jaxpr(
             env[v] = (x, i)
     outs = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in outs], [i for _, i in outs]
+
+
+def _upcast(x: Any, info: Info, size: int = 2) -> bool:
+    """Whether ``x``, an activation, is float16/bfloat16 (``size`` 2) or float32 too (4)."""
+    return info.kind == TRACED and np.dtype(x.dtype) in ELIGIBLE and x.dtype.itemsize <= size
+
+
+def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: _Casts):
+    """A softmax whose backward pass keeps the low probabilities only (``autocast_residuals``)."""
+
+    def evaluate(sub: Any, x: Any) -> tuple[Any, Info]:
+        outs, infos = _eval_jaxpr(sub, (), [x], [info], ctx)
+        return outs[0], infos[0]
+
+    with _source(jaxpr.eqns[group.indices[-1]]):
+        y, y_low, out = evaluate_group(jaxpr, group, z, evaluate, ctx.dtype)
+    casts.prime(y, ctx.dtype, y_low)  # the consuming matmuls' cast of y
+    return y, out
 
 
 _FOLD_MAX = 4096  # elements: constants this small are computed when traced
@@ -305,10 +307,13 @@ def eval_closed(
 
 
 def _float32_operands(jaxpr: Any, dtype: Any) -> set:
-    """The variables of ``jaxpr`` that some float32-rule primitive (not ``div``) consumes."""
+    """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
+
+    ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
+    """
     found = set()
     for eqn in jaxpr.eqns:
-        if rule_of(eqn, dtype) == FLOAT32 and eqn.primitive.name != "div":
+        if rule_of(eqn, dtype) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
             found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
     return found
 
@@ -386,7 +391,7 @@ def _constants_allow(
     and the only misfits are +-finfo(float32).max: the mask-fill idiom, which
     saturates to ``dtype``'s finite extreme.
     """
-    narrowed = [i for i in float_in if infos[i].kind >= CONST and _narrows(invals[i].dtype, dtype)]
+    narrowed = [i for i in float_in if infos[i].kind >= CONST and narrows(invals[i].dtype, dtype)]
     spans = [_span(invals[i], infos[i]) for i in narrowed]
     if all(fits(s, dtype) for s in spans):
         return True, False
@@ -450,6 +455,11 @@ def _eval_eqn(
     elif rule == FLOAT32:
         targets = {i: FLOAT32_DTYPE for i in float_in if np.dtype(invals[i].dtype) in ELIGIBLE}
         low = output_is_low(cats)
+        if name in RECOMPUTED and targets == {0: FLOAT32_DTYPE} and _upcast(invals[0], infos[0]):
+            with _source(eqn):  # the backward pass keeps the half input (autocast_residuals)
+                outs = [recomputed(lambda x: _bind(eqn, [x], params)[0], invals[0])]
+            _record(ctx, eqn, rule, outs, outs)
+            return outs, _out_infos(eqn, invals, infos, outs, low)
     else:  # promote; lower with float64 or a constant that does not fit
         target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
@@ -537,7 +547,7 @@ def _convert_element_type(eqn: Any, invals: list, infos: list, ctx: Context):
     _record(ctx, eqn, "cast", outs, outs)
     info = infos[0]
     keeps = is_float(x.dtype) and is_float(new_dtype)
-    span = info.span if keeps and not _narrows(x.dtype, new_dtype) else None
+    span = info.span if keeps and not narrows(x.dtype, new_dtype) else None
     return outs, [info._replace(low=info.low and keeps, span=span, held=False)]
 
 

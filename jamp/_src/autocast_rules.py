@@ -92,8 +92,10 @@ import types
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 LOWER = "lower"
 FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
@@ -136,8 +138,7 @@ _FLOAT32 = (
     # ... and the divisions of softmax, layer_norm, group_norm, mean, mse_loss
     # (a division by a constant or a parameter is a scale: see div_rule).
     "div",
-    # integer_pow: float32 for exponents < 0 or > 3, promote for 0, 1, 2, and
-    # for 3 under bfloat16 (see rule_of).
+    # integer_pow: float32 for exponents < 0 or > 2, promote for 0, 1, 2 (see rule_of).
     "integer_pow",
     # torch: fft_*, linalg_* (qr, svd, eigh, cholesky, solve, ...), geqrf,
     # triangular_solve. These primitives accept float32/float64 (or complex)
@@ -195,6 +196,16 @@ _AS_TRACED = (
     "scatter_max",
 )
 
+# The unary elementwise float32-rule primitives: from a half-precision input
+# they are recomputed in the backward pass (autocast_residuals.recomputed).
+RECOMPUTED = frozenset(
+    {
+        "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "cbrt", "reciprocal",
+        "tan", "acos", "asin", "cosh", "sinh", "acosh", "asinh", "atanh",
+        "erf_inv", "lgamma", "digamma", "bessel_i0e", "bessel_i1e", "integer_pow",
+    }
+)
+
 # fmt: on
 
 RULES: Mapping[str, str] = types.MappingProxyType(
@@ -209,7 +220,7 @@ RULES: Mapping[str, str] = types.MappingProxyType(
 """Primitive name -> rule. Primitives not in the table run as traced and are
 reported as unknown by :func:`autocast_report`."""
 
-_INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote; x**3 too under bfloat16 (rule_of)
+_INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote (rule_of)
 
 # float64 is never cast (as in torch); these are the dtypes autocast may change.
 ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
@@ -221,26 +232,58 @@ FLOAT32_DTYPE = np.dtype(jnp.float32)
 ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "square", "integer_pow"})
 
 
+def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
+    """The widest of some floating dtypes; float16 with bfloat16 is float32."""
+    distinct = list(dict.fromkeys(np.dtype(d) for d in dtypes))
+    if len(distinct) == 1:
+        return distinct[0]
+    size = max(d.itemsize for d in distinct)
+    top = [d for d in distinct if d.itemsize == size]
+    if len(top) == 1:
+        return top[0]
+    return FLOAT32_DTYPE if size < 4 else np.dtype(jnp.float64)
+
+
+def narrows(src: Any, dst: Any) -> bool:
+    """Whether casting floating ``src`` to ``dst`` can overflow to inf."""
+    floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
+    return bool(floats) and jnp.finfo(dst).max < jnp.finfo(src).max
+
+
+def saturated(x: Any, dtype: Any) -> Any:
+    """``x`` with its finite values clipped to ``dtype``'s finite range.
+
+    Infinities and NaN are kept. A concrete value (a literal, a constant
+    array) is checked and clipped at trace time, and returned as it is when
+    nothing needs clipping; a traced one gets a clamp that XLA folds.
+    """
+    big = np.asarray(jnp.finfo(dtype).max, dtype=x.dtype)  # exact in the wider dtype
+    if not isinstance(x, jax.core.Tracer):
+        a = np.asarray(x)
+        over = np.isfinite(a) & (np.abs(a) > big)
+        if not over.any():
+            return x
+        return np.where(over, np.sign(a) * big, a).astype(a.dtype)
+    return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
+
+
 def rule_of(eqn: Any, dtype: Any = None) -> str | None:
     """The rule of ``eqn``'s primitive, or ``None`` for a primitive the table does not know.
 
     ``integer_pow`` depends on its exponent: ``x**0``, ``x**1`` and ``x**2``
-    promote; ``x**3`` (gelu's tanh approximation) promotes under bfloat16,
-    whose range is float32's, and runs in float32 under float16 (the
-    derivative ``3 x**2`` overflows float16 from ``|x| = 148``, and ``0 * inf``
-    would make the gradient NaN); larger or negative exponents run in float32.
-    ``div`` is ``float32`` here; dividing by a constant or a parameter
-    promotes (:func:`div_rule`).
+    promote; larger or negative exponents run in float32. That includes
+    ``x**3`` of gelu's tanh approximation, under both half dtypes: its
+    derivative ``3 x**2`` overflows float16 from ``|x| = 148`` (and ``0 * inf``
+    would make the gradient NaN), and computed from the half input in float32
+    and recomputed in the backward pass (``autocast_residuals``) it keeps
+    nothing but that input, which gelu keeps anyway. ``div`` is ``float32``
+    here; dividing by a constant or a parameter promotes (:func:`div_rule`).
+    ``dtype``, autocast's low dtype, is for rules that depend on it (none does).
     """
     name = eqn.primitive.name
     if name == "integer_pow":
-        y = eqn.params["y"]
-        top = _INTEGER_POW_MAX_LOW + (dtype is not None and np.dtype(dtype) == _BFLOAT16)
-        return PROMOTE if 0 <= y <= top else FLOAT32
+        return PROMOTE if 0 <= eqn.params["y"] <= _INTEGER_POW_MAX_LOW else FLOAT32
     return RULES.get(name)
-
-
-_BFLOAT16 = np.dtype(jnp.bfloat16)
 
 
 # ---------------------------------------------------------------------------

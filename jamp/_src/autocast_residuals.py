@@ -1,0 +1,189 @@
+"""What autocast's backward pass keeps: half-precision values, not float32 copies.
+
+JAX's backward pass keeps what each primitive's derivative reads. Under
+autocast the float32-rule primitives (``exp``, ``log``, ``x**3`` under
+float16, softmax's ``exp`` and ``div``...) compute in float32 from
+half-precision activations, so by default their derivatives read float32
+values, 4 bytes per element, where Flax's ``dtype=`` modules and torch keep 2.
+Two rewrites keep the half-precision values instead.
+
+**Unary float32 primitives of a half-precision input** (:func:`recomputed`):
+``f(upcast(x))`` is evaluated under a ``jax.checkpoint`` that saves nothing
+of its own, so the backward pass keeps ``x`` (half precision, often kept
+anyway by its other consumers) and recomputes the upcast and ``f``. The
+values of both passes are unchanged, bit for bit: the float32 input is
+exactly the upcast of ``x``.
+
+**Softmax** (:func:`find_softmax`, :func:`evaluate_group`):
+``jax.nn.softmax`` is ``e = exp(z); y = e / sum(e)`` with ``z = x -
+stop_gradient(max x)``, computed in float32 (torch's autocast runs softmax in
+float32 too), and JAX's rules keep ``e`` in float32 besides the
+half-precision copy of ``y`` that the next matmul keeps. When every consumer
+of ``y`` is a matmul (``dot_general``, a convolution) that casts it to the
+half dtype anyway, as attention's ``probabilities @ values`` does, the group
+is evaluated as one ``custom_vjp``:
+
+- forward: the same float32 primitives, so ``y`` and its half-precision cast
+  are bit for bit what they were, and that cast is the one the matmul uses;
+- backward: softmax's own rule ``dz = y * (g - sum(g * y))`` (torch's
+  softmax backward), computed in float32 from the half-precision ``y``, then
+  the only copy of the probabilities the backward pass keeps.
+
+The softmax's backward pass therefore reads probabilities rounded to the half
+dtype (a relative error of at most 2**-9 in bfloat16, 2**-12 in float16
+above its subnormals) where JAX's rule reads float32 ones; the gradient's
+distance to float32's is what Flax's bfloat16 softmax gives. A softmax whose
+output feeds anything else (a loss, a ``where``, a float32 primitive, a
+``checkpoint_name``) is evaluated primitive by primitive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from jamp._src.autocast_rules import FLOAT32, FLOAT32_DTYPE, LOWER, rule_of
+
+# The consumers that cast their floating operands to the low dtype under LOWER.
+_MATMULS = frozenset({"dot_general", "conv_general_dilated"})
+_KEEPDIMS = frozenset({"broadcast_in_dim", "reshape"})
+
+
+class Group(NamedTuple):
+    """A softmax found in a jaxpr: its equations' indices, input, output and axes."""
+
+    indices: tuple[int, ...]  # exp, reduce_sum, broadcast/reshape, div
+    z: Any  # the input of exp
+    y: Any  # the output of div
+    axes: tuple[int, ...]  # the summed axes
+
+
+def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
+    """The softmaxes of ``jaxpr`` whose output only feeds low-precision matmuls.
+
+    Keyed by the index of their ``exp``. Each matched value other than ``y``
+    has no use outside the group, so evaluating the group at once, where the
+    ``exp`` is, and skipping the other three equations changes nothing else.
+    """
+    if np.dtype(dtype).itemsize >= 4:
+        return {}
+    uses: dict[Any, list[int]] = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                uses.setdefault(v, []).append(k)
+    outs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
+    eqns = jaxpr.eqns
+
+    def only(v: Any, n: int) -> list[int] | None:
+        found = uses.get(v, [])
+        return found if len(found) == n and v not in outs else None
+
+    groups: dict[int, Group] = {}
+    for k, eqn in enumerate(eqns):
+        if eqn.primitive.name != "exp" or rule_of(eqn, dtype) != FLOAT32:
+            continue
+        e = eqn.outvars[0]
+        pair = only(e, 2)
+        if pair is None:
+            continue
+        s_k, d_k = sorted(pair, key=lambda i: eqns[i].primitive.name != "reduce_sum")
+        red, div = eqns[s_k], eqns[d_k]
+        if red.primitive.name != "reduce_sum" or div.primitive.name != "div":
+            continue
+        b_uses = only(red.outvars[0], 1)
+        if b_uses is None or eqns[b_uses[0]].primitive.name not in _KEEPDIMS:
+            continue
+        keep = eqns[b_uses[0]]
+        axes = tuple(int(a) for a in red.params["axes"])
+        shape = tuple(1 if i in axes else n for i, n in enumerate(e.aval.shape))
+        if tuple(keep.outvars[0].aval.shape) != shape or only(keep.outvars[0], 1) != [d_k]:
+            continue
+        kept = tuple(i for i in range(len(shape)) if i not in axes)
+        if keep.primitive.name == "broadcast_in_dim" and (
+            tuple(keep.params["broadcast_dimensions"]) != kept
+        ):
+            continue
+        if div.invars[0] is not e or div.invars[1] is not keep.outvars[0]:
+            continue
+        y = div.outvars[0]
+        consumers = uses.get(y, [])
+        if not consumers or y in outs:
+            continue
+        if all(
+            eqns[c].primitive.name in _MATMULS and rule_of(eqns[c], dtype) == LOWER
+            for c in consumers
+        ):
+            groups[k] = Group((k, s_k, b_uses[0], d_k), eqn.invars[0], y, axes)
+    return groups
+
+
+def evaluate_group(
+    jaxpr: Any, group: Group, z: Any, evaluate: Callable[[Any, Any], tuple[Any, Any]], low: Any
+) -> tuple[Any, Any, Any]:
+    """``(y, y in low, y's info)`` of ``group`` at ``z``, its backward keeping ``y in low``.
+
+    ``evaluate(subjaxpr, z) -> (y, info)`` runs the four equations under
+    autocast's rules; it is traced once (so ``autocast_report`` counts them
+    once) and the trace is what both passes compute.
+    """
+    eqns = [jaxpr.eqns[i] for i in group.indices]
+    info = jaxpr.debug_info
+    info = info and info._replace(arg_names=("z",), result_paths=("softmax",))
+    sub = jex_core.Jaxpr([], [group.z], [group.y], eqns, debug_info=info)
+    infos: list = []
+
+    def primal(x: Any) -> Any:
+        y, info = evaluate(sub, x)
+        infos[:] = [info]
+        return y
+
+    body = jex_core.jaxpr_as_fun(jax.make_jaxpr(primal)(z))
+    y, y_low = softmax_keeping_low(lambda x: body(x)[0], group.axes, low, z.dtype)(z)
+    return y, y_low, infos[0]
+
+
+def softmax_keeping_low(
+    body: Callable[[Any], Any], axes: Sequence[int], low: Any, z_dtype: Any
+) -> Callable[[Any], tuple[Any, Any]]:
+    """``z -> (y, y in low)``, ``y = body(z)``, whose backward pass keeps only ``y in low``.
+
+    ``body`` computes the float32 softmax. The cotangents of both outputs
+    are summed in float32 and run through softmax's rule; ``z``'s cotangent
+    comes back in ``z_dtype``.
+    """
+    low, z_dtype, axes = np.dtype(low), np.dtype(z_dtype), tuple(axes)
+
+    @jax.custom_vjp
+    def fun(z: Any) -> tuple[Any, Any]:
+        y = body(z)
+        return y, lax.convert_element_type(y, low)
+
+    def fwd(z: Any) -> tuple[tuple[Any, Any], Any]:
+        y, y_low = fun.fun(z)
+        return (y, y_low), y_low
+
+    def bwd(y_low: Any, cts: tuple[Any, Any]) -> tuple[Any]:
+        g, g_low = (lax.convert_element_type(c, FLOAT32_DTYPE) for c in cts)
+        y = lax.convert_element_type(y_low, FLOAT32_DTYPE)
+        gy = (g + g_low) * y
+        dz = gy - y * jnp.sum(gy, axis=axes, keepdims=True)
+        return (lax.convert_element_type(dz, z_dtype),)
+
+    fun.defvjp(fwd, bwd)
+    return fun
+
+
+def recomputed(fun: Callable[[Any], Any], x: Any) -> Any:
+    """``fun(x upcast to float32)``; the backward pass keeps ``x`` and recomputes the rest."""
+
+    def upcast_then(x: Any) -> Any:
+        return fun(lax.convert_element_type(x, FLOAT32_DTYPE))
+
+    return jax.checkpoint(upcast_then, policy=jax.checkpoint_policies.nothing_saveable)(x)
