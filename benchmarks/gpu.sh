@@ -81,8 +81,10 @@ main() {
   if ((${#GPU_TESTS[@]})); then
     echo "== 0. pytest ${GPU_TESTS[*]} on $backend"
     # tests/conftest.py defaults JAX_PLATFORMS to cpu: name the GPU platform.
+    # One process on the one GPU (pyproject's addopts asks for two workers, and the
+    # device image may not have pytest-xdist): addopts overridden.
     if JAX_PLATFORMS=${GPU_SH_TEST_PLATFORM:-cuda} timeout 360 "$PY" -m pytest -q -x \
-      -p no:cacheprovider -m "not multidevice" "${GPU_TESTS[@]}" 2>&1 |
+      -o addopts=-ra -p no:cacheprovider -m "not multidevice" "${GPU_TESTS[@]}" 2>&1 |
       tee "$OUT/pytest_gpu.txt"; then
       status[tests]=passed
     else
