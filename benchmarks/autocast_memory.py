@@ -45,7 +45,6 @@ import dataclasses
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -63,6 +62,7 @@ import optax
 from flax import linen as nn
 
 import jamp
+from benchmarks import sections
 
 START, END = "<!-- autocast-memory:start -->", "<!-- autocast-memory:end -->"
 HALF = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -511,15 +511,8 @@ def _version(mod: str) -> str:
 
 
 def splice(path: str, text: str) -> None:
-    """Puts ``text`` between the markers in ``path``, or appends it at the end."""
-    old = open(path).read() if os.path.exists(path) else ""
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text + "\n"
-    with open(path, "w") as fh:
-        fh.write(new)
+    """Puts ``text`` between this section's markers in ``path``, or appends it at the end."""
+    sections.splice(path, text, START, END)
 
 
 # --------------------------------------------------------------------------- step time
@@ -595,24 +588,14 @@ def step_time(args, log) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The command line of ``python -m benchmarks.autocast_memory``."""
-    ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--tiny", action="store_true", help="tiny models: a smoke test in seconds")
-    ap.add_argument("--out", default="", help="also write the markdown section to this file")
-    ap.add_argument(
-        "--results", default="", help="splice the section into this file between its markers"
+    ap = sections.parser(
+        __doc__.splitlines()[0],
+        "small",
+        "GPT for --step-time: the memory benchmark's (small) or d=1024, "
+        "8 layers, batch 16x512 (large)",
     )
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.autocast rows")
     ap.add_argument("--models", default="GPT,CNN", help="comma-separated subset of GPT,CNN")
-    ap.add_argument(
-        "--step-time", action="store_true", help="time GPT training steps instead (for a GPU)"
-    )
-    ap.add_argument("--step-config", choices=("small", "large"), default="small",
-                    help="GPT for --step-time: the memory benchmark's (small) or d=1024, "
-                    "8 layers, batch 16x512 (large)")  # fmt: skip
-    ap.add_argument("--step-rounds", type=int, default=10)
-    ap.add_argument("--step-reps", type=int, default=10)
     return ap
 
 
@@ -637,13 +620,7 @@ def main(argv: list[str] | None = None) -> str:
                 if saved is not None:
                     torch_res[case.name] = saved
         text = section(args, cases, results, torch_res, time.perf_counter() - t0)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    if args.results:
-        splice(args.results, text)
-    return text
+    return sections.emit(args, text, START, END)
 
 
 if __name__ == "__main__":

@@ -92,6 +92,7 @@ import optax
 from jax import lax
 
 import jamp
+from benchmarks import sections
 
 START, END = "<!-- float8:start -->", "<!-- float8:end -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -575,18 +576,8 @@ def plot(curves: list, path: str) -> None:
 
 
 def splice(path: str, text: str) -> None:
-    """Puts ``text`` between the markers in ``path``, or appends it at the end."""
-    old = ""
-    if os.path.exists(path):
-        with open(path) as fh:
-            old = fh.read()
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text + "\n"
-    with open(path, "w") as fh:
-        fh.write(new)
+    """Puts ``text`` between this section's markers in ``path``, or appends it at the end."""
+    sections.splice(path, text, START, END)
 
 
 # --------------------------------------------------------------------------- step time
@@ -704,24 +695,15 @@ def step_time(args, log) -> str:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--tiny", action="store_true", help="tiny models: a smoke test in seconds")
-    ap.add_argument("--out", default="", help="also write the markdown section to this file")
-    ap.add_argument(
-        "--results", default="", help="splice the section into this file between its markers"
+    """The command line of ``python -m benchmarks.float8``."""
+    ap = sections.parser(
+        __doc__.splitlines()[0],
+        "large",
+        "GPT for --step-time: d=1024, 8 layers, batch 16x512 (large) or the "
+        "error table's d=256, 4 layers, batch 8x128 (small)",
     )
     ap.add_argument("--no-curves", action="store_true", help="skip the training curves")
     ap.add_argument("--plot", default="", help="also draw the training curves to this PNG")
-    ap.add_argument(
-        "--step-time", action="store_true", help="time GPT training steps instead (for a GPU)"
-    )
-    ap.add_argument("--step-config", choices=("small", "large"), default="large",
-                    help="GPT for --step-time: d=1024, 8 layers, batch 16x512 (large) or the "
-                    "error table's d=256, 4 layers, batch 8x128 (small)")  # fmt: skip
-    ap.add_argument("--step-rounds", type=int, default=10)
-    ap.add_argument("--step-reps", type=int, default=10)
     return ap
 
 
@@ -748,13 +730,7 @@ def main(argv: list[str] | None = None) -> str:
         text = section(args, errors, curves, time.perf_counter() - t0)
         if args.plot and curves:
             plot(curves, args.plot)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(text + "\n")
-    if args.results:
-        splice(args.results, text)
-    return text
+    return sections.emit(args, text, START, END)
 
 
 if __name__ == "__main__":

@@ -157,3 +157,10 @@ def test_gpu_sh_parses_and_uses_only_real_flags():
         assert expected <= found, (name, expected - found)
         assert found <= options, (name, found - options)
     assert "--all-peers" in flags(lines["cli"])
+
+
+def test_no_lab_notebooks_in_the_tree():
+    """Experiment scripts live in the history (benchmarks/FINDINGS.md cites each), not in HEAD."""
+    import pathlib
+
+    assert not pathlib.Path(ROOT, "benchmarks", "experiments").exists()
