@@ -65,6 +65,10 @@ import jamp
 from benchmarks import sections
 
 START, END = "<!-- autocast-memory:start -->", "<!-- autocast-memory:end -->"
+STEP_START, STEP_END = (
+    "<!-- autocast-memory-step-time:start -->",
+    "<!-- autocast-memory-step-time:end -->",
+)
 HALF = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 ISSUE_TORCH_RATIO = 0.56  # torch.autocast on the GPT stack, as issue #17 measured it
 COSINE_TARGET = 0.999
@@ -620,6 +624,10 @@ def main(argv: list[str] | None = None) -> str:
                 if saved is not None:
                     torch_res[case.name] = saved
         text = section(args, cases, results, torch_res, time.perf_counter() - t0)
+    if args.step_time:  # a section of its own: --results must not replace the other
+        return sections.emit(
+            args, sections.marked(text, STEP_START, STEP_END), STEP_START, STEP_END
+        )
     return sections.emit(args, text, START, END)
 
 

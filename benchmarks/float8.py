@@ -95,6 +95,7 @@ import jamp
 from benchmarks import sections
 
 START, END = "<!-- float8:start -->", "<!-- float8:end -->"
+STEP_START, STEP_END = "<!-- float8-step-time:start -->", "<!-- float8-step-time:end -->"
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 F32 = jnp.float32
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
@@ -688,6 +689,11 @@ def step_time(args, log) -> str:
         "fusions with a float8 dot"
         + ("" if f8 or fused else " (none: not a GPU with float8 GEMMs, or XLA upcast them)"),
     ]
+    if jax.default_backend() == "cpu":
+        L.append(
+            "- on a CPU XLA upcasts the float8 operands for its dots: the ratios are the cost of "
+            "quantising, not the speed of a float8 GEMM (run `benchmarks/gpu.sh` on a GPU)"
+        )
     return "\n".join(L)
 
 
@@ -730,6 +736,10 @@ def main(argv: list[str] | None = None) -> str:
         text = section(args, errors, curves, time.perf_counter() - t0)
         if args.plot and curves:
             plot(curves, args.plot)
+    if args.step_time:  # a section of its own: --results must not replace the other
+        return sections.emit(
+            args, sections.marked(text, STEP_START, STEP_END), STEP_START, STEP_END
+        )
     return sections.emit(args, text, START, END)
 
 

@@ -47,6 +47,11 @@ def splice(path: str, text: str, start: str, end: str) -> None:
         fh.write(new)
 
 
+def marked(text: str, start: str, end: str) -> str:
+    """``text`` between the markers ``start`` and ``end``."""
+    return f"{start}\n{text.strip()}\n\n{end}"
+
+
 def emit(args: argparse.Namespace, text: str, start: str, end: str) -> str:
     """Prints the section, and writes it to ``--out`` and into ``--results``."""
     print(text)

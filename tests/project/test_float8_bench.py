@@ -70,8 +70,14 @@ def test_tiny_run_reports_errors_curves_and_targets(tmp_path):
     assert "\nnew\n" in text and "earlier sections" in text
 
 
-def test_tiny_step_time_table():
-    out = _run("--step-time", "--step-rounds", "1", "--step-reps", "1")
+def test_tiny_step_time_table(tmp_path):
+    results = tmp_path / "RESULTS.md"
+    results.write_text("<!-- float8:start -->\nerrors\n<!-- float8:end -->\n")
+    out = _run("--step-time", "--step-rounds", "1", "--step-reps", "1", "--results", str(results))
+    # Its own section: the error section stays.
+    text = results.read_text()
+    assert "\nerrors\n" in text and text.count("<!-- float8-step-time:start -->") == 1
+    assert "### GPT step time:" in text.split("<!-- float8-step-time:start -->")[1]
     assert "### GPT step time:" in out
     for name in ("bfloat16", "float8 current", "float8, attention in bfloat16", "float8 delayed",
                  "float8 delayed, unmeasured='current'"):  # fmt: skip
