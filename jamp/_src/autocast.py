@@ -265,8 +265,8 @@ def _check_state_first(fun: Callable, state: Any, args: tuple, kwargs: dict) -> 
         return
 
 
-def _trace(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
-    """``fun``'s closed jaxpr, output shapes and dynamic arguments.
+def _flat(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
+    """``fun`` as a function of the array leaves of ``(args, kwargs)``, and those leaves.
 
     Array leaves are traced (and ``jax.ShapeDtypeStruct`` with ``shapes``);
     other leaves (Python numbers, booleans, strings, ...) are passed to
@@ -285,6 +285,12 @@ def _trace(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
         a, k = jax.tree_util.tree_unflatten(treedef, full)
         return fun(*a, **k)
 
+    return flat_fun, dynamic
+
+
+def _trace(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
+    """``fun``'s closed jaxpr, output shapes and dynamic arguments (see :func:`_flat`)."""
+    flat_fun, dynamic = _flat(fun, args, kwargs, shapes)
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
     return closed, out_shape, dynamic
 
@@ -615,23 +621,12 @@ def autocast_report(
     low, policy, float8 = _resolve(dtype, policy)
     recorder = Recorder()
     wrapped = _autocast(fun, low, policy, recorder, float8)
-    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-    mask = [_is_array(leaf) or isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves]
-
-    def flat(*xs: Any) -> Any:
-        it = iter(xs)
-        a, k = jax.tree_util.tree_unflatten(
-            treedef,
-            [next(it) if is_dyn else leaf for leaf, is_dyn in zip(leaves, mask, strict=True)],
-        )
-        return wrapped(*a, **k)
-
-    dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
+    flat, dynamic = _flat(wrapped, args, kwargs, shapes=True)
     jax.make_jaxpr(flat)(*dynamic)
     rows = tuple(
         (prim, rule, dt, count) for (prim, rule, dt), count in sorted(recorder.counts.items())
     )
-    residuals, note = _residuals(_autocast(fun, low, policy, None, float8), treedef, leaves, mask)
+    residuals, note = _residuals(_autocast(fun, low, policy, None, float8), args, kwargs)
     return AutocastReport(
         dtype=low,
         rows=rows,
@@ -641,24 +636,14 @@ def autocast_report(
     )
 
 
-def _residuals(
-    wrapped: Callable, treedef: Any, leaves: Sequence[Any], mask: Sequence[bool]
-) -> tuple[tuple[Residual, ...], str]:
+def _residuals(wrapped: Callable, args: tuple, kwargs: dict) -> tuple[tuple[Residual, ...], str]:
     """What ``jax.vjp`` of ``wrapped`` saves, with respect to its array arguments, which
     are excluded (as ``jax.ad_checkpoint.print_saved_residuals`` lists them)."""
     try:
         from jax._src.ad_checkpoint import saved_residuals
     except ImportError:  # pragma: no cover - depends on the jax version
         return (), "jax.ad_checkpoint.saved_residuals is not available in this jax"
-    dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
-
-    def flat(*xs: Any) -> Any:
-        it = iter(xs)
-        a, k = jax.tree_util.tree_unflatten(
-            treedef, [next(it) if d else leaf for leaf, d in zip(leaves, mask, strict=True)]
-        )
-        return wrapped(*a, **k)
-
+    flat, dynamic = _flat(wrapped, args, kwargs, shapes=True)
     try:
         saved = saved_residuals(flat, *dynamic)
     except (TypeError, ValueError, NotImplementedError) as e:  # e.g. no derivative rule
