@@ -32,7 +32,14 @@ import jax
 import numpy as np
 from jax.extend import core as jex_core
 
-from jamp._src.autocast_interpreter import HIGHER_ORDER, MARKER, Context, Info, scan_with
+from jamp._src.autocast_interpreter import (
+    HIGHER_ORDER,
+    MARKER,
+    Context,
+    Info,
+    kept_preferred_type,
+    scan_with,
+)
 from jamp._src.autocast_rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
 from jamp._src.float8 import (
     E4M3,
@@ -46,11 +53,10 @@ from jamp._src.float8 import (
 )
 
 # Sub-computations the products inside of which get a state (as the interpreter evaluates
-# them: with the same context), and those inside of which products use current scaling.
-_CALLS = ("pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint")
-_CURRENT_ONLY = (
-    "while", "cond", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
-)  # fmt: skip
+# them: with the same context); inside every other one but scan (while, cond, custom
+# rules, any added later) products use current scaling.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"})
+_CURRENT_ONLY = frozenset(HIGHER_ORDER) - _CALLS - {"scan"}
 
 
 def eligible(eqn: Any) -> bool:
@@ -69,11 +75,8 @@ def eligible(eqn: Any) -> bool:
 def _out_dtype(eqn: Any, low: np.dtype) -> np.dtype:
     """The autocast dtype, unless the program asked for a wider ``preferred_element_type``
     than its inputs (``bf16 x bf16 -> f32``), as the ``lower`` rule does."""
-    pet = eqn.params.get("preferred_element_type")
-    traced = max(np.dtype(v.aval.dtype).itemsize for v in eqn.invars)
-    if pet is not None and np.dtype(pet).itemsize > traced:
-        return np.dtype(pet)
-    return low
+    kept = kept_preferred_type(eqn, range(len(eqn.invars)))
+    return low if kept is None else kept
 
 
 def _spec(eqn: Any, invals: Sequence[Any], ctx: Context, recipe=None) -> Spec:

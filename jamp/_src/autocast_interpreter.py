@@ -24,7 +24,12 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from jamp._src.autocast_residuals import evaluate_group, find_softmax, recomputed
+from jamp._src.autocast_residuals import (
+    find_softmax,
+    group_jaxpr,
+    recomputed,
+    softmax_keeping_low,
+)
 from jamp._src.autocast_rules import (
     ARITHMETIC,
     AS_TRACED,
@@ -234,7 +239,7 @@ def _eval_jaxpr(
         env[v] = (x, Info(kind=TRACED if isinstance(x, jax.core.Tracer) else CONST))
     for v, x, info in zip(jaxpr.invars, args, infos, strict=True):
         env[v] = (x, info)
-    to_float32 = _float32_operands(jaxpr, ctx.dtype)
+    to_float32 = _float32_operands(jaxpr)
     casts = _Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
@@ -269,13 +274,9 @@ def _upcast(x: Any, info: Info, size: int = 2) -> bool:
 
 def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: _Casts):
     """A softmax whose backward pass keeps the low probabilities only (``autocast_residuals``)."""
-
-    def evaluate(sub: Any, x: Any) -> tuple[Any, Info]:
-        outs, infos = _eval_jaxpr(sub, (), [x], [info], ctx)
-        return outs[0], infos[0]
-
     with _source(jaxpr.eqns[group.indices[-1]]):
-        y, y_low, out = evaluate_group(jaxpr, group, z, evaluate, ctx.dtype)
+        body, _, (out,) = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
+        y, y_low = softmax_keeping_low(lambda x: body(x)[0], group.axes, ctx.dtype, z.dtype)(z)
     casts.prime(y, ctx.dtype, y_low)  # the consuming matmuls' cast of y
     return y, out
 
@@ -306,14 +307,14 @@ def eval_closed(
     return _eval_jaxpr(closed, (), args, infos, ctx)
 
 
-def _float32_operands(jaxpr: Any, dtype: Any) -> set:
+def _float32_operands(jaxpr: Any) -> set:
     """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
 
     ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
     """
     found = set()
     for eqn in jaxpr.eqns:
-        if rule_of(eqn, dtype) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
+        if rule_of(eqn) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
             found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
     return found
 
@@ -335,20 +336,26 @@ def _as_traced(
     return outs, [Info(kind=_const_kind(infos))] * len(outs)
 
 
-def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[str, Any]:
-    """``preferred_element_type`` in ``dtype``, unless the program asked for a wider one.
+def kept_preferred_type(eqn: Any, float_in: Sequence[int]) -> np.dtype | None:
+    """A dot's ``preferred_element_type`` when wider than its traced floating inputs.
 
-    A ``preferred_element_type`` wider than the dot's traced floating inputs
-    (``bf16 x bf16 -> f32``, as ``jax.nn.dot_product_attention`` writes its
-    logits) was chosen on purpose and is kept; one equal to the inputs'
-    dtype (what ``jnp.matmul`` fills in) follows the inputs to ``dtype``.
+    One wider than the inputs (``bf16 x bf16 -> f32``, as
+    ``jax.nn.dot_product_attention`` writes its logits) was chosen on purpose
+    and is kept; one equal to the inputs' dtype (what ``jnp.matmul`` fills in)
+    follows the inputs to autocast's dtype. ``None`` when there is none to keep.
     """
+    pet = eqn.params.get("preferred_element_type")
+    if pet is None or not is_float(pet):
+        return None
+    traced = max(np.dtype(eqn.invars[i].aval.dtype).itemsize for i in float_in)
+    return np.dtype(pet) if np.dtype(pet).itemsize > traced else None
+
+
+def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[str, Any]:
+    """``preferred_element_type`` in ``dtype``, unless kept (:func:`kept_preferred_type`)."""
     params = eqn.params
     pet = params.get("preferred_element_type")
-    if pet is None or not is_float(pet):
-        return params
-    traced = max(np.dtype(eqn.invars[i].aval.dtype).itemsize for i in float_in)
-    if np.dtype(pet).itemsize > traced:
+    if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
         return params
     return {**params, "preferred_element_type": ctx.dtype}
 
@@ -421,7 +428,7 @@ def _eval_eqn(
         return handler(eqn, invals, infos, ctx)
     if name == "convert_element_type":
         return _convert_element_type(eqn, invals, infos, ctx)
-    rule = rule_of(eqn, ctx.dtype)
+    rule = rule_of(eqn)
     if rule is None:
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
@@ -651,12 +658,13 @@ def _cond(eqn: Any, invals: list, infos: list, ctx: Context):
     return list(outs), [Info()] * len(outs)
 
 
-def _custom_primal(eqn: Any, invals: list, infos: list, ctx: Context):
-    """The body under the rules, as a closed jaxpr, plus its output dtypes and infos."""
+def _under_rules(jaxpr: Any, invals: list, infos: list, ctx: Context):
+    """``jaxpr`` evaluated under the rules and traced once (a custom rule's body, a fused
+    softmax): a function computing that trace, its output dtypes and infos."""
     out_infos: list = []
 
     def primal(*xs: Any) -> list:
-        outs, out_infos[:] = eval_closed(eqn.params["call_jaxpr"], xs, infos, ctx)
+        outs, out_infos[:] = eval_closed(jaxpr, xs, infos, ctx)
         return outs
 
     traced = jax.make_jaxpr(primal)(*invals)
@@ -678,7 +686,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     n, m = len(in_avals), len(out_avals)
-    primal, out_dtypes, out_infos = _custom_primal(eqn, invals, infos, ctx)
+    primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_jvp(primal)
 
     def original_jvp(*args: Any) -> list:
@@ -728,7 +736,7 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
     diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
     in_dtypes = [x.dtype for x in invals]
-    primal, out_dtypes, out_infos = _custom_primal(eqn, invals, infos, ctx)
+    primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_vjp(primal)
 
     def original_vjp(*primals: Any) -> tuple:

@@ -14,7 +14,7 @@ anyway by its other consumers) and recomputes the upcast and ``f``. The
 values of both passes are unchanged, bit for bit: the float32 input is
 exactly the upcast of ``x``.
 
-**Softmax** (:func:`find_softmax`, :func:`evaluate_group`):
+**Softmax** (:func:`find_softmax`, :func:`softmax_keeping_low`):
 ``jax.nn.softmax`` is ``e = exp(z); y = e / sum(e)`` with ``z = x -
 stop_gradient(max x)``, computed in float32 (torch's autocast runs softmax in
 float32 too), and JAX's rules keep ``e`` in float32 besides the
@@ -87,7 +87,7 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
 
     groups: dict[int, Group] = {}
     for k, eqn in enumerate(eqns):
-        if eqn.primitive.name != "exp" or rule_of(eqn, dtype) != FLOAT32:
+        if eqn.primitive.name != "exp" or rule_of(eqn) != FLOAT32:
             continue
         e = eqn.outvars[0]
         pair = only(e, 2)
@@ -116,37 +116,17 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
         consumers = uses.get(y, [])
         if not consumers or y in outs:
             continue
-        if all(
-            eqns[c].primitive.name in _MATMULS and rule_of(eqns[c], dtype) == LOWER
-            for c in consumers
-        ):
+        if all(eqns[c].primitive.name in _MATMULS and rule_of(eqns[c]) == LOWER for c in consumers):
             groups[k] = Group((k, s_k, b_uses[0], d_k), eqn.invars[0], y, axes)
     return groups
 
 
-def evaluate_group(
-    jaxpr: Any, group: Group, z: Any, evaluate: Callable[[Any, Any], tuple[Any, Any]], low: Any
-) -> tuple[Any, Any, Any]:
-    """``(y, y in low, y's info)`` of ``group`` at ``z``, its backward keeping ``y in low``.
-
-    ``evaluate(subjaxpr, z) -> (y, info)`` runs the four equations under
-    autocast's rules; it is traced once (so ``autocast_report`` counts them
-    once) and the trace is what both passes compute.
-    """
+def group_jaxpr(jaxpr: Any, group: Group) -> Any:
+    """The group's four equations as a jaxpr from ``z`` to ``y``."""
     eqns = [jaxpr.eqns[i] for i in group.indices]
     info = jaxpr.debug_info
     info = info and info._replace(arg_names=("z",), result_paths=("softmax",))
-    sub = jex_core.Jaxpr([], [group.z], [group.y], eqns, debug_info=info)
-    infos: list = []
-
-    def primal(x: Any) -> Any:
-        y, info = evaluate(sub, x)
-        infos[:] = [info]
-        return y
-
-    body = jex_core.jaxpr_as_fun(jax.make_jaxpr(primal)(z))
-    y, y_low = softmax_keeping_low(lambda x: body(x)[0], group.axes, low, z.dtype)(z)
-    return y, y_low, infos[0]
+    return jex_core.Jaxpr([], [group.z], [group.y], eqns, debug_info=info)
 
 
 def softmax_keeping_low(

@@ -267,7 +267,7 @@ def saturated(x: Any, dtype: Any) -> Any:
     return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
 
 
-def rule_of(eqn: Any, dtype: Any = None) -> str | None:
+def rule_of(eqn: Any) -> str | None:
     """The rule of ``eqn``'s primitive, or ``None`` for a primitive the table does not know.
 
     ``integer_pow`` depends on its exponent: ``x**0``, ``x**1`` and ``x**2``
@@ -278,7 +278,6 @@ def rule_of(eqn: Any, dtype: Any = None) -> str | None:
     and recomputed in the backward pass (``autocast_residuals``) it keeps
     nothing but that input, which gelu keeps anyway. ``div`` is ``float32``
     here; dividing by a constant or a parameter promotes (:func:`div_rule`).
-    ``dtype``, autocast's low dtype, is for rules that depend on it (none does).
     """
     name = eqn.primitive.name
     if name == "integer_pow":

@@ -227,12 +227,12 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
     return lax.select(lax.is_finite(x), lax.clamp(-big, y, big), y).astype(dtype)
 
 
-def _usable(scale: jax.Array, x: jax.Array, row: int, recipe: DelayedScaling) -> jax.Array:
+def _usable(scale: jax.Array, x_amax: jax.Array, row: int, recipe: DelayedScaling) -> jax.Array:
     """The state's scale where it is positive and finite; else 1 (``unmeasured="one"``: no
-    dependency on ``x``, so XLA may fuse the amax into the quantising pass) or ``x``'s
-    current scale (``"current"``)."""
+    dependency on the tensor, so XLA may fuse its amax into the quantising pass) or the
+    current scale of the tensor whose amax is ``x_amax`` (``"current"``)."""
     ok = jnp.isfinite(scale) & (scale > 0)
-    other = np.float32(1.0) if recipe.unmeasured == "one" else current_scale(amax(x), row)
+    other = np.float32(1.0) if recipe.unmeasured == "one" else current_scale(x_amax, row)
     return jnp.where(ok, scale, other)
 
 
@@ -301,7 +301,19 @@ def _sharding_as(own: jax.Array, order: Sequence[int]) -> Any:
     return sharding.update(spec=P(*(spec[o] for o in order)))
 
 
-def _backward(spec: Spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, inv_g):
+def _forward(spec: Spec, lhs, rhs, s_lhs, s_rhs):
+    """The product of the operands quantised with ``s_lhs``, ``s_rhs``; and what the
+    backward pass needs of them (:func:`_backward`)."""
+    q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
+    inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
+    out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
+    return out.astype(spec.out_dtype), (q_lhs, q_rhs, inv_lhs, inv_rhs)
+
+
+def _backward(spec: Spec, operands, g, s_g):
+    """The operands' gradients from ``g`` quantised to float8_e5m2 with ``s_g``."""
+    q_lhs, q_rhs, inv_lhs, inv_rhs = operands
+    q_g, inv_g = quantize(g, s_g, E5M2), 1 / s_g
     dn = spec.dimension_numbers
     d_lhs = _operand_grad(q_g, q_rhs, q_lhs, dn, True, inv_g * inv_rhs)
     d_rhs = _operand_grad(q_g, q_lhs, q_rhs, dn, False, inv_g * inv_lhs)
@@ -318,19 +330,11 @@ def current_dot(lhs: jax.Array, rhs: jax.Array, spec: Spec) -> jax.Array:
 
 
 def _current_fwd(lhs, rhs, spec):
-    s_lhs = current_scale(amax(lhs), LHS)
-    s_rhs = current_scale(amax(rhs), RHS)
-    q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
-    inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
-    out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
-    return out.astype(spec.out_dtype), (q_lhs, q_rhs, inv_lhs, inv_rhs)
+    return _forward(spec, lhs, rhs, current_scale(amax(lhs), LHS), current_scale(amax(rhs), RHS))
 
 
 def _current_bwd(spec, res, g):
-    q_lhs, q_rhs, inv_lhs, inv_rhs = res
-    s_g = current_scale(amax(g), GRAD)
-    q_g = quantize(g, s_g, E5M2)
-    return _backward(spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, 1 / s_g)
+    return _backward(spec, res, g, current_scale(amax(g), GRAD))
 
 
 current_dot.defvjp(_current_fwd, _current_bwd)
@@ -354,21 +358,16 @@ def delayed_dot(
 
 def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
     a_lhs, a_rhs = amax(lhs), amax(rhs)  # recorded; quantised with the state's scales
-    s_lhs = _usable(scale[LHS], lhs, LHS, spec.recipe)
-    s_rhs = _usable(scale[RHS], rhs, RHS, spec.recipe)
-    q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
-    inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
-    out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
-    res = (q_lhs, q_rhs, inv_lhs, inv_rhs, a_lhs, a_rhs, amax_history, scale)
-    return out.astype(spec.out_dtype), res
+    s_lhs = _usable(scale[LHS], a_lhs, LHS, spec.recipe)
+    s_rhs = _usable(scale[RHS], a_rhs, RHS, spec.recipe)
+    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs)
+    return out, (operands, a_lhs, a_rhs, amax_history, scale)
 
 
 def _delayed_bwd(spec, res, g):
-    q_lhs, q_rhs, inv_lhs, inv_rhs, a_lhs, a_rhs, amax_history, scale = res
+    operands, a_lhs, a_rhs, amax_history, scale = res
     a_g = amax(g)
-    s_g = _usable(scale[GRAD], g, GRAD, spec.recipe)
-    q_g = quantize(g, s_g, E5M2)
-    d_lhs, d_rhs = _backward(spec, q_lhs, q_rhs, inv_lhs, inv_rhs, q_g, 1 / s_g)
+    d_lhs, d_rhs = _backward(spec, operands, g, _usable(scale[GRAD], a_g, GRAD, spec.recipe))
     new = next_state(Float8State(amax_history, scale), jnp.stack([a_lhs, a_rhs, a_g]), spec.recipe)
     return d_lhs, d_rhs, new.amax_history, new.scale
 
