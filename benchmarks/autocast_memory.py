@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import functools
 import os
 import platform
 import statistics
@@ -62,7 +63,7 @@ import optax
 from flax import linen as nn
 
 import jamp
-from benchmarks import sections
+from benchmarks import sections, timing
 
 START, END = "<!-- autocast-memory:start -->", "<!-- autocast-memory:end -->"
 STEP_START, STEP_END = (
@@ -555,24 +556,16 @@ def step_time(args, log) -> str:
         temps[name] = getattr(analysis, "temp_size_in_bytes", -1) if analysis else -1
         jax.block_until_ready(steps[name](params, x, y))
         log(f"  compiled {name}")
-    times = {name: [] for name in steps}
-    order = list(steps)
-    rng = np.random.default_rng(0)
-    for _ in range(args.step_rounds):
-        rng.shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            for _ in range(args.step_reps):
-                out = steps[name](params, x, y)
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / args.step_reps)
+    calls = {name: functools.partial(step, params, x, y) for name, step in steps.items()}
+    times = timing.time_calls(calls, (), args.step_rounds, args.step_reps)
     base = statistics.median(times["float32"])
     L = [
         f"### GPT step time: d={d}, {heads} heads, {layers} layers, batch {b}x{t} "
         f"({jax.default_backend()}: {jax.devices()[0].device_kind})",
         "",
-        f"`jax.value_and_grad` + SGD update, jitted; median of {args.step_rounds} interleaved "
-        f"rounds of {args.step_reps} steps; XLA temp memory of each compiled step.",
+        f"`jax.value_and_grad` + SGD update, jitted; median step of {args.step_rounds} "
+        f"interleaved rounds of {args.step_reps} steps, each waited for; XLA temp memory of "
+        "each compiled step.",
         "",
         "| variant | median step (ms) | ratio to float32 | XLA temp (MiB) | temp ratio |",
         "| --- | ---: | ---: | ---: | ---: |",

@@ -92,7 +92,7 @@ import optax
 from jax import lax
 
 import jamp
-from benchmarks import sections
+from benchmarks import sections, timing
 
 START, END = "<!-- float8:start -->", "<!-- float8:end -->"
 STEP_START, STEP_END = "<!-- float8-step-time:start -->", "<!-- float8-step-time:end -->"
@@ -646,28 +646,19 @@ def step_time(args, log) -> str:
         hlos[name] = gemm_calls(compiled.as_text())
         jax.block_until_ready(compiled(*args_of[name]))
         log(f"  compiled {name}: {hlos[name]}")
-    times = {name: [] for name in steps}
-    order = list(steps)
-    rng = np.random.default_rng(0)
-    for _ in range(args.step_rounds):
-        rng.shuffle(order)
-        for name in order:
-            t0 = time.perf_counter()
-            for _ in range(args.step_reps):
-                out = steps[name](*args_of[name])
-            jax.block_until_ready(out)
-            times[name].append((time.perf_counter() - t0) / args.step_reps)
+    calls = {name: functools.partial(step, *args_of[name]) for name, step in steps.items()}
+    times = timing.time_calls(calls, (), args.step_rounds, args.step_reps)
     base = statistics.median(times["bfloat16"])
     device = jax.devices()[0]
     L = [
         f"### GPT step time: d={d}, {heads} heads, {layers} layers, batch {b}x{t} "
         f"({jax.default_backend()}: {device.device_kind})",
         "",
-        f"`jax.value_and_grad` + SGD, jitted; median of {args.step_rounds} interleaved rounds "
-        f"of {args.step_reps} steps. GEMMs in the compiled HLO: custom calls (`f8`: "
-        "cuBLASLt float8 GEMMs `__cublas$lt$matmul$f8`; `lt`, `gemm`: other cuBLAS GEMMs), "
-        "Triton and cuDNN GEMM fusions, and `f8 dots`: computations with a `dot` of float8 "
-        "values left for a fusion emitter.",
+        f"`jax.value_and_grad` + SGD, jitted; median step of {args.step_rounds} interleaved "
+        f"rounds of {args.step_reps} steps, each waited for. GEMMs in the compiled HLO: "
+        "custom calls (`f8`: cuBLASLt float8 GEMMs `__cublas$lt$matmul$f8`; `lt`, `gemm`: "
+        "other cuBLAS GEMMs), Triton and cuDNN GEMM fusions, and `f8 dots`: computations "
+        "with a `dot` of float8 values left for a fusion emitter.",
         "",
         "| variant | median step (ms) | ratio to bfloat16 | f8 | lt | gemm | triton | cudnn "
         "| f8 dots |",

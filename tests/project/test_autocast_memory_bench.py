@@ -1,26 +1,15 @@
 """Smoke test of benchmarks/autocast_memory.py: tiny models, no timing assertions."""
 
-import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _benchmark import run_benchmark
+
 VARIANTS = ("float32", "jamp.autocast bfloat16", "Flax dtype=bfloat16", "jmp policy bfloat16",
             "jamp.autocast float16", "Flax dtype=float16", "jmp policy float16")  # fmt: skip
 
 
 def _run(tmp_path, *args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # A fresh interpreter: the benchmark must not inherit the test session's strict dtype
-    # promotion or its 8 virtual devices. Less LLVM optimisation: compiles dominate.
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.autocast_memory", "--tiny", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
+    return run_benchmark("benchmarks.autocast_memory", "--tiny", *args)
 
 
 def test_tiny_run_prints_every_variant_and_judges_the_targets(tmp_path):

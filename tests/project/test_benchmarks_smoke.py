@@ -1,31 +1,16 @@
 """Smoke test of the benchmark entry point: tiny sizes, a few steps, no timed assertions."""
 
 import json
-import os
 import pathlib
 import subprocess
-import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]  # tests/<folder>/this file
+from _benchmark import ROOT, run_benchmark
 
 
 def test_benchmarks_tiny_writes_every_table(tmp_path):
-    out = tmp_path / "results.md"
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # A fresh interpreter: the benchmark must not inherit the test session's
-    # strict dtype promotion or its 8 virtual devices.
-    # Less LLVM optimisation: compiles dominate a tiny run (timings are not checked).
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks", "--tiny", "--no-torch", "--out", str(out)]
-        + ["--json", str(tmp_path / "rows.json")],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    out, rows = tmp_path / "results.md", tmp_path / "rows.json"
+    args = ("--tiny", "--no-torch", "--out", str(out), "--json", str(rows))
+    run_benchmark("benchmarks", *args, timeout=300)
     text = out.read_text()
     for heading in (
         "# jamp benchmark results",
@@ -113,7 +98,6 @@ def test_targets_print_this_runs_numbers_only():
 
 def test_gpu_sh_parses_and_uses_only_real_flags():
     """benchmarks/gpu.sh is valid bash, and every flag it passes to a benchmark exists."""
-    import pathlib
     import re
 
     from benchmarks import autocast_memory, cli, float8
@@ -161,6 +145,5 @@ def test_gpu_sh_parses_and_uses_only_real_flags():
 
 def test_no_lab_notebooks_in_the_tree():
     """Experiment scripts live in the history (benchmarks/FINDINGS.md cites each), not in HEAD."""
-    import pathlib
 
     assert not pathlib.Path(ROOT, "benchmarks", "experiments").exists()

@@ -1,11 +1,9 @@
 """Smoke test of benchmarks/float8.py: tiny models, no timing assertions."""
 
-import os
 import re
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from _benchmark import run_benchmark
+
 VARIANTS = (
     "float32",
     "bfloat16",
@@ -19,16 +17,7 @@ MODES = ("float32", "bfloat16", "float8 current", "float8 delayed", "per-tensor 
 
 
 def _run(*args):
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    # A fresh interpreter: the benchmark must not inherit the test session's strict dtype
-    # promotion or its 8 virtual devices. Less LLVM optimisation: compiles dominate.
-    env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.float8", "--tiny", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return proc.stdout
+    return run_benchmark("benchmarks.float8", "--tiny", *args)
 
 
 def rows(text, name):
