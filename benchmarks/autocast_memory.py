@@ -596,32 +596,25 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def measure_section(args: argparse.Namespace, log: Callable[[str], None]) -> str:
+    """The section this benchmark writes into RESULTS.md."""
+    t0 = time.perf_counter()
+    builders = {"GPT": gpt_case, "CNN": cnn_case}
+    cases = [builders[m.strip()](args.tiny) for m in args.models.split(",") if m.strip()]
+    results, torch_res = {}, {}
+    for case in cases:
+        log(f"{case.name}: {case.describe}")
+        results[case.name] = measure(case, log)
+        if not args.no_torch and case.torch is not None:
+            saved = torch_saved_bytes(case.torch)
+            if saved is not None:
+                torch_res[case.name] = saved
+    return section(args, cases, results, torch_res, time.perf_counter() - t0)
+
+
 def main(argv: list[str] | None = None) -> str:
     args = parser().parse_args(argv)
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    if args.step_time:
-        text = step_time(args, log)
-    else:
-        builders = {"GPT": gpt_case, "CNN": cnn_case}
-        cases = [builders[m.strip()](args.tiny) for m in args.models.split(",") if m.strip()]
-        results, torch_res = {}, {}
-        for case in cases:
-            log(f"{case.name}: {case.describe}")
-            results[case.name] = measure(case, log)
-            if not args.no_torch and case.torch is not None:
-                saved = torch_saved_bytes(case.torch)
-                if saved is not None:
-                    torch_res[case.name] = saved
-        text = section(args, cases, results, torch_res, time.perf_counter() - t0)
-    if args.step_time:  # a section of its own: --results must not replace the other
-        return sections.emit(
-            args, sections.marked(text, STEP_START, STEP_END), STEP_START, STEP_END
-        )
-    return sections.emit(args, text, START, END)
+    return sections.run(args, measure_section, step_time, (START, END), (STEP_START, STEP_END))
 
 
 if __name__ == "__main__":

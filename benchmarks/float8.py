@@ -704,34 +704,28 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+def measure_section(args: argparse.Namespace, log: Callable[[str], None]) -> str:
+    """The section this benchmark writes into RESULTS.md."""
+    t0 = time.perf_counter()
+    errors, built = {}, {}
+    for name, forward, params, x, y, warmup in error_cases(args.tiny):
+        if id(forward) not in built:
+            built[id(forward)] = build_steps(forward, name.startswith("GPT"))
+        errors[name] = measure_error(name, built[id(forward)], params, x, y, warmup, log)
+    curves = []
+    if not args.no_curves:
+        for make, extra in ((digits_curves, "test acc"), (regression_curves, "MSE, all")):
+            title, rows = make(args.tiny, log)
+            curves.append((title, rows, extra))
+    text = section(args, errors, curves, time.perf_counter() - t0)
+    if args.plot and curves:
+        plot(curves, args.plot)
+    return text
+
+
 def main(argv: list[str] | None = None) -> str:
     args = parser().parse_args(argv)
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
-
-    t0 = time.perf_counter()
-    if args.step_time:
-        text = step_time(args, log)
-    else:
-        errors, built = {}, {}
-        for name, forward, params, x, y, warmup in error_cases(args.tiny):
-            if id(forward) not in built:
-                built[id(forward)] = build_steps(forward, name.startswith("GPT"))
-            errors[name] = measure_error(name, built[id(forward)], params, x, y, warmup, log)
-        curves = []
-        if not args.no_curves:
-            for make, extra in ((digits_curves, "test acc"), (regression_curves, "MSE, all")):
-                title, rows = make(args.tiny, log)
-                curves.append((title, rows, extra))
-        text = section(args, errors, curves, time.perf_counter() - t0)
-        if args.plot and curves:
-            plot(curves, args.plot)
-    if args.step_time:  # a section of its own: --results must not replace the other
-        return sections.emit(
-            args, sections.marked(text, STEP_START, STEP_END), STEP_START, STEP_END
-        )
-    return sections.emit(args, text, START, END)
+    return sections.run(args, measure_section, step_time, (START, END), (STEP_START, STEP_END))
 
 
 if __name__ == "__main__":

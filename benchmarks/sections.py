@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
+from collections.abc import Callable
 
 
 def parser(description: str, step_default: str, step_help: str) -> argparse.ArgumentParser:
@@ -61,3 +63,23 @@ def emit(args: argparse.Namespace, text: str, start: str, end: str) -> str:
     if args.results:
         splice(args.results, text, start, end)
     return text
+
+
+def log(msg: str) -> None:
+    """Progress, on stderr (stdout is the section)."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def run(
+    args: argparse.Namespace,
+    measure: Callable[[argparse.Namespace, Callable[[str], None]], str],
+    step_time: Callable[[argparse.Namespace, Callable[[str], None]], str],
+    markers: tuple[str, str],
+    step_markers: tuple[str, str],
+) -> str:
+    """A section benchmark's ``main``: ``measure`` (or ``step_time`` with ``--step-time``),
+    then :func:`emit`. The step-time table is a section of its own, so ``--results``
+    never replaces the other."""
+    if args.step_time:
+        return emit(args, marked(step_time(args, log), *step_markers), *step_markers)
+    return emit(args, measure(args, log), *markers)
