@@ -470,7 +470,7 @@ BAD_INPUT = {
     "skip='jnp.where'": (
         lambda: GS(skip="jnp.where"),
         ValueError,
-        r"`skip` to be one of \('cond', 'select'\)",
+        r"`skip` to be one of \('auto', 'cond', 'select'\)",
     ),
     # setters
     "set_growth_interval(0)": (

@@ -61,8 +61,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.finite_default import exact, sum32
-from jamp._src.leaves import is_sharded, unscale_leaf
+from jamp._src.finite_default import exact, replicated, sum32
+from jamp._src.leaves import unscale_leaf
 
 SMALL = 2**14
 ROWS_MIN_COLS = 32
@@ -80,24 +80,19 @@ def kind(x: Any) -> str:
     return "half" if x.dtype == jnp.float16 else "other"
 
 
-def _unsharded(x: jax.Array) -> jax.Array:
-    """``x`` replicated, if its type carries a sharding (JAX's explicit sharding mode)."""
-    return jax.sharding.reshard(x, jax.sharding.PartitionSpec()) if is_sharded(x) else x
-
-
 def rows(x: jax.Array) -> jax.Array:
     """One float32 per row of ``x``: non-finite exactly where the row holds an inf or NaN."""
     weights = jnp.full((x.shape[-1],), DOT_WEIGHT, jnp.float32)
     dims = (((x.ndim - 1,), (0,)), ((), ()))
     out = lax.dot_general(x, weights, dims, precision=lax.Precision.HIGHEST)
-    return jnp.ravel(_unsharded(out))
+    return jnp.ravel(replicated(out))
 
 
 def _gathered(leaves: list[jax.Array]) -> list[jax.Array]:
     """The small leaves as vectors: one per dtype, a complex one as its two parts."""
     parts = []
     for dtype in sorted({x.dtype for x in leaves}, key=str):
-        v = jnp.concatenate([jnp.ravel(_unsharded(x)) for x in leaves if x.dtype == dtype])
+        v = jnp.concatenate([jnp.ravel(replicated(x)) for x in leaves if x.dtype == dtype])
         complex_ = jnp.issubdtype(dtype, jnp.complexfloating)
         parts += [jnp.real(v), jnp.imag(v)] if complex_ else [v]
     return parts

@@ -1,27 +1,42 @@
 """The finite check on GPUs, TPUs and every platform but the CPU.
 
-The check reads each gradient once: a float32 sum per leaf. A finite total
-proves every element finite (an inf or NaN anywhere makes any sum inf or
-NaN), and when ``1/scale <= 1`` a finite gradient stays finite once unscaled.
-Only when that fails (a real overflow, a finite sum too large for float32, or
-a scale below 1) does an exact element-by-element pass run, under a
-``lax.cond``, so a clean step pays for one read. float16 leaves are checked
-element by element on the one read instead of summed.
+One read of each gradient, no ``lax.cond``, exact for every input. Each
+element becomes ``unscale(x) * 0``: exactly ``0`` when the (unscaled) value is
+finite, NaN when it is an inf or a NaN (``inf * 0`` is NaN), and an overflow
+that unscaling creates (a scale below 1) is an inf before the multiply, so it
+is caught too. A sum of zeros and NaNs cannot overflow, whatever its order or
+length: it is 0 exactly when every element is finite. So no exact second pass
+is needed, and nothing decides through a conditional, which XLA:GPU would run
+as a host sync (its conditional thunk copies the predicate to the host and
+waits for the stream) in the middle of every step.
 
-:func:`exact` and :func:`sum32` are shared with the CPU branch
-(``finite_cpu``).
+How XLA:GPU compiles it (``benchmarks/gpu_compile.py`` reads the H200
+program): a large leaf (2**14 elements or more, at least 2-D) is reduced over
+its trailing axes to a short vector, in one kernel that reads it once; those
+vectors and the small leaves are joined into one vector, reduced in one
+fusion (the join fuses into the reduction: nothing is written). The absolute
+value before that last sum is what keeps XLA from splitting the sum of the
+joined vector back into one reduction per leaf. A 24-leaf step costs a kernel
+per large leaf plus two, where one reduction per leaf costs two kernels per
+large leaf and one per small leaf.
+
+:func:`exact`, :func:`sum32` and :func:`replicated` are shared with the CPU
+branch (``finite_cpu``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
-from jamp._src.leaves import unscale_leaf
+from jamp._src.leaves import is_sharded, unscale_leaf
+
+SMALL = 2**14  # leaves below this many elements are joined as they are
+ROW = 256  # a large leaf is reduced over trailing axes holding at least this many elements
 
 
 def sum32(x: jax.Array) -> jax.Array:
@@ -41,39 +56,60 @@ def exact(leaves: list[jax.Array]) -> jax.Array:
     return functools.reduce(jnp.maximum, flags, jnp.uint8(0)) == 0
 
 
-def one_read(*leaves: jax.Array) -> jax.Array:
-    """Whether the one-read check finds every leaf finite.
+def replicated(x: jax.Array) -> jax.Array:
+    """``x`` replicated, if its type carries a sharding (JAX's explicit sharding mode).
 
-    ``True`` proves every leaf finite; ``False`` may be a finite sum too large
-    for float32, which :func:`default_finite` settles with :func:`exact`.
+    Joining parts sharded differently is a type error there; under the
+    default (auto) mode XLA gathers them just the same.
     """
-    half = [x for x in leaves if x.dtype == jnp.float16]
-    rest = [x for x in leaves if x.dtype != jnp.float16]
-    fast = jnp.asarray(True)
-    if rest:
-        fast = jnp.isfinite(functools.reduce(jnp.add, [sum32(x) for x in rest]))
-    if half:
-        fast = fast & exact(half)
-    return fast
+    return jax.sharding.reshard(x, jax.sharding.PartitionSpec()) if is_sharded(x) else x
+
+
+def _zeros_or_nans(x: jax.Array) -> list[jax.Array]:
+    """``x * 0`` in float32: 0 where ``x`` is finite, NaN where it is not (both parts of a
+    complex ``x``)."""
+    parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
+    return [(p * jnp.zeros((), p.dtype)).astype(jnp.float32) for p in parts]
+
+
+def _trailing(shape: tuple[int, ...]) -> int:
+    """How many trailing axes a large leaf is reduced over (0: the whole leaf at once)."""
+    for k in range(1, len(shape)):
+        if math.prod(shape[-k:]) >= ROW:
+            return k
+    return 0
+
+
+def _part(x: jax.Array) -> list[jax.Array]:
+    """``x``'s zeros-or-NaNs, as vectors: the elements of a small leaf, or a large leaf's
+    sums over its trailing axes (each a sum of zeros and NaNs, so 0 or NaN)."""
+    out = []
+    for z in _zeros_or_nans(x):
+        if z.size >= SMALL:
+            k = _trailing(z.shape)
+            z = jnp.sum(z, axis=tuple(range(z.ndim - k, z.ndim)) if k else None)
+        # Replicated before it is flattened: under the explicit sharding mode a
+        # sharded axis cannot be merged into a flat one.
+        out.append(jnp.reshape(replicated(z), (-1,)))
+    return out
 
 
 def default_finite(*leaves: jax.Array, inv: Any = None) -> jax.Array:
-    """Whether every leaf (times ``inv``, when given) is finite: one read, and an exact branch.
+    """Whether every leaf (times ``inv``, when given) is finite, from one read, exactly.
 
     Args:
       *leaves: floating arrays.
       inv: ``1/scale`` (a float32 scalar), or ``None`` to check the leaves as they are.
+        The leaves are unscaled as :func:`jamp.unscale` does (in their own dtype),
+        so an overflow that unscaling creates is found.
 
     Returns:
       A boolean scalar, exact for every input.
     """
-    fast = one_read(*leaves)
-    if inv is None:
-        leaves_to_check = lambda: leaves  # noqa: E731
-    else:
-        # |g * inv| <= |g| when inv <= 1: finite g stay finite once unscaled.
-        fast = fast & (inv <= 1)
-        leaves_to_check = lambda: [unscale_leaf(x, inv) for x in leaves]  # noqa: E731
-    # Both branches derive from the same leaves, so under shard_map they vary
-    # over the same axes.
-    return lax.cond(fast, lambda: fast, lambda: exact(leaves_to_check()))
+    if not leaves:
+        return jnp.asarray(True)
+    if inv is not None:
+        leaves = tuple(unscale_leaf(x, inv) for x in leaves)
+    vector = jnp.concatenate([v for x in leaves for v in _part(x)])
+    # abs: XLA would split the sum of a concatenation into one sum per part.
+    return jnp.isfinite(jnp.sum(jnp.abs(vector)))

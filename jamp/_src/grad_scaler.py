@@ -303,7 +303,8 @@ class GradScaler:
       enabled: ``False`` makes every method the identity / a plain step, as
         in PyTorch (and skips validation, as PyTorch does).
       skip: how :meth:`step` drops a non-finite step (not in PyTorch):
-        ``"cond"`` (default) or ``"select"``; see :func:`jamp.loss_scaling`.
+        ``"auto"`` (default: ``"select"`` on GPUs and TPUs, ``"cond"`` on
+        CPUs), ``"cond"`` or ``"select"``; see :func:`jamp.loss_scaling`.
       axis_name: a ``shard_map``/``pmap`` axis name (or tuple of them) over
         which :meth:`unscale` and :meth:`step` agree on ``found_inf``, so every
         replica skips together (not in PyTorch, whose DDP all-reduces the
@@ -333,7 +334,7 @@ class GradScaler:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
     enabled: bool = True
-    skip: str = "cond"
+    skip: str = "auto"
     axis_name: Any = None
 
     def __post_init__(self) -> None:
@@ -492,7 +493,7 @@ class GradScaler:
 
         Unless ``state`` comes from :meth:`unscale` (whose gradients are taken
         as they are), ``grads`` are unscaled and checked first. The update is
-        applied inside a ``lax.cond`` (or selected, with ``skip="select"``):
+        applied or dropped as ``skip`` says (a select on GPUs, ``lax.cond`` on CPUs):
         on a skipped step the parameters and ``opt_state`` come back unchanged
         (Adam's count does not advance). Extra keyword arguments go to
         ``tx.update``. When disabled, the step is always applied, as in

@@ -27,12 +27,14 @@ from jamp._src.loss_scale import (
 )
 from jamp._src.report import log_counts
 from jamp._src.skip import (
-    apply_or_keep,
+    by_platform,
     check_skip,
     cond_or_keep,
+    keep_nothing,
     match_varying,
+    no_updates,
     same_or_zeros,
-    zeros,
+    select_or_keep,
 )
 
 
@@ -72,7 +74,7 @@ def loss_scaling(
     *,
     axis_name: Any = None,
     report_nonfinite: bool = False,
-    skip: str = "cond",
+    skip: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
     """Wrap an Optax transformation so it takes gradients of a *scaled* loss.
 
@@ -98,14 +100,16 @@ def loss_scaling(
       report_nonfinite: on skipped steps only, log which gradient leaves held
         inf/NaN (see :func:`jamp.log_nonfinite`). Clean steps never call the
         host, but pay a small fixed dispatch cost (``benchmarks/RESULTS.md``).
-      skip: how a non-finite step is dropped; both give the same results.
-        ``"cond"`` (default) runs ``inner`` under ``lax.cond``, only on
-        finite steps: fastest when the train step donates its state
-        (``jax.jit(..., donate_argnums=...)``). ``"select"`` runs ``inner``
-        on every step and keeps its result or the old state with a select,
-        which XLA can fuse with ``optax.apply_updates``: faster without
-        donation, and on some many-leaf models. ``benchmarks/RESULTS.md``
-        measures both.
+      skip: how a non-finite step is dropped; every form gives the same
+        results. ``"auto"`` (default) chooses by the platform the step is
+        compiled for: ``"select"`` on GPUs and TPUs, ``"cond"`` on CPUs.
+        ``"select"`` runs ``inner`` on every step and keeps its result or the
+        old state with a select, which XLA fuses into the optimizer's pass
+        and ``optax.apply_updates``: no conditional in the program. ``"cond"``
+        runs ``inner`` under ``lax.cond``, only on finite steps: XLA:GPU runs
+        that conditional as a host sync in every step, and with a donated
+        state copies the parameters and moments first, so keep it for CPUs.
+        ``benchmarks/RESULTS.md`` measures every form on both compilers.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs``; extra keyword arguments
@@ -166,19 +170,22 @@ def loss_scaling(
             grads = unscale(state.loss_scale, updates)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
-        def keep(shapes: Any) -> tuple[Any, Any]:
-            if skip == "select":
-                return zeros(shapes[0]), state.inner_state
-            # Zeroed below, where the select fuses into the caller's
-            # apply_updates: zeros made here would cost a compiled kernel per
-            # leaf, and the branch's output a second gradient-sized buffer.
-            return same_or_zeros(updates, shapes[0]), state.inner_state
-
-        new_updates, new_inner = apply_or_keep(finite, apply, keep, skip=skip)
-        if skip == "cond":
-            new_updates = jax.tree_util.tree_map(
-                lambda u: jnp.where(finite, u, jnp.zeros((), u.dtype)), new_updates
+        def by_cond() -> tuple[Any, Any]:
+            # The kept branch passes the gradients through, zeroed below, where
+            # the select fuses into the caller's apply_updates: zeros made in
+            # the branch would cost a kernel per leaf, and its output a second
+            # gradient-sized buffer.
+            new_updates, new_inner = cond_or_keep(
+                finite, apply, lambda shapes: (same_or_zeros(updates, shapes[0]), state.inner_state)
             )
+            return keep_nothing(finite, new_updates), new_inner
+
+        def by_select() -> tuple[Any, Any]:
+            return select_or_keep(
+                finite, apply, lambda new: (no_updates(new[0]), state.inner_state)
+            )
+
+        new_updates, new_inner = by_platform(skip, by_cond, by_select)
         if report_nonfinite:
             # Counted only on skipped steps, on the unscaled values, a chunk at
             # a time (no unscaled copy of the gradients).
@@ -313,7 +320,7 @@ def multi_steps(
         final, new_inner = cond_or_keep(
             emit & jnp.logical_not(skip),
             apply,
-            lambda shapes: (zeros(shapes[0]), state.inner_opt_state),
+            lambda shapes: (no_updates(shapes[0]), state.inner_opt_state),
         )
 
         def reset(a: jax.Array) -> jax.Array:

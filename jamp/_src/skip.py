@@ -4,6 +4,16 @@ Shared by every front end that skips a non-finite step (``loss_scaling``,
 ``GradScaler.step``, ``multi_steps``): the branch that keeps the old values
 is typed like the branch that applies the update, so both agree under
 ``lax.cond`` and ``shard_map``.
+
+The default, ``skip="auto"``, chooses the form by the platform the step is
+compiled for (``lax.platform_dependent``, resolved at lowering, so only one
+form is in the program): ``select`` on GPUs and TPUs, ``cond`` on CPUs.
+XLA:GPU runs a ``conditional`` as a host sync (the predicate is copied to the
+host, which waits for the stream before launching the branch), and a
+``lax.cond`` over donated parameters makes it copy every parameter and
+optimizer moment first; a select fuses into the optimizer's own pass. XLA:CPU
+runs a conditional on the host thread at no such cost and, with a donated
+state, is faster with it (``benchmarks/RESULTS.md`` measures both).
 """
 
 from __future__ import annotations
@@ -25,7 +35,7 @@ from jamp._src.leaves import (
     selected,
 )
 
-SKIP_MODES = ("cond", "select")
+SKIP_MODES = ("auto", "cond", "select")
 
 
 def _varying_axes(x: Any) -> frozenset:
@@ -89,10 +99,33 @@ def check_skip(skip: Any) -> str:
     """``skip`` if it names a skipping mode, else a ``ValueError`` naming the argument."""
     if not isinstance(skip, str) or skip not in SKIP_MODES:
         raise ValueError(
-            f"Expected `skip` to be one of {SKIP_MODES} ('cond': apply the update under "
-            f"lax.cond; 'select': compute it, then keep or drop it), got {skip!r} instead."
+            f"Expected `skip` to be one of {SKIP_MODES} ('auto': 'select' on GPUs and TPUs, "
+            "'cond' on CPUs; 'cond': apply the update under lax.cond; 'select': compute it, "
+            f"then keep or drop it), got {skip!r} instead."
         )
     return skip
+
+
+def by_platform(skip: str, cond_form: Callable[[], Any], select_form: Callable[[], Any]) -> Any:
+    """``cond_form()`` or ``select_form()``, as ``skip`` says; ``"auto"``: the select form on
+    GPUs and TPUs, the cond form on CPUs, chosen at lowering (``lax.platform_dependent``)."""
+    if skip == "cond":
+        return cond_form()
+    if skip == "select":
+        return select_form()
+    return lax.platform_dependent(cpu=cond_form, default=select_form)
+
+
+def select_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
+    """``apply()`` where ``pred`` holds, else ``keep(apply())``, leaf by leaf with a select.
+
+    Both are computed; a non-finite value in the dropped one never reaches
+    the result (a select, unlike ``a * pred``, does not propagate it). The
+    kept values are typed like the applied ones (:func:`typed_like`).
+    """
+    new = apply()
+    old = match_varying(typed_like(keep(new), new), new)
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
 
 
 def apply_or_keep(
@@ -100,20 +133,20 @@ def apply_or_keep(
     apply: Callable[[], Any],
     keep: Callable[[Any], Any],
     *,
-    skip: str = "cond",
+    skip: str = "auto",
 ) -> Any:
     """``apply()`` where ``pred`` holds, else ``keep(shapes of apply())``, by cond or select.
 
-    ``"cond"`` runs only the chosen branch. ``"select"`` runs both and picks
-    leaf by leaf; a non-finite value in the dropped branch never reaches the
-    result (a select, unlike ``a * pred``, does not propagate it). Either way
-    the kept values are typed like the applied ones (:func:`typed_like`).
+    ``"cond"`` runs only the chosen branch (:func:`cond_or_keep`); ``"select"``
+    runs both and picks leaf by leaf (:func:`select_or_keep`); ``"auto"``
+    chooses by platform (:func:`by_platform`). Either way the kept values are
+    typed like the applied ones (:func:`typed_like`).
     """
-    if skip == "cond":
-        return cond_or_keep(pred, apply, keep)
-    new = apply()
-    old = match_varying(typed_like(keep(new), new), new)
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), new, old)
+    return by_platform(
+        skip,
+        lambda: cond_or_keep(pred, apply, keep),
+        lambda: select_or_keep(pred, apply, keep),
+    )
 
 
 def zeros(shapes: Any) -> Any:
@@ -124,6 +157,26 @@ def zeros(shapes: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda s: jnp.zeros(s.shape, s.dtype, out_sharding=explicit_sharding(s)), shapes
     )
+
+
+def nothing(dtype: Any) -> jax.Array:
+    """The scalar update that changes nothing: ``-0.0`` (``p + -0.0`` is ``p``, bit for bit,
+    ``-0.0`` included, where ``p + 0.0`` turns ``-0.0`` into ``+0.0``); ``0`` for other dtypes."""
+    dtype = jnp.dtype(dtype)
+    return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
+
+
+def no_updates(shapes: Any) -> Any:
+    """Updates that leave every parameter bit-identical once added (:func:`nothing`),
+    shaped like ``shapes``; under the explicit sharding mode they carry its shardings."""
+    return jax.tree_util.tree_map(
+        lambda s: jnp.full(s.shape, nothing(s.dtype), out_sharding=explicit_sharding(s)), shapes
+    )
+
+
+def keep_nothing(pred: jax.Array, updates: Any) -> Any:
+    """``updates`` where ``pred`` holds, else updates that change nothing (:func:`nothing`)."""
+    return jax.tree_util.tree_map(lambda u: jnp.where(pred, u, nothing(u.dtype)), updates)
 
 
 def same_or_zeros(tree: Any, shapes: Any) -> Any:
@@ -251,7 +304,7 @@ def optimizer_step(
     params: Any,
     *,
     filter: Filter = None,
-    skip: str = "cond",
+    skip: str = "auto",
     extra_args: dict | None = None,
     fn: str = "step",
 ) -> tuple[Any, Any]:

@@ -180,7 +180,7 @@ def step_if_finite(
     params: Any,
     *,
     filter: Any = None,
-    skip: str = "cond",
+    skip: str = "auto",
     **extra_args: Any,
 ) -> tuple[Any, Any]:
     """Apply the optimizer step where ``finite`` holds; else keep parameters and state.
@@ -205,7 +205,8 @@ def step_if_finite(
         ``tx.init(eqx.filter(model, eqx.is_array))``). The others are
         returned untouched. By default every leaf of ``params`` is a
         parameter.
-      skip: ``"cond"`` (default) or ``"select"``.
+      skip: ``"auto"`` (default: ``"select"`` on GPUs and TPUs, ``"cond"`` on
+        CPUs), ``"cond"`` or ``"select"``; see :func:`jamp.loss_scaling`.
       **extra_args: passed on to ``tx.update``.
 
     Returns:

@@ -1,0 +1,493 @@
+"""XLA:GPU without a GPU: compile for a described H200 or H100 and read the program.
+
+jax's CUDA PJRT plugin compiles ahead of time for a *described* device
+(deviceless AOT): :func:`compile_for` lowers a function for a
+``GpuTargetConfigProto`` and returns what XLA:GPU makes of it, the real GPU
+program: its fusions, Triton GEMM fusions, cuBLAS and cuDNN calls, copies and
+conditionals, and XLA's own temp-buffer size. :func:`analyse` reads that
+program into per-step figures (:class:`Program`):
+
+- **kernels**: the launches of one step: every instruction of the entry
+  computation that runs on the device (a fusion, a library call, a copy, an
+  unfused op), plus, for a ``conditional``, the thunk and the kernels of its
+  costliest branch, and for a ``while`` or ``call``, the kernels of what it runs
+  (once);
+- **bytes**: modelled HBM traffic: for each kernel, the bytes of its operands
+  plus its outputs (a ``conditional`` counts its costliest branch);
+- **temp**: XLA's temp allocation (``memory_analysis()``);
+- **FLOPs** of matrix products and convolutions, by operand dtype;
+- **roofline**: per kernel, the larger of FLOPs / the dtype's dense peak and
+  bytes / the memory bandwidth, summed.
+
+Autotuning cannot run without a device, so GEMMs get XLA's default
+configurations; fusion and buffer decisions are the GPU compiler's own, and
+the output is deterministic: tests may assert on it.
+
+Setup (``pip install "jamp[gpu-compile]"``, which is ``jax[cuda13-local]``: the
+plugin with no CUDA wheels; ``ptxas`` from a CUDA toolkit on ``PATH``). The
+plugin must not initialise a CUDA backend in a process without a GPU, so a
+process that uses this module runs with ``JAX_PLATFORMS=cpu`` (the tests'
+conftest sets it; ``python -m benchmarks.gpu_compile`` sets it before jax is
+imported): the topology, not a device, is what is compiled for.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+
+# --------------------------------------------------------------------- targets
+
+
+def _target_config(name: str, *, bandwidth: float, memory: int) -> str:
+    return f"""
+gpu_device_info {{
+  threads_per_block_limit: 1024
+  threads_per_warp: 32
+  shared_memory_per_block: 49152
+  shared_memory_per_block_optin: 232448
+  shared_memory_per_core: 233472
+  threads_per_core_limit: 2048
+  core_count: 132
+  fpus_per_core: 128
+  block_dim_limit_x: 2147483647
+  block_dim_limit_y: 65535
+  block_dim_limit_z: 65535
+  memory_bandwidth: {int(bandwidth)}
+  l2_cache_size: 52428800
+  clock_rate_ghz: 1.98
+  device_memory_size: {memory}
+  cuda_compute_capability {{ major: 9 minor: 0 }}
+  registers_per_core_limit: 65536
+  registers_per_block_limit: 65536
+}}
+platform_name: "CUDA"
+dnn_version_info {{ major: 9 minor: 10 }}
+runtime_version {{ major: 13 minor: 0 patch: 0 }}
+device_description_str: "{name}"
+"""
+
+
+@dataclass(frozen=True)
+class Target:
+    """A described GPU: its ``GpuTargetConfigProto`` and the peaks of its roofline."""
+
+    name: str
+    config: str
+    bandwidth: float  # bytes / s
+    # Dense matrix-product peaks, FLOP/s, by operand dtype (float32 products run as TF32).
+    peaks: dict = field(default_factory=dict)
+
+
+_HOPPER_PEAKS = {"bf16": 989e12, "f16": 989e12, "f8": 1979e12, "f32": 494e12, "f64": 67e12}
+
+TARGETS = {
+    "H200": Target(
+        "H200",
+        _target_config("NVIDIA H200", bandwidth=4.8e12, memory=150_754_820_096),
+        4.8e12,
+        _HOPPER_PEAKS,
+    ),
+    "H100": Target(
+        "H100",
+        _target_config("NVIDIA H100 80GB HBM3", bandwidth=3.35e12, memory=85_520_809_984),
+        3.35e12,
+        _HOPPER_PEAKS,
+    ),
+}
+
+
+def unavailable() -> str | None:
+    """Why this process cannot compile for a GPU target, or ``None`` if it can."""
+    try:
+        mesh(TARGETS["H200"])
+        compile_for(lambda x: x + 1, jax.ShapeDtypeStruct((8,), "float32"))
+    except Exception as e:  # noqa: BLE001 - any failure means: not here
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        return (
+            f"no XLA:GPU compiler here ({type(e).__name__}: {first[:200]}); "
+            'pip install "jamp[gpu-compile]" (jax\'s CUDA plugin) and put a CUDA toolkit\'s '
+            "ptxas on PATH, with JAX_PLATFORMS=cpu"
+        )
+    return None
+
+
+def mesh(target: Target) -> jax.sharding.Mesh:
+    """A one-device mesh of the described GPU ``target``."""
+    return _mesh(target.config)
+
+
+@functools.cache
+def _mesh(config: str) -> jax.sharding.Mesh:
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(
+        platform="cuda", target_config=config, topology="1x1x1"
+    )
+    return topologies.make_mesh(topo, (1,), ("x",))
+
+
+def specs(tree: Any, target: Target = TARGETS["H200"]) -> Any:
+    """``tree``'s arrays (or shape structs) as ``ShapeDtypeStruct``s placed on ``target``."""
+    sharding = jax.sharding.NamedSharding(mesh(target), jax.sharding.PartitionSpec())
+
+    def one(x: Any) -> Any:
+        if not hasattr(x, "shape"):
+            return x
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map(one, tree)
+
+
+def compile_for(
+    fun: Any,
+    *args: Any,
+    donate_argnums: tuple[int, ...] = (),
+    target: Target = TARGETS["H200"],
+    static_argnums: tuple[int, ...] = (),
+) -> Any:
+    """``jax.jit(fun, donate_argnums=...)`` compiled for ``target``: a ``Compiled``.
+
+    ``args`` are arrays, shape structs or pytrees of them; only their shapes
+    and dtypes are used.
+    """
+    placed = [a if i in static_argnums else specs(a, target) for i, a in enumerate(args)]
+    jitted = jax.jit(fun, donate_argnums=donate_argnums, static_argnums=static_argnums)
+    return jitted.lower(*placed).compile()
+
+
+# --------------------------------------------------------------------- parsing
+
+_DTYPE_BYTES = {
+    "pred": 1, "s4": 0.5, "u4": 0.5, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "s32": 4, "u32": 4,
+    "s64": 8, "u64": 8, "f16": 2, "bf16": 2, "f32": 4, "f64": 8, "c64": 8, "c128": 16,
+    "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e5m2fnuz": 1, "f8e4m3fnuz": 1, "f8e3m4": 1,
+    "f8e4m3b11fnuz": 1, "f8e8m0fnu": 1, "f4e2m1fn": 0.5, "token": 0,
+}  # fmt: skip
+_ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
+# `%name = shape opcode(operands), attributes`; the shape may be a tuple.
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%(\S+)\s+=\s+(.+?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+_HEADER = re.compile(r"^(ENTRY\s+)?%(\S+)\s+\(.*\)\s+->\s+.*\{\s*$")
+
+# Instructions that launch nothing: they name, view or group buffers.
+FREE = {
+    "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
+    "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
+}  # fmt: skip
+# Calls whose called computation is what runs (each of its kernels counted).
+CALLS = {"call", "async-start", "async-update", "async-done"}
+
+
+@dataclass
+class Instr:
+    name: str
+    shape: str  # the result's shape text, e.g. "f32[1024]{0}" or "(f32[2], s8[64])"
+    opcode: str
+    operands: list[str]
+    attrs: str  # everything after the operand list
+
+    @property
+    def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
+        """The result's arrays, as (dtype, dims)."""
+        return [
+            (d, tuple(int(n) for n in dims.split(",") if n)) for d, dims in _ARRAY.findall(self.shape)
+        ]
+
+    @property
+    def nbytes(self) -> float:
+        return sum(_DTYPE_BYTES.get(d, 4) * math.prod(dims) for d, dims in self.arrays)
+
+    def attr(self, key: str) -> str | None:
+        m = re.search(rf"\b{re.escape(key)}=([^\s,]+)", self.attrs)
+        return m.group(1) if m else None
+
+    def called(self) -> list[str]:
+        """Names of the computations this instruction calls."""
+        names = re.findall(
+            r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([^\s,}]+)",
+            self.attrs,
+        )
+        m = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
+        if m:
+            names += [n.strip().lstrip("%") for n in m.group(1).split(",") if n.strip()]
+        return names
+
+    def branches(self) -> list[str]:
+        m = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
+        if m:
+            return [n.strip().lstrip("%") for n in m.group(1).split(",") if n.strip()]
+        names = [self.attr(k) for k in ("true_computation", "false_computation")]
+        return [n.lstrip("%") for n in names if n]
+
+    def op_name(self) -> str:
+        m = re.search(r'op_name="([^"]*)"', self.attrs)
+        return m.group(1) if m else ""
+
+
+def _split_operands(rest: str) -> tuple[list[str], str]:
+    """The operand names of ``rest`` (the text after the opcode's '('), and what follows."""
+    depth, i = 1, 0
+    while i < len(rest) and depth:
+        if rest[i] in "({[":
+            depth += 1
+        elif rest[i] in ")}]":
+            depth -= 1
+        i += 1
+    inside, after = rest[: i - 1], rest[i:]
+    return re.findall(r"%([^\s,()]+)", inside), after
+
+
+def parse(text: str) -> tuple[dict[str, dict[str, Instr]], str]:
+    """The module's computations (name -> {instruction name -> Instr}) and the entry's name."""
+    comps: dict[str, dict[str, Instr]] = {}
+    entry = ""
+    current: dict[str, Instr] | None = None
+    for line in text.splitlines():
+        h = _HEADER.match(line)
+        if h:
+            current = comps.setdefault(h.group(2), {})
+            if h.group(1):
+                entry = h.group(2)
+            continue
+        if line.startswith("}"):
+            current = None
+            continue
+        if current is None:
+            continue
+        m = _INSTR.match(line)
+        if not m:
+            continue
+        name, shape, opcode, rest = m.groups()
+        operands, attrs = _split_operands(rest)
+        current[name] = Instr(name, shape, opcode, operands, attrs)
+    return comps, entry
+
+
+# --------------------------------------------------------------------- FLOPs
+
+
+def _dims_of(comp: dict[str, Instr], name: str) -> tuple[str, tuple[int, ...]]:
+    arrays = comp[name].arrays if name in comp else []
+    return arrays[0] if arrays else ("f32", ())
+
+
+def _short(dtype: str) -> str:
+    return "f8" if dtype.startswith("f8") else dtype
+
+
+def _dot_flops(comp: dict[str, Instr], ins: Instr) -> tuple[str, float]:
+    out = ins.arrays[0][1]
+    lhs_dtype, lhs = _dims_of(comp, ins.operands[0])
+    cdims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+    contract = [int(c) for c in cdims.group(1).split(",") if c] if cdims else []
+    k = math.prod(lhs[c] for c in contract) if lhs else 1
+    return _short(lhs_dtype), 2.0 * math.prod(out) * k
+
+
+def _conv_flops(fwd_out: tuple[int, ...], filt: tuple[int, ...], labels: str) -> float:
+    """2 * forward-output elements * filter elements per output feature."""
+    try:
+        rhs = labels.split("_")[1].split("->")[0]
+        o = filt[rhs.index("o")]
+    except (IndexError, ValueError):
+        return float("nan")
+    return 2.0 * math.prod(fwd_out) * math.prod(filt) / max(o, 1)
+
+
+def _gemm_flops(comp: dict[str, Instr], ins: Instr) -> tuple[str, float] | None:
+    """The (operand dtype, FLOPs) of a library call that is a GEMM or a convolution."""
+    target = ins.attr("custom_call_target") or ""
+    target = target.strip('"')
+    if "gemm" in target or "matmul" in target:
+        m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
+        contract = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip()] if m else []
+        lhs_dtype, lhs = _dims_of(comp, ins.operands[0])
+        out = ins.arrays[0][1]
+        k = math.prod(lhs[c] for c in contract) if lhs else 1
+        return _short(lhs_dtype), 2.0 * math.prod(out) * k
+    if "conv" in target:
+        labels = ins.attr("dim_labels") or ""
+        if "BackwardFilter" in target:
+            dtype, fwd_out = _dims_of(comp, ins.operands[1])
+            filt = ins.arrays[0][1]
+            dtype = _dims_of(comp, ins.operands[0])[0]
+        elif "BackwardInput" in target:
+            dtype, fwd_out = _dims_of(comp, ins.operands[0])
+            filt = _dims_of(comp, ins.operands[1])[1]
+        else:
+            dtype, _ = _dims_of(comp, ins.operands[0])
+            fwd_out = ins.arrays[0][1]
+            filt = _dims_of(comp, ins.operands[1])[1]
+        return _short(dtype), _conv_flops(fwd_out, filt, labels)
+    return None
+
+
+# --------------------------------------------------------------------- analysis
+
+
+@dataclass
+class Kernel:
+    """One launch of the step: its op, bytes moved and matrix FLOPs (by operand dtype)."""
+
+    name: str
+    opcode: str
+    op_name: str
+    bytes: float
+    flops: dict[str, float]
+    kind: str  # "fusion", "gemm" (library or Triton GEMM), "conv", "copy", "conditional", ...
+
+    def time(self, target: Target) -> float:
+        t = self.bytes / target.bandwidth
+        for dtype, f in self.flops.items():
+            t = max(t, f / target.peaks.get(dtype, target.peaks["f32"]))
+        return t
+
+
+@dataclass
+class Program:
+    """What one step of a compiled GPU program launches and moves."""
+
+    kernels: list[Kernel]
+    temp_bytes: float
+    conditionals: int
+    whiles: int
+    copies: int
+    text: str = field(repr=False, default="")
+
+    @property
+    def n_kernels(self) -> int:
+        return len(self.kernels)
+
+    @property
+    def bytes(self) -> float:
+        return sum(k.bytes for k in self.kernels)
+
+    @property
+    def flops(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for k in self.kernels:
+            for d, f in k.flops.items():
+                out[d] = out.get(d, 0.0) + f
+        return out
+
+    def roofline(self, target: Target = TARGETS["H200"]) -> float:
+        """Seconds: per kernel, the larger of FLOPs / peak and bytes / bandwidth, summed."""
+        return sum(k.time(target) for k in self.kernels)
+
+    def gemm_dtypes(self) -> set[str]:
+        """The operand dtypes of the step's matrix products and convolutions."""
+        return {d for k in self.kernels for d, f in k.flops.items() if f > 0}
+
+    def by_op(self, pattern: str) -> list[Kernel]:
+        """The kernels whose op name (jax's name stack) matches ``pattern``."""
+        return [k for k in self.kernels if re.search(pattern, k.op_name)]
+
+
+def _flops_in(
+    comps: dict[str, dict[str, Instr]], comp: dict[str, Instr], ins: Instr
+) -> dict[str, float]:
+    flops: dict[str, float] = {}
+
+    def add(d: str, f: float) -> None:
+        flops[d] = flops.get(d, 0.0) + f
+
+    if ins.opcode == "custom-call":
+        g = _gemm_flops(comp, ins)
+        if g:
+            add(*g)
+    elif ins.opcode == "dot":
+        add(*_dot_flops(comp, ins))
+    elif ins.opcode == "convolution":
+        dtype, _ = _dims_of(comp, ins.operands[0])
+        filt = _dims_of(comp, ins.operands[1])[1]
+        add(_short(dtype), _conv_flops(ins.arrays[0][1], filt, ins.attr("dim_labels") or ""))
+    elif ins.opcode == "fusion":
+        for name in ins.called():
+            sub = comps.get(name, {})
+            for inner in sub.values():
+                if inner.opcode in ("dot", "convolution", "custom-call", "fusion"):
+                    for d, f in _flops_in(comps, sub, inner).items():
+                        add(d, f)
+    return flops
+
+
+def _kind(comp: dict[str, Instr], ins: Instr, flops: dict[str, float]) -> str:
+    if ins.opcode == "custom-call":
+        t = (ins.attr("custom_call_target") or "").strip('"')
+        return "conv" if "conv" in t else ("gemm" if flops else "custom-call")
+    if ins.opcode == "fusion":
+        if flops:
+            return "gemm"
+        return "fusion"
+    return ins.opcode
+
+
+def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], counts: dict) -> None:
+    comp = comps[name]
+    for ins in comp.values():
+        op = ins.opcode
+        if op in FREE:
+            continue
+        if op == "conditional":
+            counts["conditionals"] += 1
+            best: list[Kernel] = []
+            for branch in ins.branches():
+                ks: list[Kernel] = []
+                _walk(comps, branch, ks, counts)
+                if sum(k.bytes for k in ks) >= sum(k.bytes for k in best):
+                    best = ks
+            pred = comp.get(ins.operands[0]) if ins.operands else None
+            out.append(Kernel(ins.name, op, ins.op_name(), pred.nbytes if pred else 0, {}, op))
+            out.extend(best)
+            continue
+        if op == "while":
+            counts["whiles"] += 1
+            for sub in ins.called():
+                _walk(comps, sub, out, counts)
+            continue
+        if op in CALLS:
+            for sub in ins.called():
+                _walk(comps, sub, out, counts)
+            continue
+        if op == "copy":
+            counts["copies"] += 1
+        nbytes = ins.nbytes + sum(comp[o].nbytes for o in ins.operands if o in comp)
+        flops = _flops_in(comps, comp, ins)
+        out.append(Kernel(ins.name, op, ins.op_name(), nbytes, flops, _kind(comp, ins, flops)))
+
+
+def analyse(compiled: Any) -> Program:
+    """The kernels, bytes, temp memory and FLOPs of a compiled GPU program (one step)."""
+    text = compiled.as_text()
+    comps, entry = parse(text)
+    kernels: list[Kernel] = []
+    counts = {"conditionals": 0, "whiles": 0, "copies": 0}
+    _walk(comps, entry, kernels, counts)
+    try:
+        temp = float(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # noqa: BLE001 - a backend without memory analysis
+        temp = float("nan")
+    return Program(kernels, temp, counts["conditionals"], counts["whiles"], counts["copies"], text)
+
+
+def summary(p: Program, target: Target = TARGETS["H200"]) -> dict[str, Any]:
+    """The figures of ``p`` as plain numbers (for tables and JSON)."""
+    return {
+        "kernels": p.n_kernels,
+        "bytes": p.bytes,
+        "temp": p.temp_bytes,
+        "conditionals": p.conditionals,
+        "copies": p.copies,
+        "flops": p.flops,
+        "roofline_s": p.roofline(target),
+    }
+
+
+def dumps(p: Program) -> str:
+    return json.dumps(summary(p), sort_keys=True)
