@@ -66,6 +66,14 @@ def test_no_conditional_and_one_reduction_per_large_leaf():
     )
     prims = [e.primitive.name for e in jaxpr.eqns]
     assert "cond" not in prims and "while" not in prims
-    # one reduction per large leaf (its trailing axes), one for the joined vector
-    assert prims.count("reduce_sum") == 3
-    assert prims.count("concatenate") == 1
+    # a reduction per large leaf (its trailing axes), then a sum per distinct shape:
+    # (512,) holds the first leaf's row sums and the second leaf, (3, 3) the third's
+    assert prims.count("reduce_sum") == 2 + 2 and "concatenate" not in prims, prims
+
+
+def test_many_shapes_are_joined_into_one_sum():
+    shapes = [(n,) for n in range(10, 10 + finite_default.FEW_SHAPES + 3)]
+    leaves = [jnp.ones(s) for s in shapes]
+    prims = [e.primitive.name for e in jax.make_jaxpr(finite_default.default_finite)(*leaves).eqns]
+    assert prims.count("concatenate") == 1 and prims.count("reduce_sum") == 1, prims
+    assert not bool(finite_default.default_finite(*leaves[:-1], leaves[-1].at[3].set(jnp.nan)))

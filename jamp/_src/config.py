@@ -246,4 +246,6 @@ def check_config(
         streak = min(
             _counter(names.get("overflow_streak", "overflow_streak"), overflow_streak), hyst
         )
+        if hyst == 1:  # not counted with hysteresis 1 (loss_scale.update)
+            streak = 0
     return Config(checked, gf, bf, interval, lo, hi, hyst, tracker, streak)

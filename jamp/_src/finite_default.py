@@ -12,13 +12,16 @@ waits for the stream) in the middle of every step.
 
 How XLA:GPU compiles it (``benchmarks/gpu_compile.py`` reads the H200
 program): a large leaf (2**14 elements or more, at least 2-D) is reduced over
-its trailing axes to a short vector, in one kernel that reads it once; those
-vectors and the small leaves are joined into one vector, reduced in one
-fusion (the join fuses into the reduction: nothing is written). The absolute
-value before that last sum is what keeps XLA from splitting the sum of the
-joined vector back into one reduction per leaf. A 24-leaf step costs a kernel
-per large leaf plus two, where one reduction per leaf costs two kernels per
-large leaf and one per small leaf.
+its trailing axes to a short vector, in one kernel that reads it once (in a
+train step XLA often fuses it into the kernel that makes the gradient). Those
+vectors and the small leaves are added element by element where their shapes
+agree (a model has few distinct shapes). With a handful of shapes, each
+shape's sum is its own reduction, which XLA fuses with the kernels around it;
+with more, the sums are joined into one vector and reduced together (the
+absolute value before that last sum keeps XLA from splitting it back into a
+reduction per part). Measured on the H200 compile: the 24-leaf optimizer step
+launches 45 kernels where jmp's launches 65; the GPT step 343 where the
+unscaled step launches 319 (``benchmarks/RESULTS.md``).
 
 :func:`exact`, :func:`sum32` and :func:`replicated` are shared with the CPU
 branch (``finite_cpu``).
@@ -37,6 +40,7 @@ from jamp._src.leaves import is_sharded, unscale_leaf
 
 SMALL = 2**14  # leaves below this many elements are joined as they are
 ROW = 256  # a large leaf is reduced over trailing axes holding at least this many elements
+FEW_SHAPES = 4  # up to this many distinct shapes, a sum per shape; beyond, one joined sum
 
 
 def sum32(x: jax.Array) -> jax.Array:
@@ -80,17 +84,17 @@ def _trailing(shape: tuple[int, ...]) -> int:
     return 0
 
 
-def _part(x: jax.Array) -> list[jax.Array]:
-    """``x``'s zeros-or-NaNs, as vectors: the elements of a small leaf, or a large leaf's
-    sums over its trailing axes (each a sum of zeros and NaNs, so 0 or NaN)."""
+def _parts(x: jax.Array) -> list[jax.Array]:
+    """``x``'s zeros-or-NaNs: the elements of a small leaf, or a large leaf's sums over its
+    trailing axes (each a sum of zeros and NaNs, so 0 or NaN)."""
     out = []
     for z in _zeros_or_nans(x):
         if z.size >= SMALL:
             k = _trailing(z.shape)
             z = jnp.sum(z, axis=tuple(range(z.ndim - k, z.ndim)) if k else None)
-        # Replicated before it is flattened: under the explicit sharding mode a
-        # sharded axis cannot be merged into a flat one.
-        out.append(jnp.reshape(replicated(z), (-1,)))
+        # Replicated before it is joined: under the explicit sharding mode parts
+        # sharded differently cannot be added or flattened together.
+        out.append(replicated(z))
     return out
 
 
@@ -109,7 +113,20 @@ def default_finite(*leaves: jax.Array, inv: Any = None) -> jax.Array:
     if not leaves:
         return jnp.asarray(True)
     if inv is not None:
-        leaves = tuple(unscale_leaf(x, inv) for x in leaves)
-    vector = jnp.concatenate([v for x in leaves for v in _part(x)])
-    # abs: XLA would split the sum of a concatenation into one sum per part.
-    return jnp.isfinite(jnp.sum(jnp.abs(vector)))
+        # With inv <= 1 a finite gradient stays finite once unscaled, so the scaled one is
+        # checked: its multiply by inv is then the optimizer's alone, which XLA fuses into
+        # the update, instead of one product shared by both, which it would materialise.
+        by = jnp.where(inv <= 1, jnp.ones((), inv.dtype), inv)
+        leaves = tuple(unscale_leaf(x, by) for x in leaves)
+    # Parts of one shape are added element by element (0 + NaN is NaN): the joined
+    # vector is as long as the distinct shapes, short enough for one reduction kernel.
+    groups: dict[tuple[int, ...], list[jax.Array]] = {}
+    for x in leaves:
+        for part in _parts(x):
+            groups.setdefault(part.shape, []).append(part)
+    sums = [jnp.ravel(functools.reduce(jnp.add, parts)) for parts in groups.values()]
+    if len(sums) <= FEW_SHAPES:
+        # A sum per shape: XLA fuses each into the kernels around it.
+        return jnp.isfinite(functools.reduce(jnp.add, [jnp.sum(v) for v in sums]))
+    # One joined sum; abs keeps XLA from splitting it back into a sum per part.
+    return jnp.isfinite(jnp.sum(jnp.abs(jnp.concatenate(sums))))

@@ -49,7 +49,8 @@ class LossScaleState:
       growth_tracker: int32 scalar, finite steps in a row since the scale last
         changed (torch's ``_growth_tracker``).
       overflow_streak: int32 scalar, non-finite steps in a row (used by
-        ``hysteresis``; saturates at ``hysteresis``).
+        ``hysteresis``; saturates at ``hysteresis``); always 0 with ``hysteresis=1``,
+        where every overflow backs off and the streak is not counted.
 
     Static metadata (part of the tree structure, so changing it recompiles but
     changing the scale never does): ``kind`` (``"dynamic"``, ``"static"`` or
@@ -428,11 +429,15 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     s_good = jnp.where(grow, grown, s)
     tracker_good = jnp.where(grow, jnp.int32(0), k)
 
+    # With hysteresis 1 every overflow backs off and the streak (always 0) is not
+    # counted: passed through, it costs the step no kernel.
+    if state.hysteresis > 1:
+        streak = jnp.where(finite, jnp.int32(0), streak_bad)
     return dataclasses.replace(
         state,
         scale=jnp.where(finite, s_good, s_bad),
         growth_tracker=jnp.where(finite, tracker_good, jnp.int32(0)),
-        overflow_streak=jnp.where(finite, jnp.int32(0), streak_bad),
+        overflow_streak=streak,
     )
 
 
