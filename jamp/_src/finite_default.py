@@ -1,27 +1,29 @@
 """The finite check on GPUs, TPUs and every platform but the CPU.
 
 One read of each gradient, no ``lax.cond``, exact for every input. Each
-element becomes ``unscale(x) * 0``: exactly ``0`` when the (unscaled) value is
-finite, NaN when it is an inf or a NaN (``inf * 0`` is NaN), and an overflow
-that unscaling creates (a scale below 1) is an inf before the multiply, so it
-is caught too. A sum of zeros and NaNs cannot overflow, whatever its order or
-length: it is 0 exactly when every element is finite. So no exact second pass
-is needed, and nothing decides through a conditional, which XLA:GPU would run
-as a host sync (its conditional thunk copies the predicate to the host and
-waits for the stream) in the middle of every step.
+(unscaled) gradient becomes its finiteness: a bfloat16 0 where a value is
+finite, a NaN where it is an inf or a NaN (for a large leaf, one per row of its
+trailing axes: NaN where the row holds a non-finite value). An overflow that
+unscaling creates (a scale below 1) is an inf before the test, so it is caught
+too. Those zeros and NaNs are then added up: a sum of zeros and NaNs cannot
+overflow, whatever its order, length or dtype, and it is 0 exactly when every
+value is finite. So no exact second pass is needed, and nothing decides
+through a conditional, which XLA:GPU would run as a host sync (its
+conditional thunk copies the predicate to the host and waits for the stream)
+in the middle of every step.
 
 How XLA:GPU compiles it (``benchmarks/gpu_compile.py`` reads the H200
-program): a large leaf (2**14 elements or more, at least 2-D) is reduced over
-its trailing axes to a short vector, in one kernel that reads it once (in a
-train step XLA often fuses it into the kernel that makes the gradient). Those
-vectors and the small leaves are added element by element where their shapes
-agree (a model has few distinct shapes). With a handful of shapes, each
-shape's sum is its own reduction, which XLA fuses with the kernels around it;
-with more, the sums are joined into one vector and reduced together (the
-absolute value before that last sum keeps XLA from splitting it back into a
-reduction per part). Measured on the H200 compile: the 24-leaf optimizer step
-launches 45 kernels where jmp's launches 65; the GPT step 343 where the
-unscaled step launches 319 (``benchmarks/RESULTS.md``).
+program): a large leaf (2**14 elements or more) is reduced over its trailing
+axes in one kernel that reads it once and writes a byte per row (in a train
+step XLA often fuses it into the kernel that makes the gradient). The rows
+and the small leaves are added element by element where their shapes agree
+(a model has few distinct shapes). With a handful of shapes, each shape's
+sum is its own reduction, which XLA fuses with the kernels around it; with
+more, the sums are joined into one vector and reduced together (the absolute
+value before that last sum keeps XLA from splitting it back into a reduction
+per part). Measured on the H200 compile: the 24-leaf optimizer step launches
+45 kernels where jmp's launches 65, at the same bytes; the GPT step 343 where
+the unscaled step launches 319 (``benchmarks/RESULTS.md``).
 
 :func:`exact`, :func:`sum32` and :func:`replicated` are shared with the CPU
 branch (``finite_cpu``).
@@ -69,11 +71,9 @@ def replicated(x: jax.Array) -> jax.Array:
     return jax.sharding.reshard(x, jax.sharding.PartitionSpec()) if is_sharded(x) else x
 
 
-def _zeros_or_nans(x: jax.Array) -> list[jax.Array]:
-    """``x * 0`` in float32: 0 where ``x`` is finite, NaN where it is not (both parts of a
-    complex ``x``)."""
-    parts = [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
-    return [(p * jnp.zeros((), p.dtype)).astype(jnp.float32) for p in parts]
+def _real_parts(x: jax.Array) -> list[jax.Array]:
+    """``x``, or the two parts of a complex ``x``."""
+    return [jnp.real(x), jnp.imag(x)] if jnp.issubdtype(x.dtype, jnp.complexfloating) else [x]
 
 
 def _trailing(shape: tuple[int, ...]) -> int:
@@ -84,17 +84,23 @@ def _trailing(shape: tuple[int, ...]) -> int:
     return 0
 
 
+_NAN = float("nan")
+
+
 def _parts(x: jax.Array) -> list[jax.Array]:
-    """``x``'s zeros-or-NaNs: the elements of a small leaf, or a large leaf's sums over its
-    trailing axes (each a sum of zeros and NaNs, so 0 or NaN)."""
+    """``x``'s finiteness as bfloat16 zeros (finite) and NaNs (not): per element for a small
+    leaf, per row of its trailing axes for a large one. Only 0 and NaN are ever added, so
+    bfloat16 is exact, and it halves what the join reads and writes."""
     out = []
-    for z in _zeros_or_nans(x):
+    for z in _real_parts(x):
+        bad = jnp.logical_not(jnp.isfinite(z))
         if z.size >= SMALL:
             k = _trailing(z.shape)
-            z = jnp.sum(z, axis=tuple(range(z.ndim - k, z.ndim)) if k else None)
+            bad = jnp.any(bad, axis=tuple(range(z.ndim - k, z.ndim)) if k else None)
+        part = jnp.where(bad, jnp.bfloat16(_NAN), jnp.bfloat16(0))
         # Replicated before it is joined: under the explicit sharding mode parts
         # sharded differently cannot be added or flattened together.
-        out.append(replicated(z))
+        out.append(replicated(part))
     return out
 
 
