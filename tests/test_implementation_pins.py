@@ -70,9 +70,11 @@ def test_clean_path_reads_each_leaf_once():
     assert "dot_general" not in prims and "cond" not in prims, prims
     assert prims.count("reduce_or") == 3 and prims.count("reduce_sum") == 3, prims
     assert "concatenate" not in prims, prims
+    # is_finite of each leaf as it is (the one read; no unscaled copy) and of the total
+    leaf_shapes = {x.shape for x in g.values()}
     for e in other.eqns:
         if e.primitive.name == "is_finite":
-            assert e.invars[0].aval.shape == (), e
+            assert e.invars[0].aval.shape in leaf_shapes | {()}, e
 
 
 def test_cpu_check_compiles_to_few_kernels():
