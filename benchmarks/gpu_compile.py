@@ -129,10 +129,11 @@ def _flax_model(name: str, describe: str, module: nn.Module, x: Any, loss: Calla
     return Model(name, describe, params, mstate, None, train_loss)
 
 
-def gpt_model(tiny: bool = False) -> Model:
+def gpt_model(tiny: bool = False, layers: int | None = None) -> Model:
     from benchmarks.autocast_memory import GPTStack
 
-    d, heads, layers, b, t = (32, 2, 2, 2, 16) if tiny else (512, 8, 4, 16, 512)
+    d, heads, n, b, t = (32, 2, 2, 2, 16) if tiny else (512, 8, 4, 16, 512)
+    layers = n if layers is None else layers
     x = _f32(b, t, d)
 
     def loss(out: jax.Array, y: jax.Array) -> jax.Array:

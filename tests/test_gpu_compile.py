@@ -1,0 +1,203 @@
+"""The compiled GPU program: what XLA:GPU makes of jamp's steps, compiled for an H200.
+
+Compiled here with no GPU (deviceless ahead-of-time compilation, ``benchmarks/xla_gpu.py``);
+the compiler's output is deterministic, so these assert on kernels, bytes, temp memory and
+conditionals, never on time. They need jax's CUDA plugin (``pip install -e ".[gpu-compile]"``)
+and a CUDA toolkit's ptxas; without them they skip, saying so, except under
+``JAMP_REQUIRE_GPU_COMPILE=1`` (``.ci/run``), where a missing compiler is a failure.
+"""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jamp
+from benchmarks import gpu_compile as G
+from benchmarks import xla_gpu
+
+REASON = xla_gpu.unavailable()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _gpu_compiler():
+    if REASON is not None:
+        if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
+            pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {REASON}")
+        pytest.skip(REASON)
+
+
+def _f32(*shape):
+    return jax.ShapeDtypeStruct(shape, jnp.float32)
+
+
+def _compile(fun, *args, donate=()):
+    return xla_gpu.analyse(xla_gpu.compile_for(fun, *args, donate_argnums=donate))
+
+
+# ---------------------------------------------------------------- the reader itself
+
+
+def test_an_elementwise_op_is_one_kernel_moving_its_operands_and_output():
+    p = _compile(lambda a, b: a * 2 + b, _f32(1024, 1024), _f32(1024, 1024))
+    assert p.n_kernels == 1 and p.conditionals == 0
+    assert p.bytes == 3 * 1024 * 1024 * 4
+
+
+def test_gemm_flops_by_operand_dtype_and_roofline():
+    bf = jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((1024, 256), jnp.bfloat16)
+    p = _compile(lambda x, w: x @ w, bf, w)
+    assert p.flops == {"bf16": 2.0 * 512 * 1024 * 256}
+    assert p.gemm_dtypes() == {"bf16"}
+    t = p.roofline()
+    assert t >= p.flops["bf16"] / 989e12 and t >= p.bytes / 4.8e12
+    p32 = _compile(lambda x, w: x @ w, _f32(512, 1024), _f32(1024, 256))
+    assert p32.gemm_dtypes() == {"f32"}
+
+
+def test_a_conditional_counts_its_thunk_and_its_costliest_branch():
+    def f(pred, x):
+        return jax.lax.cond(pred, lambda x: jnp.sin(x) * 2, lambda x: x, x)
+
+    p = _compile(f, jax.ShapeDtypeStruct((), jnp.bool_), _f32(1 << 20))
+    assert p.conditionals == 1
+    assert p.bytes >= 2 * (1 << 20) * 4  # the sin branch reads and writes the array
+
+
+# ---------------------------------------------------------------- the optimizer step
+
+
+@pytest.fixture(scope="module")
+def optimizer_programs():
+    """The 24-leaf adamw step of the benchmark (12.6M parameters), each variant compiled
+    once, donated and not."""
+    model = G.optimizer_model()
+    names = [
+        "plain (optax.adamw)",
+        *G.DEFAULTS,
+        "jamp.loss_scaling(skip='cond')",
+        *G.PEERS,
+    ]
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam (see the marker in conftest)
+        return {
+            (name, donate): G.compile_variant(model, name, donate)
+            for donate in (True, False)
+            for name in names
+        }
+
+
+@pytest.mark.parametrize("donate", [True, False], ids=["donated", "not-donated"])
+@pytest.mark.parametrize("name", G.DEFAULTS)
+def test_default_loss_scaled_step_is_at_the_floor(optimizer_programs, name, donate):
+    # No conditional (a host sync on a GPU), one extra read of the gradients
+    # (8/7 of a plain adamw step), fewer kernels than jmp and optax.apply_if_finite.
+    plain = optimizer_programs["plain (optax.adamw)", donate]
+    p = optimizer_programs[name, donate]
+    assert p.conditionals == 0 and p.copies <= 2
+    assert p.bytes / plain.bytes <= G.BYTES_LIMIT, p.bytes / plain.bytes
+    for peer in G.PEERS:
+        q = optimizer_programs[peer, donate]
+        assert p.n_kernels < q.n_kernels, (p.n_kernels, peer, q.n_kernels)
+        assert p.bytes <= q.bytes * 1.0001, (p.bytes, peer, q.bytes)
+    # no gradient-sized temporary
+    assert p.temp_bytes < 1 << 20, p.temp_bytes
+
+
+def test_cond_over_a_donated_state_copies_it_and_syncs(optimizer_programs):
+    # What the default avoids, measured the same way: lax.cond is a conditional in the
+    # GPU program, and with a donated state XLA copies params, mu and nu first.
+    plain = optimizer_programs["plain (optax.adamw)", True]
+    p = optimizer_programs["jamp.loss_scaling(skip='cond')", True]
+    assert p.conditionals == 1
+    assert p.temp_bytes > 100 << 20 and p.bytes / plain.bytes > 2
+
+
+@pytest.mark.standard_promotion
+def test_the_finite_check_alone_reads_the_tree_once_in_few_kernels():
+    model = G.optimizer_model()
+    checks = G.finite_check(model, xla_gpu.TARGETS["H200"])
+    floor = checks["read floor: sum of every leaf"]
+    for name in ("jamp.all_finite", "jamp.unscale_and_check flag"):
+        p = checks[name]
+        assert p.conditionals == 0
+        assert p.bytes <= floor.bytes * 1.001, (name, p.bytes / floor.bytes)
+        # a kernel per large leaf (12) and one for the rest; jmp's is 3 per leaf pair
+        assert p.n_kernels <= 12 + 2, (name, p.n_kernels)
+        assert p.n_kernels < checks["jmp.all_finite"].n_kernels
+
+
+# ---------------------------------------------------------------- a whole train step
+
+
+@pytest.fixture(scope="module")
+def gpt_programs():
+    model = G.gpt_model(tiny=True, layers=1)
+    names = ["plain (optax.adamw)", "jamp.loss_scaling", G.PEERS[0]]
+    with jax.numpy_dtype_promotion("standard"):  # optax's adam (see the marker in conftest)
+        return model, {name: G.compile_variant(model, name, True) for name in names}
+
+
+def test_a_loss_scaled_gpt_step_has_no_conditional_and_few_extra_kernels(gpt_programs):
+    # The user's program: a Flax GPT block, jax.grad of the scaled loss, adamw, donated.
+    # (GradScaler.step shares the check and the skip: the optimizer step tests both.)
+    model, programs = gpt_programs
+    plain, jmp = programs["plain (optax.adamw)"], programs[G.PEERS[0]]
+    p = programs["jamp.loss_scaling"]
+    assert p.conditionals == 0
+    assert p.n_kernels <= jmp.n_kernels
+    # what checking before updating costs: a kernel per leaf whose update XLA fused into
+    # the gradient's own reduction in the plain step, and the bookkeeping of the scale
+    assert p.n_kernels - plain.n_kernels <= model.n_leaves // 2 + 8, (p.n_kernels, plain.n_kernels)
+    assert p.bytes <= jmp.bytes * 1.001
+
+
+def test_a_half_precision_step_reads_half_precision_gemm_operands():
+    # Loss scaling does not change what the products read: a float16 model's GEMMs
+    # read float16 under jamp.loss_scaling as in the plain step.
+    x = jax.ShapeDtypeStruct((256, 512), jnp.float16)
+    params = {"w1": _f32(512, 512), "w2": _f32(512, 256)}
+    tx = jamp.loss_scaling(optax.sgd(0.1))
+
+    def step(params, opt_state, x):
+        def loss(p):
+            h = jax.nn.relu(x @ p["w1"].astype(jnp.float16))
+            return jnp.mean((h @ p["w2"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+
+        ls = jamp.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: jamp.scale(ls, loss(p)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    p = _compile(step, params, jax.eval_shape(tx.init, params), x, donate=(0, 1))
+    assert p.gemm_dtypes() == {"f16"} and p.conditionals == 0
+
+
+def test_the_cpu_compiles_the_cond_form_and_the_gpu_the_select_form():
+    # skip="auto" is chosen at lowering (lax.platform_dependent): one program each.
+    params = {"w": _f32(64, 64)}
+    tx = jamp.loss_scaling(optax.sgd(0.1))
+
+    def step(params, opt_state, grads):
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    args = (params, jax.eval_shape(tx.init, params), params)
+    gpu = _compile(step, *args)
+    cpu = jax.jit(step).lower(*args).compile().as_text()
+    assert gpu.conditionals == 0
+    assert " conditional(" in cpu
+
+
+@pytest.mark.standard_promotion
+def test_multi_steps_conditional_is_removed_by_the_gpu_compiler():
+    # multi_steps applies the inner step under lax.cond, which JAX lowers as a
+    # conditional; XLA:GPU turns it into running both branches and a select (its
+    # docstring says so), so the compiled micro-step has no host sync.
+    model = G.optimizer_model(tiny=True)
+    state, step = G.VARIANTS["jamp.multi_steps (a micro-step)"](model)
+    lowered = jax.jit(step).lower(xla_gpu.specs(state), xla_gpu.specs(model.batch))
+    assert "stablehlo.if" in lowered.as_text() or "stablehlo.case" in lowered.as_text()
+    assert xla_gpu.analyse(lowered.compile()).conditionals == 0
