@@ -112,7 +112,7 @@ def unavailable() -> str | None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (
             f"no XLA:GPU compiler here ({type(e).__name__}: {first[:200]}); "
-            'pip install "jamp[gpu-compile]" (jax\'s CUDA plugin) and put a CUDA toolkit\'s '
+            "pip install \"jamp[gpu-compile]\" (jax's CUDA plugin) and put a CUDA toolkit's "
             "ptxas on PATH, with JAX_PLATFORMS=cpu"
         )
     return None
@@ -127,9 +127,7 @@ def mesh(target: Target) -> jax.sharding.Mesh:
 def _mesh(config: str) -> jax.sharding.Mesh:
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(
-        platform="cuda", target_config=config, topology="1x1x1"
-    )
+    topo = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
     return topologies.make_mesh(topo, (1,), ("x",))
 
 
@@ -196,7 +194,8 @@ class Instr:
     def arrays(self) -> list[tuple[str, tuple[int, ...]]]:
         """The result's arrays, as (dtype, dims)."""
         return [
-            (d, tuple(int(n) for n in dims.split(",") if n)) for d, dims in _ARRAY.findall(self.shape)
+            (d, tuple(int(n) for n in dims.split(",") if n))
+            for d, dims in _ARRAY.findall(self.shape)
         ]
 
     @property
