@@ -39,6 +39,7 @@ FLOORS = {
     "flax_support": FRONT,
     # the GradScaler facade over the shared pieces
     "grad_scaler": FACADE,
+    "step_records": FACADE,
 }
 THIRD_PARTY = {GROUND: {"jax", "numpy"}, CHECKS: {"jax", "numpy"}}
 MAX_LINES = 800

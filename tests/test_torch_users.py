@@ -214,6 +214,116 @@ def test_two_optimizers_one_unscaled_as_in_torchs_example():
     assert float(state.scale) == 2.0**9  # one backoff for the iteration, as in torch
 
 
+def forgot_update(state, params, opt_state, x, y, tx=TX):
+    """torch's typical loop without ``scaler.update()``: the state goes on as step left it."""
+    grads = scaled_grads(state, params, x, y)
+    params, opt_state, state = SCALER.step(state, tx, grads, opt_state, params)
+    return state, params, opt_state
+
+
+FORGOT_UPDATE = (
+    r"^step\(\) has already been called since the last update\(\)\..*"
+    r"state = scaler\.update\(state\)"
+)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_forgetting_update_is_refused_in_torchs_words(jit):
+    """torch raises on the second ``scaler.step(optimizer)``; the state carried on had kept
+    the scale frozen, piled up inf checks and retraced the jitted step every iteration."""
+    iteration = jax.jit(forgot_update) if jit else forgot_update
+    params, x, y = problem()
+    state, p1, opt_state = iteration(SCALER.init(), params, TX.init(params), x, y)
+    assert not leaves_close(p1, params)  # the first iteration ran
+    with pytest.raises(RuntimeError, match=FORGOT_UPDATE):
+        iteration(state, p1, opt_state, x, y)
+
+
+def test_forgetting_update_with_an_optimizer_made_in_the_step_never_retraces():
+    """``optax.sgd(...)`` written inside the jitted step is a new transformation per trace:
+    the state that comes back in is refused when the step is traced again, not retraced."""
+    traces = []
+
+    @jax.jit
+    def iteration(state, params, opt_state, x, y):
+        traces.append(state.stage)
+        return forgot_update(state, params, opt_state, x, y, tx=optax.sgd(0.1, momentum=0.9))
+
+    params, x, y = problem()
+    state, params, opt_state = iteration(SCALER.init(), params, TX.init(params), x, y)
+    with pytest.raises(RuntimeError, match=r"recorded in another trace.*retrace on every call"):
+        iteration(state, params, opt_state, x, y)
+    assert traces == ["ready", "stepped"]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_one_optax_optimizer_for_two_models_of_one_shape_chains_as_two_torch_optimizers(jit):
+    """torch's multiple-models example with ``tx = optax.sgd(...)`` written once for both
+    models (an Optax transformation is stateless): two steps, one update, per iteration."""
+
+    def iteration(state, ps, opt_states, x, y):
+        g0, g1 = jax.grad(
+            lambda ps: SCALER.scale(state, loss_fn(ps[0], x, y) + 2 * loss_fn(ps[1], x, y))
+        )(ps)
+        p0, o0, state = SCALER.step(state, TX, g0, opt_states[0], ps[0])
+        p1, o1, state = SCALER.step(state, TX, g1, opt_states[1], ps[1])
+        return SCALER.update(state), (p0, p1), (o0, o1)
+
+    iteration = jax.jit(iteration) if jit else iteration
+    params, x, y = problem()
+    ps = (params, jax.tree.map(lambda a: -a, params))
+    state, opt_states = SCALER.init(), (TX.init(ps[0]), TX.init(ps[1]))
+    for _ in range(3):
+        state, ps, opt_states = iteration(state, ps, opt_states, x, y)
+    assert state.stage == "ready" and int(state.growth_tracker) == 3
+
+
+def test_a_gan_iteration_steps_d_then_scales_gs_loss_with_the_stepped_state():
+    """torch's DCGAN with AMP: scale(errD).backward(); step(optD); scale(errG).backward();
+    step(optG); update(). One transformation serves both models."""
+    params, x, y = problem()
+    gen = {"g": jnp.ones((4, 4)) / 4}
+
+    @jax.jit
+    def iteration(state, disc, gen, o_d, o_g):
+        fake = lambda gen: x @ gen["g"]  # noqa: E731
+        g_d = jax.grad(lambda d: SCALER.scale(state, loss_fn(d, fake(gen), y)))(disc)
+        disc, o_d, state = SCALER.step(state, TX, g_d, o_d, disc)
+        g_g = jax.grad(lambda g: SCALER.scale(state, -loss_fn(disc, fake(g), y)))(gen)
+        gen, o_g, state = SCALER.step(state, TX, g_g, o_g, gen)
+        return SCALER.update(state), disc, gen, o_d, o_g
+
+    carry = (SCALER.init(), params, gen, TX.init(params), TX.init(gen))
+    for _ in range(2):
+        carry = iteration(*carry)
+    assert carry[0].stage == "ready" and int(carry[0].growth_tracker) == 2
+
+
+def test_stepping_one_model_twice_in_an_iteration_is_refused_in_torchs_words():
+    def iteration(state, params, opt_state, x, y):
+        grads = scaled_grads(state, params, x, y)
+        params, opt_state, state = SCALER.step(state, TX, grads, opt_state, params)
+        params, opt_state, state = SCALER.step(state, TX, grads, opt_state, params)
+        return SCALER.update(state), params, opt_state
+
+    with pytest.raises(RuntimeError, match=r"^step\(\) has already been called.*This `tx`"):
+        run(iteration)
+
+
+def test_dropping_the_state_step_returns_is_refused():
+    """``params, opt_state, _ = scaler.step(state, ...)``, then ``scaler.update(state)``."""
+
+    def iteration(state, params, opt_state, x, y):
+        grads = scaled_grads(state, params, x, y)
+        params, opt_state, _ = SCALER.step(state, TX, grads, opt_state, params)
+        return SCALER.update(state), params, opt_state
+
+    with pytest.raises(
+        RuntimeError, match=r"^No inf checks were recorded.*already passed to `scaler\.step`"
+    ):
+        run(iteration)
+
+
 # ================================================================ 2. calls written the torch way
 
 
