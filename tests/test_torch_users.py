@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _autocast_helpers import eqns_named
 from jax.sharding import PartitionSpec as P
 
 import jamp
@@ -362,6 +363,85 @@ def test_autocast_as_a_context_manager_says_it_wraps_a_function(call):
     params, x, _ = problem()
     with pytest.raises(TypeError, match=r"wraps a function.*jamp\.autocast\(fn, jnp\.float16\)"):
         jax.jit(forward)(params, x)
+
+
+def dot_dtypes(fun, *args):
+    """The output dtype of every matrix product ``fun`` runs, backward pass included."""
+    jaxpr = jax.make_jaxpr(fun)(*args)
+    return [str(e.outvars[0].aval.dtype) for e in eqns_named(jaxpr, "dot_general")]
+
+
+def test_autocast_as_a_decorator_is_written_as_torchs():
+    """``@torch.autocast(device_type="cuda", dtype=torch.bfloat16)`` on a forward: the dtype
+    by name (keyword-only, as eqx.filter_jit takes its options), or the defaults."""
+    params, x, _ = problem()
+
+    @jamp.autocast(dtype=jnp.float16)
+    def forward(params, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    @jamp.autocast()
+    def default(params, x):
+        return x @ params["w1"]
+
+    assert dot_dtypes(forward, params, x) == ["float16", "float16"]
+    assert dot_dtypes(default, params, x) == ["bfloat16"]
+    assert forward(params, x).dtype == jnp.float32  # the dtype the function returns
+    with pytest.raises(ValueError, match=r"float16 or bfloat16 for `dtype`.*got float32"):
+        jamp.autocast(dtype=jnp.float32)  # checked where the decorator is written
+
+
+def test_autocast_disabled_as_a_decorator_with_or_without_the_call():
+    """``@torch.autocast(device_type="cuda", enabled=False)`` on a helper inside an autocast
+    region; ``with jamp.autocast_disabled():`` names the decorator to write."""
+
+    @jamp.autocast_disabled()
+    def gram(x):
+        return x @ x.T
+
+    @jamp.autocast_disabled
+    def gram2(x):
+        return x @ x.T
+
+    f = jamp.autocast(lambda x: gram(x) + gram2(x) + x @ x.T)
+    assert dot_dtypes(f, jnp.ones((2, 2))) == ["float32", "float32", "bfloat16"]
+    with pytest.raises(TypeError, match=r"not a context manager.*jamp\.autocast_disabled\(fn\)"):
+        with jamp.autocast_disabled():
+            pass
+
+
+def custom_gram(outer_disabled):
+    """torch's ``custom_fwd``/``custom_bwd`` example as a jax.custom_vjp: x @ x.T."""
+
+    def gram(x):
+        return x @ x.T
+
+    def fwd(x):
+        return x @ x.T, x
+
+    def bwd(x, ct):
+        return (ct @ x + ct.T @ x,)
+
+    if outer_disabled:  # @jamp.autocast_disabled over @jax.custom_vjp, then .defvjp
+        gram = jamp.autocast_disabled(jax.custom_vjp(gram))
+    else:  # @jax.custom_vjp over @jamp.autocast_disabled
+        gram = jax.custom_vjp(jamp.autocast_disabled(gram))
+    gram.defvjp(fwd, bwd)
+    return gram
+
+
+@pytest.mark.parametrize("outer_disabled", [True, False], ids=["disabled outer", "vjp outer"])
+def test_autocast_disabled_stacked_with_custom_vjp_in_either_order(outer_disabled):
+    gram = custom_gram(outer_disabled)
+    x = jnp.arange(4.0).reshape(2, 2)
+    loss = jamp.autocast(lambda x: jnp.sum(gram(x)), jnp.float16)
+    grads = jax.grad(loss)(x)
+    np.testing.assert_allclose(grads, jax.grad(lambda x: jnp.sum(x @ x.T))(x))
+    fwd_and_bwd = dot_dtypes(jax.grad(loss), x)
+    if outer_disabled:  # the whole custom_vjp, its fwd and bwd, runs as written
+        assert set(fwd_and_bwd) == {"float32"}
+    else:  # only the primal is marked: fwd and bwd are autocast
+        assert "float16" in fwd_and_bwd
 
 
 def test_jamp_scale_given_the_optimizer_state_points_to_get_loss_scale():

@@ -231,9 +231,14 @@ def multi_steps(
     """``optax.MultiSteps(inner, every_k_schedule, ...)`` that survives an overflow.
 
     Gradient accumulation over a loss-scaled optimizer with the scale constant
-    across micro-steps (torch's recipe)::
+    across micro-steps, as in torch's recipe::
 
         tx = jamp.multi_steps(jamp.loss_scaling(optax.adamw(1e-3)), every_k_schedule=4)
+
+    It averages the ``k`` gradients (``use_grad_mean=True``): do not divide
+    the loss by ``k`` as torch's recipe does (its ``.grad`` sums them), or
+    every step is ``k`` times smaller; keep the division only with
+    ``use_grad_mean=False``.
 
     The arguments, the state (``optax.MultiStepsState``), the accumulation and
     the updates are ``optax.MultiSteps``'s, with two differences:
