@@ -21,6 +21,7 @@ FLOORS = {
     "loss_scale": GROUND,
     "policy": GROUND,
     "float8": GROUND,
+    "deprecations": GROUND,
     # the checks and the shared skip machinery
     "finite_default": CHECKS,
     "finite_cpu": CHECKS,
