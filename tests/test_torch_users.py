@@ -455,7 +455,8 @@ def test_jamp_scale_given_the_optimizer_state_points_to_get_loss_scale():
         return optax.apply_updates(params, updates), opt_state
 
     with pytest.raises(
-        TypeError, match=r"`jamp\.scale`.*got ScaledOptimizerState.*jamp\.get_loss_scale\(opt_state\)"
+        TypeError,
+        match=r"`jamp\.scale`.*got ScaledOptimizerState.*jamp\.get_loss_scale\(opt_state\)",
     ):
         train_step(params, tx.init(params))
 
