@@ -395,7 +395,7 @@ def _by_dtype(res: dict[str, int]) -> str:
 
 
 def section(args, cases: list[Case], results: dict, torch_res: dict, elapsed: float) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     cmd = "python -m benchmarks.autocast_memory" + (" --tiny" if args.tiny else "")
     L = [
         START,

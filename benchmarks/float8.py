@@ -505,7 +505,7 @@ def _curve_table(rows: list[dict], extra: str) -> list[str]:
 
 
 def section(args, errors: dict, curves: list, elapsed: float) -> str:
-    now = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     cmd = "python -m benchmarks.float8" + (" --tiny" if args.tiny else "")
     L = [
         START,

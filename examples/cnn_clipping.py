@@ -8,8 +8,9 @@ PyTorch's "working with unscaled gradients" example::
     scaler.step(optimizer)                                       # does not unscale again
     scaler.update()
 
-Clipping the *scaled* gradients would clip at ``max_norm * scale``, i.e. not
-at all (a common bug). jamp offers the same loop with ``jamp.GradScaler``
+Clipping the *scaled* gradients would clip the true gradients at
+``max_norm / scale``: nearly every step, to a norm 65536 times too small (a
+common bug). jamp offers the same loop with ``jamp.GradScaler``
 (``--style grad-scaler``: ``unscale``, ``optax.clip_by_global_norm``, then
 ``step`` with the state ``unscale`` returned, which does not unscale again)
 and the Optax way (``--style optax``: clipping

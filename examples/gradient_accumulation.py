@@ -13,7 +13,9 @@ PyTorch's "gradient accumulation" example::
 
 In JAX, ``jamp.multi_steps(jamp.loss_scaling(sgd), every_k_schedule=k)``
 (``optax.MultiSteps`` with one fix, below) does the bookkeeping: it averages
-the scaled gradients of ``k`` micro-batches (no division by ``k`` needed),
+the scaled gradients of ``k`` micro-batches, so the loss is *not* divided by
+``iters_to_accumulate`` (ported, the division would make every step ``k``
+times smaller; keep it only with ``use_grad_mean=False``, which sums),
 the scale stays the same across them, and at the boundary ``loss_scaling``
 unscales, checks the accumulated gradients
 (an inf in any micro-batch makes the sum inf, so the whole effective step is

@@ -12,6 +12,8 @@ from jamp._src.autocast import (
     autocast_report,
     float8_init,
 )
+from jamp._src.deprecations import Rename as _Rename
+from jamp._src.deprecations import module_getattr as _module_getattr
 from jamp._src.finite import all_finite, unscale_and_check
 from jamp._src.flax_support import from_flax_dynamic_scale
 from jamp._src.float8 import DelayedScaling, Float8State
@@ -26,7 +28,7 @@ from jamp._src.loss_scale import (
     unscale,
     update,
 )
-from jamp._src.loss_scaling import LossScalingState, loss_scaling, multi_steps
+from jamp._src.loss_scaling import ScaledOptimizerState, loss_scaling, multi_steps
 from jamp._src.policy import Policy, get_policy, half_dtype, parse_dtype
 from jamp._src.report import NonfiniteCount, log_nonfinite, nonfinite_report
 from jamp._src.skip import select_tree
@@ -39,7 +41,14 @@ from jamp._src.value_and_grad import (
 
 _flax_support.register()
 
-__version__ = "0.1.0"
+# The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]).
+__version__ = "0.2.0.dev0"
+
+# Old names, served with a DeprecationWarning until they are removed (CHANGELOG.md).
+__getattr__ = _module_getattr(
+    "jamp",
+    {"LossScalingState": _Rename("ScaledOptimizerState", ScaledOptimizerState, since="0.2.0")},
+)
 
 __all__ = [
     "AutocastReport",
@@ -62,7 +71,7 @@ __all__ = [
     "from_flax_dynamic_scale",
     "multi_steps",
     "nonfinite_report",
-    "LossScalingState",
+    "ScaledOptimizerState",
     "ScaledValueAndGrad",
     "get_loss_scale",
     "loss_scaling",

@@ -17,7 +17,10 @@ from collections.abc import Callable
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+import jamp
+
+# The package under test: the source tree, or an installed wheel (.ci/floors).
+JAMP = pathlib.Path(jamp.__file__).resolve().parent
 
 # Frames of JAX's tracing machinery: an error raised under them came from a trace.
 _TRACING = ("jax/_src/interpreters/", "jax/_src/pjit.py", "jax/_src/api.py", "jax/_src/core.py")
@@ -35,7 +38,7 @@ def assert_clear_error(
     assert type(info.value) is exc  # not a subclass from somewhere deep inside jax
     frames = traceback.extract_tb(info.value.__traceback__)
     raiser = pathlib.Path(frames[-1].filename).resolve()
-    assert ROOT / "jamp" in raiser.parents, f"raised by {raiser}, not by jamp's own validation"
+    assert JAMP in raiser.parents, f"raised by {raiser}, not by jamp's own validation"
     tracing = [
         f.filename for f in frames if any(t in f.filename.replace("\\", "/") for t in _TRACING)
     ]

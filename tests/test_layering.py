@@ -21,6 +21,7 @@ FLOORS = {
     "loss_scale": GROUND,
     "policy": GROUND,
     "float8": GROUND,
+    "deprecations": GROUND,
     # the checks and the shared skip machinery
     "finite_default": CHECKS,
     "finite_cpu": CHECKS,
@@ -39,6 +40,7 @@ FLOORS = {
     "flax_support": FRONT,
     # the GradScaler facade over the shared pieces
     "grad_scaler": FACADE,
+    "step_records": FACADE,
 }
 THIRD_PARTY = {GROUND: {"jax", "numpy"}, CHECKS: {"jax", "numpy"}}
 MAX_LINES = 800

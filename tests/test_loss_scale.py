@@ -327,10 +327,10 @@ BAD_INPUT = {
         r"`finite` to be a boolean scalar array .* got str",
     ),
     # a state of another structure
-    "unscale state=LossScalingState": (
+    "unscale state=ScaledOptimizerState": (
         lambda: jamp.unscale(_lss(), {"w": jnp.ones(2)}),
         TypeError,
-        r"jamp\.unscale` expected `state` to be a LossScaleState.*got LossScalingState",
+        r"jamp\.unscale` expected `state` to be a LossScaleState.*got ScaledOptimizerState",
     ),
     "unscale state=dict": (
         lambda: jamp.unscale({"scale": jnp.float32(2.0)}, {"w": jnp.ones(2)}),
@@ -345,10 +345,10 @@ BAD_INPUT = {
             r"`jamp.scale` expected `state` to be a LossScaleState.*got float",
         ),
     ),
-    "update state=LossScalingState": (
+    "update state=ScaledOptimizerState": (
         lambda: jamp.update(_lss(), jnp.bool_(True)),
         TypeError,
-        r"jamp\.update` expected `state` to be a LossScaleState.*got LossScalingState",
+        r"jamp\.update` expected `state` to be a LossScaleState.*got ScaledOptimizerState",
     ),
     # trees with strings and objects: the message names the path
     "scale leaf=str": (

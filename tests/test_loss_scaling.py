@@ -30,7 +30,7 @@ EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id
 def test_state_fields_are_unique_and_findable():
     tx = jamp.loss_scaling(optax.adam(1e-2))
     state = tx.init(params0())
-    assert isinstance(state, jamp.LossScalingState)
+    assert isinstance(state, jamp.ScaledOptimizerState)
     assert state._fields == ("loss_scale", "inner_state", "last_finite", "skipped_steps")
     assert optax.tree.get(state, "loss_scale") is state.loss_scale
     assert int(optax.tree.get(state, "skipped_steps")) == 0
@@ -376,7 +376,7 @@ def test_orbax_round_trip_continues_identically(tmp_path):
     with ocp.StandardCheckpointer() as ckptr:
         restored = ckptr.restore(path, {"params": p, "opt_state": s})
     p2, s2 = restored["params"], restored["opt_state"]
-    assert isinstance(s2, jamp.LossScalingState)
+    assert isinstance(s2, jamp.ScaledOptimizerState)
     assert jamp.get_loss_scale(s2).min_scale == 1.0 and jamp.get_loss_scale(s2).growth_interval == 2
     for x in xs[3:]:
         p, s = step(p, s, x)
@@ -450,7 +450,7 @@ BAD_INPUT = {
     "update(state=dict)": (
         lambda: jamp.loss_scaling(SGD).update({"w": jnp.ones(2)}, {}, None),
         TypeError,
-        r"`state` to be the LossScalingState.*got dict",
+        r"`state` to be the ScaledOptimizerState.*got dict",
     ),
     # multi_steps
     "multi_steps inner=function": (

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _autocast_helpers import eqns_named
 from jax.sharding import PartitionSpec as P
 
 import jamp
@@ -214,6 +215,116 @@ def test_two_optimizers_one_unscaled_as_in_torchs_example():
     assert float(state.scale) == 2.0**9  # one backoff for the iteration, as in torch
 
 
+def forgot_update(state, params, opt_state, x, y, tx=TX):
+    """torch's typical loop without ``scaler.update()``: the state goes on as step left it."""
+    grads = scaled_grads(state, params, x, y)
+    params, opt_state, state = SCALER.step(state, tx, grads, opt_state, params)
+    return state, params, opt_state
+
+
+FORGOT_UPDATE = (
+    r"^step\(\) has already been called since the last update\(\)\..*"
+    r"state = scaler\.update\(state\)"
+)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_forgetting_update_is_refused_in_torchs_words(jit):
+    """torch raises on the second ``scaler.step(optimizer)``; the state carried on had kept
+    the scale frozen, piled up inf checks and retraced the jitted step every iteration."""
+    iteration = jax.jit(forgot_update) if jit else forgot_update
+    params, x, y = problem()
+    state, p1, opt_state = iteration(SCALER.init(), params, TX.init(params), x, y)
+    assert not leaves_close(p1, params)  # the first iteration ran
+    with pytest.raises(RuntimeError, match=FORGOT_UPDATE):
+        iteration(state, p1, opt_state, x, y)
+
+
+def test_forgetting_update_with_an_optimizer_made_in_the_step_never_retraces():
+    """``optax.sgd(...)`` written inside the jitted step is a new transformation per trace:
+    the state that comes back in is refused when the step is traced again, not retraced."""
+    traces = []
+
+    @jax.jit
+    def iteration(state, params, opt_state, x, y):
+        traces.append(state.stage)
+        return forgot_update(state, params, opt_state, x, y, tx=optax.sgd(0.1, momentum=0.9))
+
+    params, x, y = problem()
+    state, params, opt_state = iteration(SCALER.init(), params, TX.init(params), x, y)
+    with pytest.raises(RuntimeError, match=r"recorded in another trace.*retrace on every call"):
+        iteration(state, params, opt_state, x, y)
+    assert traces == ["ready", "stepped"]
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_one_optax_optimizer_for_two_models_of_one_shape_chains_as_two_torch_optimizers(jit):
+    """torch's multiple-models example with ``tx = optax.sgd(...)`` written once for both
+    models (an Optax transformation is stateless): two steps, one update, per iteration."""
+
+    def iteration(state, ps, opt_states, x, y):
+        g0, g1 = jax.grad(
+            lambda ps: SCALER.scale(state, loss_fn(ps[0], x, y) + 2 * loss_fn(ps[1], x, y))
+        )(ps)
+        p0, o0, state = SCALER.step(state, TX, g0, opt_states[0], ps[0])
+        p1, o1, state = SCALER.step(state, TX, g1, opt_states[1], ps[1])
+        return SCALER.update(state), (p0, p1), (o0, o1)
+
+    iteration = jax.jit(iteration) if jit else iteration
+    params, x, y = problem()
+    ps = (params, jax.tree.map(lambda a: -a, params))
+    state, opt_states = SCALER.init(), (TX.init(ps[0]), TX.init(ps[1]))
+    for _ in range(3):
+        state, ps, opt_states = iteration(state, ps, opt_states, x, y)
+    assert state.stage == "ready" and int(state.growth_tracker) == 3
+
+
+def test_a_gan_iteration_steps_d_then_scales_gs_loss_with_the_stepped_state():
+    """torch's DCGAN with AMP: scale(errD).backward(); step(optD); scale(errG).backward();
+    step(optG); update(). One transformation serves both models."""
+    params, x, y = problem()
+    gen = {"g": jnp.ones((4, 4)) / 4}
+
+    @jax.jit
+    def iteration(state, disc, gen, o_d, o_g):
+        fake = lambda gen: x @ gen["g"]  # noqa: E731
+        g_d = jax.grad(lambda d: SCALER.scale(state, loss_fn(d, fake(gen), y)))(disc)
+        disc, o_d, state = SCALER.step(state, TX, g_d, o_d, disc)
+        g_g = jax.grad(lambda g: SCALER.scale(state, -loss_fn(disc, fake(g), y)))(gen)
+        gen, o_g, state = SCALER.step(state, TX, g_g, o_g, gen)
+        return SCALER.update(state), disc, gen, o_d, o_g
+
+    carry = (SCALER.init(), params, gen, TX.init(params), TX.init(gen))
+    for _ in range(2):
+        carry = iteration(*carry)
+    assert carry[0].stage == "ready" and int(carry[0].growth_tracker) == 2
+
+
+def test_stepping_one_model_twice_in_an_iteration_is_refused_in_torchs_words():
+    def iteration(state, params, opt_state, x, y):
+        grads = scaled_grads(state, params, x, y)
+        params, opt_state, state = SCALER.step(state, TX, grads, opt_state, params)
+        params, opt_state, state = SCALER.step(state, TX, grads, opt_state, params)
+        return SCALER.update(state), params, opt_state
+
+    with pytest.raises(RuntimeError, match=r"^step\(\) has already been called.*This `tx`"):
+        run(iteration)
+
+
+def test_dropping_the_state_step_returns_is_refused():
+    """``params, opt_state, _ = scaler.step(state, ...)``, then ``scaler.update(state)``."""
+
+    def iteration(state, params, opt_state, x, y):
+        grads = scaled_grads(state, params, x, y)
+        params, opt_state, _ = SCALER.step(state, TX, grads, opt_state, params)
+        return SCALER.update(state), params, opt_state
+
+    with pytest.raises(
+        RuntimeError, match=r"^No inf checks were recorded.*already passed to `scaler\.step`"
+    ):
+        run(iteration)
+
+
 # ================================================================ 2. calls written the torch way
 
 
@@ -254,6 +365,85 @@ def test_autocast_as_a_context_manager_says_it_wraps_a_function(call):
         jax.jit(forward)(params, x)
 
 
+def dot_dtypes(fun, *args):
+    """The output dtype of every matrix product ``fun`` runs, backward pass included."""
+    jaxpr = jax.make_jaxpr(fun)(*args)
+    return [str(e.outvars[0].aval.dtype) for e in eqns_named(jaxpr, "dot_general")]
+
+
+def test_autocast_as_a_decorator_is_written_as_torchs():
+    """``@torch.autocast(device_type="cuda", dtype=torch.bfloat16)`` on a forward: the dtype
+    by name (keyword-only, as eqx.filter_jit takes its options), or the defaults."""
+    params, x, _ = problem()
+
+    @jamp.autocast(dtype=jnp.float16)
+    def forward(params, x):
+        return jnp.tanh(x @ params["w1"]) @ params["w2"]
+
+    @jamp.autocast()
+    def default(params, x):
+        return x @ params["w1"]
+
+    assert dot_dtypes(forward, params, x) == ["float16", "float16"]
+    assert dot_dtypes(default, params, x) == ["bfloat16"]
+    assert forward(params, x).dtype == jnp.float32  # the dtype the function returns
+    with pytest.raises(ValueError, match=r"float16 or bfloat16 for `dtype`.*got float32"):
+        jamp.autocast(dtype=jnp.float32)  # checked where the decorator is written
+
+
+def test_autocast_disabled_as_a_decorator_with_or_without_the_call():
+    """``@torch.autocast(device_type="cuda", enabled=False)`` on a helper inside an autocast
+    region; ``with jamp.autocast_disabled():`` names the decorator to write."""
+
+    @jamp.autocast_disabled()
+    def gram(x):
+        return x @ x.T
+
+    @jamp.autocast_disabled
+    def gram2(x):
+        return x @ x.T
+
+    f = jamp.autocast(lambda x: gram(x) + gram2(x) + x @ x.T)
+    assert dot_dtypes(f, jnp.ones((2, 2))) == ["float32", "float32", "bfloat16"]
+    with pytest.raises(TypeError, match=r"not a context manager.*jamp\.autocast_disabled\(fn\)"):
+        with jamp.autocast_disabled():
+            pass
+
+
+def custom_gram(outer_disabled):
+    """torch's ``custom_fwd``/``custom_bwd`` example as a jax.custom_vjp: x @ x.T."""
+
+    def gram(x):
+        return x @ x.T
+
+    def fwd(x):
+        return x @ x.T, x
+
+    def bwd(x, ct):
+        return (ct @ x + ct.T @ x,)
+
+    if outer_disabled:  # @jamp.autocast_disabled over @jax.custom_vjp, then .defvjp
+        gram = jamp.autocast_disabled(jax.custom_vjp(gram))
+    else:  # @jax.custom_vjp over @jamp.autocast_disabled
+        gram = jax.custom_vjp(jamp.autocast_disabled(gram))
+    gram.defvjp(fwd, bwd)
+    return gram
+
+
+@pytest.mark.parametrize("outer_disabled", [True, False], ids=["disabled outer", "vjp outer"])
+def test_autocast_disabled_stacked_with_custom_vjp_in_either_order(outer_disabled):
+    gram = custom_gram(outer_disabled)
+    x = jnp.arange(4.0).reshape(2, 2)
+    loss = jamp.autocast(lambda x: jnp.sum(gram(x)), jnp.float16)
+    grads = jax.grad(loss)(x)
+    np.testing.assert_allclose(grads, jax.grad(lambda x: jnp.sum(x @ x.T))(x))
+    fwd_and_bwd = dot_dtypes(jax.grad(loss), x)
+    if outer_disabled:  # the whole custom_vjp, its fwd and bwd, runs as written
+        assert set(fwd_and_bwd) == {"float32"}
+    else:  # only the primal is marked: fwd and bwd are autocast
+        assert "float16" in fwd_and_bwd
+
+
 def test_jamp_scale_given_the_optimizer_state_points_to_get_loss_scale():
     params, x, y = problem()
     tx = jamp.loss_scaling(optax.sgd(0.1))
@@ -265,7 +455,8 @@ def test_jamp_scale_given_the_optimizer_state_points_to_get_loss_scale():
         return optax.apply_updates(params, updates), opt_state
 
     with pytest.raises(
-        TypeError, match=r"`jamp\.scale`.*got LossScalingState.*jamp\.get_loss_scale\(opt_state\)"
+        TypeError,
+        match=r"`jamp\.scale`.*got ScaledOptimizerState.*jamp\.get_loss_scale\(opt_state\)",
     ):
         train_step(params, tx.init(params))
 

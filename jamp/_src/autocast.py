@@ -340,8 +340,35 @@ def _autocast(
 _WRAPS_A_FUNCTION = (
     "jamp.autocast wraps a function; it is not a context manager and takes no device: where "
     "PyTorch has `with torch.autocast(device_type=..., dtype=torch.float16): out = fn(x)`, "
-    "write `out = jamp.autocast(fn, jnp.float16)(x)`"
+    "write `out = jamp.autocast(fn, jnp.float16)(x)`, or decorate the function with "
+    "`@jamp.autocast(dtype=jnp.float16)`"
 )
+_MARKS_A_FUNCTION = (
+    "jamp.autocast_disabled marks a function; it is not a context manager: where PyTorch has "
+    "`with torch.autocast(device_type=..., enabled=False): out = fn(x)`, write "
+    "`out = jamp.autocast_disabled(fn)(x)`, or decorate the function with "
+    "`@jamp.autocast_disabled` (or `@jamp.autocast_disabled()`)"
+)
+
+
+class _Decorator:
+    """``autocast(dtype=...)``/``autocast_disabled()`` without a function; ``with`` refused."""
+
+    def __init__(self, transform: Callable, message: str, **kwargs: Any) -> None:
+        self._transform, self._message, self._kwargs = transform, message, kwargs
+
+    def __call__(self, fun: Callable) -> Callable:
+        return self._transform(fun, **self._kwargs)
+
+    def __enter__(self) -> None:
+        raise TypeError(f"{self._message}.")
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self._kwargs.items())
+        return f"<decorator jamp.{self._transform.__name__}({args})>"
 
 
 def _explains_torch_calls(autocast: Callable) -> Callable:
@@ -356,7 +383,10 @@ def _explains_torch_calls(autocast: Callable) -> Callable:
             raise TypeError(f"{_WRAPS_A_FUNCTION} ({e}).") from None
         fun = args[0] if args else kwargs.get("fun")
         if isinstance(fun, str) or _is_dtype(fun):  # autocast("cuda", ...), autocast(jnp.float16)
-            raise TypeError(f"{_WRAPS_A_FUNCTION} (got {fun!r} for `fun`).")
+            raise TypeError(
+                f"{_WRAPS_A_FUNCTION} (got {fun!r} for `fun`; as a decorator, the dtype is "
+                "passed by name)."
+            )
         return autocast(*args, **kwargs)
 
     return checked
@@ -371,7 +401,7 @@ def _is_dtype(x: Any) -> bool:
 
 @_explains_torch_calls
 def autocast(
-    fun: Callable,
+    fun: Callable | None = None,
     dtype: Any = None,
     *,
     policy: Policy | str | None = None,
@@ -427,6 +457,11 @@ def autocast(
     ``grad``, ``vmap`` and Flax ``apply``; gradients with respect to float32
     parameters are float32, since every cast is differentiable.
 
+    Without ``fun``, ``autocast`` returns a decorator, as
+    ``eqx.filter_jit(donate=...)`` does: ``@jamp.autocast(dtype=jnp.float16)``
+    (the arguments by name), or ``@jamp.autocast()`` for the defaults. The
+    arguments are checked when the decorator is made.
+
     Array arguments (``jax.Array`` and NumPy arrays, anywhere in pytrees and
     keyword arguments) are traced; other leaves (Python numbers, booleans,
     strings) are passed to ``fun`` unchanged, so ``fun`` may branch on them.
@@ -443,7 +478,7 @@ def autocast(
     with respect to it returns the next state (``docs/float8.md``).
 
     Args:
-      fun: the function to transform.
+      fun: the function to transform; left out, a decorator is returned.
       dtype: the low-precision dtype: ``jnp.bfloat16`` (the default) or
         ``jnp.float16``; the short names of :func:`jamp.get_policy`
         (``"bf16"``, ``"f16"``, ``"half"``) work too; or ``"float8"``. Left
@@ -461,6 +496,7 @@ def autocast(
     Returns:
       A function with the signature of ``fun``; with a ``recipe``, one that
       takes the float8 state (a dict of :class:`jamp.Float8State`) first.
+      Without ``fun``, a decorator that returns that function.
 
     Raises:
       TypeError: ``fun`` is not callable, ``dtype`` is not a dtype or not a
@@ -483,12 +519,22 @@ def autocast(
       >>> [(e.primitive.name, str(e.outvars[0].aval.dtype)) for e in jaxpr.eqns
       ...  if e.primitive.name in ("dot_general", "exp", "log")]
       [('dot_general', 'bfloat16'), ('exp', 'float32'), ('log', 'float32')]
+      >>> @jamp.autocast(dtype=jnp.float16)
+      ... def g(x, w):
+      ...   return x @ w
+      >>> str(jax.make_jaxpr(g)(x, w).eqns[-2].outvars[0].aval.dtype)
+      'float16'
     """
-    _check_fun(fun, "autocast")
+    if fun is not None:
+        _check_fun(fun, "autocast")
     low, policy, float8 = _resolve(dtype, policy)
     _check_recipe(recipe, float8)
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"Expected a bool for `enabled`, got {enabled!r} instead.")
+    if fun is None:
+        kwargs = dict(dtype=dtype, policy=policy, enabled=enabled, recipe=recipe)
+        given = {k: v for k, v in kwargs.items() if v is not None and (k, v) != ("enabled", True)}
+        return _Decorator(autocast, _WRAPS_A_FUNCTION, **given)
     if not enabled:
         return _without_state(fun, recipe) if recipe else autocast_disabled(fun)
     return _autocast(fun, low, policy, None, float8, recipe)
@@ -506,7 +552,7 @@ def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
     return ignoring
 
 
-def autocast_disabled(fun: Callable) -> Callable:
+def autocast_disabled(fun: Callable | None = None) -> Callable:
     """Marks ``fun`` as a region that an enclosing :func:`autocast` leaves alone.
 
     Inside the region every primitive runs in the dtypes it was traced with
@@ -514,10 +560,18 @@ def autocast_disabled(fun: Callable) -> Callable:
     cast back first. This is ``torch.autocast(enabled=False)`` nested inside an
     autocast region. Outside any autocast the function is unchanged. The
     marker is a ``jax.named_scope``, so the region may contain anything,
-    including ``jit``, loops and custom derivatives, and works as a decorator.
+    including ``jit``, loops and custom derivatives, and works as a decorator,
+    written ``@jamp.autocast_disabled`` or ``@jamp.autocast_disabled()``.
+
+    Stacked over ``@jax.custom_vjp`` (or ``custom_jvp``), the returned function
+    keeps ``defvjp`` (``defjvp``), which defines the rule of the function it
+    wraps; the forward and backward passes then run as written, in the dtypes
+    they were traced with. Under it (``@jax.custom_vjp`` outermost), only the
+    primal function is marked: ``fwd`` and ``bwd`` are autocast like the rest.
 
     Args:
-      fun: the function to exclude from autocasting.
+      fun: the function to exclude from autocasting; left out, a decorator
+        is returned.
 
     Returns:
       A function with the signature of ``fun``.
@@ -533,6 +587,8 @@ def autocast_disabled(fun: Callable) -> Callable:
       >>> [str(e.outvars[0].aval.dtype) for e in dots]
       ['float32', 'bfloat16']
     """
+    if fun is None:
+        return _Decorator(autocast_disabled, _MARKS_A_FUNCTION)
     _check_fun(fun, "autocast_disabled")
 
     @functools.wraps(fun)
@@ -540,6 +596,12 @@ def autocast_disabled(fun: Callable) -> Callable:
         with jax.named_scope(SCOPE_DISABLED):
             return fun(*args, **kwargs)
 
+    if isinstance(fun, (jax.custom_vjp, jax.custom_jvp)):  # the rule is defined on `fun`
+        for name in [n for n in vars(fun) if not n.startswith("__")]:  # copied: fwd=None, ...
+            del wrapped.__dict__[name]
+        for name in ("defvjp", "defjvp", "defjvps"):
+            if hasattr(type(fun), name):
+                setattr(wrapped, name, getattr(fun, name))
     return wrapped
 
 

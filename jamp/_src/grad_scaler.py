@@ -40,6 +40,7 @@ from jamp._src.leaves import is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import check_skip, optimizer_step
+from jamp._src.step_records import check_step, record
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -105,6 +106,12 @@ class GradScalerState(ls.LossScaleState):
         ``"unscaled"`` (the last check is :meth:`GradScaler.unscale`'s, and
         :meth:`GradScaler.step` will take its gradients as unscaled) or
         ``"stepped"``.
+      checked_by: one entry per check in ``found_infs``: which optimizer
+        step recorded it (its transformation, the structure of its
+        parameters and the arrays it returned), or ``None`` for a check of
+        :meth:`GradScaler.unscale` that no step has taken yet. It tells a
+        second step of the same optimizer (refused, as torch refuses it)
+        from the next optimizer's step.
 
     The stage is static, so the checks that refuse a misuse run while the
     step is traced and cost nothing when it runs. After ``update`` the state
@@ -114,6 +121,7 @@ class GradScalerState(ls.LossScaleState):
 
     found_infs: tuple = ()
     stage: str = dataclasses.field(default=READY, metadata=dict(static=True))
+    checked_by: tuple = dataclasses.field(default=(), metadata=dict(static=True))
 
 
 _LOSS_SCALE_FIELDS = [f.name for f in dataclasses.fields(ls.LossScaleState)]
@@ -126,6 +134,7 @@ jax.tree_util.register_dataclass(
     meta_fields=[
         *(f.name for f in dataclasses.fields(ls.LossScaleState) if f.metadata.get("static")),
         "stage",
+        "checked_by",
     ],
 )
 
@@ -138,17 +147,28 @@ def _found_infs(state: ls.LossScaleState) -> tuple:
     return state.found_infs if isinstance(state, GradScalerState) else ()
 
 
+def _checked_by(state: ls.LossScaleState) -> tuple:
+    """One record (or ``None``) per recorded check."""
+    found_infs = _found_infs(state)
+    records = state.checked_by[: len(found_infs)] if found_infs else ()
+    return (*records, *[None] * (len(found_infs) - len(records)))
+
+
 def _as_grad_scaler_state(state: ls.LossScaleState) -> GradScalerState:
     if isinstance(state, GradScalerState):
         return state
     return GradScalerState(**{name: getattr(state, name) for name in _LOSS_SCALE_FIELDS})
 
 
-def _with_stage(state: ls.LossScaleState, found_infs: tuple, stage: str) -> ls.LossScaleState:
+def _with_stage(
+    state: ls.LossScaleState, found_infs: tuple, stage: str, checked_by: tuple = ()
+) -> ls.LossScaleState:
     """``state`` at ``stage`` with ``found_infs``; a plain loss-scale state stays one when ready."""
     if stage == READY and not isinstance(state, GradScalerState):
         return state
-    return dataclasses.replace(_as_grad_scaler_state(state), found_infs=found_infs, stage=stage)
+    return dataclasses.replace(
+        _as_grad_scaler_state(state), found_infs=found_infs, stage=stage, checked_by=checked_by
+    )
 
 
 def _any(flags: tuple) -> jax.Array:
@@ -475,7 +495,7 @@ class GradScaler:
         unscaled, finite = _unscale_and_check(state, grads, axis_name=self.axis_name)
         _passed(state, "unscale", grads)
         found_infs = (*_found_infs(state), jnp.logical_not(finite))
-        return unscaled, _with_stage(state, found_infs, UNSCALED)
+        return unscaled, _with_stage(state, found_infs, UNSCALED, (*_checked_by(state), None))
 
     @_takes_state(_CALLS["step"])
     def step(
@@ -514,7 +534,13 @@ class GradScaler:
 
         Raises:
           RuntimeError: ``state`` was already passed to ``unscale`` (its
-            gradients would be unscaled twice), ``step`` or ``update``.
+            gradients would be unscaled twice), ``step`` or ``update``; or
+            ``tx`` already stepped these parameters since the last
+            ``update`` ("step() has already been called since the last
+            update()": the loop left ``update`` out); or ``state`` holds a
+            check that a step of parameters of this structure recorded in
+            another trace (it left a jitted call without ``update``, and
+            would grow and retrace every iteration).
           TypeError: ``tx`` is not an Optax transformation, ``params`` and
             ``opt_state`` are swapped, or ``found_inf=`` was passed.
         """
@@ -545,9 +571,11 @@ class GradScaler:
             params, opt_state = step(None, lambda: grads)
             return params, opt_state, state
         _check_not_passed(state, "step")
-        found_infs = _found_infs(state)
+        found_infs, checked_by = _found_infs(state), _checked_by(state)
+        check_step(checked_by, tx, params)
         if _stage(state) == UNSCALED:  # grads unscaled by scaler.unscale, its check recorded
             found_infs, found_inf = found_infs[:-1], found_infs[-1]
+            checked_by = checked_by[:-1]
             finite = jnp.logical_not(found_inf)
             unscaled = lambda: grads  # noqa: E731
         else:
@@ -560,7 +588,9 @@ class GradScaler:
         if found_inf is None:
             found_inf = jnp.logical_not(finite)
         _passed(state, "step", grads)
-        return new_params, new_opt_state, _with_stage(state, (*found_infs, found_inf), STEPPED)
+        checked_by = (*checked_by, record(tx, params, new_params))
+        new_state = _with_stage(state, (*found_infs, found_inf), STEPPED, checked_by)
+        return new_params, new_opt_state, new_state
 
     @_takes_state(_CALLS["update"])
     def update(self, state: ls.LossScaleState, new_scale: Any = None) -> GradScalerState:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jamp._src.loss_scale import STATIC, LossScaleState, restore
-from jamp._src.loss_scaling import LossScalingState
+from jamp._src.loss_scaling import ScaledOptimizerState
 from jamp._src.value_and_grad import ScaledValueAndGrad
 
 
@@ -210,7 +210,7 @@ def metrics(state: Any) -> dict[str, jax.Array]:
         }
     if isinstance(state, LossScaleState):
         return {"loss_scale": state.scale, "growth_tracker": state.growth_tracker}
-    found = _find(state, LossScalingState)
+    found = _find(state, ScaledOptimizerState)
     if len(found) == 1:
         s = _unwrapped(found[0][1])
         return {

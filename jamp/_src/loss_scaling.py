@@ -38,8 +38,12 @@ from jamp._src.skip import (
 )
 
 
-class LossScalingState(NamedTuple):
-    """State of :func:`loss_scaling`; field names are unique for ``optax.tree.get``.
+class ScaledOptimizerState(NamedTuple):
+    """The state of an optimizer that takes scaled gradients: :func:`loss_scaling`'s.
+
+    Field names are unique, for ``optax.tree.get``. Not to be confused with
+    :class:`jamp.LossScaleState`, the scale itself, which is its
+    ``loss_scale`` field.
 
     Attributes:
       loss_scale: the :class:`jamp.LossScaleState` used to scale the next loss.
@@ -142,11 +146,11 @@ def loss_scaling(
     check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
-    def init_fn(params: Any) -> LossScalingState:
+    def init_fn(params: Any) -> ScaledOptimizerState:
         refuse_in(params, "the parameters of jamp.loss_scaling's init")
         # New buffers on every call, as optax's states: a train step that
         # donates one state must not delete another made by the same `tx`.
-        return LossScalingState(
+        return ScaledOptimizerState(
             loss_scale=fresh(loss_scale),
             inner_state=inner.init(params),
             last_finite=jnp.asarray(True),
@@ -154,11 +158,11 @@ def loss_scaling(
         )
 
     def update_fn(
-        updates: Any, state: LossScalingState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, LossScalingState]:
-        if not isinstance(state, LossScalingState):
+        updates: Any, state: ScaledOptimizerState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ScaledOptimizerState]:
+        if not isinstance(state, ScaledOptimizerState):
             raise TypeError(
-                "Expected `state` to be the LossScalingState from this transformation's init, "
+                "Expected `state` to be the ScaledOptimizerState from this transformation's init, "
                 f"got {type(state).__name__} instead."
             )
         refuse_axis_name(extra_args, "`update`", "the inner transformation", "jamp.loss_scaling")
@@ -197,7 +201,7 @@ def loss_scaling(
                 )
 
             lax.cond(finite, lambda: None, log_skipped)
-        counters = LossScalingState(
+        counters = ScaledOptimizerState(
             loss_scale=update(state.loss_scale, finite),
             inner_state=None,
             last_finite=finite,
@@ -231,9 +235,14 @@ def multi_steps(
     """``optax.MultiSteps(inner, every_k_schedule, ...)`` that survives an overflow.
 
     Gradient accumulation over a loss-scaled optimizer with the scale constant
-    across micro-steps (torch's recipe)::
+    across micro-steps, as in torch's recipe::
 
         tx = jamp.multi_steps(jamp.loss_scaling(optax.adamw(1e-3)), every_k_schedule=4)
+
+    It averages the ``k`` gradients (``use_grad_mean=True``): do not divide
+    the loss by ``k`` as torch's recipe does (its ``.grad`` sums them), or
+    every step is ``k`` times smaller; keep the division only with
+    ``use_grad_mean=False``.
 
     The arguments, the state (``optax.MultiStepsState``), the accumulation and
     the updates are ``optax.MultiSteps``'s, with two differences:

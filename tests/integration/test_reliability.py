@@ -386,7 +386,7 @@ def test_orbax_checkpoint_mid_burst_and_mid_run_resumes_bit_identically(soak, tm
         with ocp.StandardCheckpointer() as ckptr:
             restored = ckptr.restore(path, abstract)
         s = restored["opt_state"]
-        assert isinstance(s, jamp.LossScalingState)
+        assert isinstance(s, jamp.ScaledOptimizerState)
         ls_state = jamp.get_loss_scale(s)
         assert (ls_state.min_scale, ls_state.max_scale, ls_state.growth_interval) == (
             MIN_SCALE,

@@ -219,3 +219,23 @@ def test_equinox_mlp_float16_with_scaling_and_an_injected_overflow(capsys):
     for a, b in pairs:
         if isinstance(a, jax.Array):
             np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_gradient_penalty_trains_and_skips_an_overflow_in_the_inner_gradient():
+    out = load("gradient_penalty").main(["--steps", "30", "--hidden", "8", "--inject-inf-at", "20"])
+    history = out["history"]
+    assert history[20]["skipped"] and history[20]["scale"] == history[19]["scale"] / 2
+    assert history[-1]["loss"] < history[0]["loss"] / 2
+    assert history[-1]["penalty"] < history[0]["penalty"]
+
+
+def test_custom_autograd_functions_run_in_the_dtypes_torch_gives_them():
+    out = load("custom_autograd").main(["--steps", "40", "--hidden", "8"])
+    both = lambda dtype: {"forward": [dtype], "backward": [dtype]}  # noqa: E731
+    assert out["dtypes"] == {
+        "mymm": both("float16"),  # custom_fwd / custom_bwd: the surrounding autocast
+        "precise_mm": both("float32"),  # autocast(enabled=False) inside the region
+        "float32_func": both("float32"),  # custom_fwd(cast_inputs=torch.float32)
+    }
+    assert out["grad_error"] < 1e-2
+    assert out["losses"][-1] < out["losses"][0] / 4

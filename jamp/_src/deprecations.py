@@ -1,0 +1,124 @@
+"""Renames with a deprecation period: the old spelling keeps working, and warns.
+
+A public name or keyword argument that is renamed keeps its old spelling
+for at least one minor release. Using it emits a ``DeprecationWarning`` that
+names the version it was deprecated in, the version that removes it, and
+what to write instead; ``CHANGELOG.md`` lists it under "Deprecated".
+
+- A module attribute (a class, a function): :func:`module_getattr` makes a
+  module ``__getattr__`` that serves the old name, so ``jamp.OldName`` and
+  ``from jamp import OldName`` still work::
+
+      __getattr__ = module_getattr("jamp", {"OldName": Rename("NewName", NewName, "0.2.0")})
+
+- A keyword argument: :func:`renamed_arguments` wraps a function so that
+  ``fn(old=...)`` is passed on as ``fn(new=...)``::
+
+      @renamed_arguments(since="0.2.0", old="new")
+      def fn(x, *, new=None): ...
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Rename(NamedTuple):
+    """An old public name and what replaced it.
+
+    Attributes:
+      new: the name to write instead.
+      obj: the object both names refer to.
+      since: the jamp version that deprecated the old name.
+      removed_in: the version that removes it; by default the minor release
+        after ``since``.
+    """
+
+    new: str
+    obj: Any
+    since: str
+    removed_in: str | None = None
+
+
+def _next_minor(version: str) -> str:
+    major, minor = version.split(".")[:2]
+    return f"{major}.{int(minor) + 1}.0"
+
+
+def message(old: str, new: str, since: str, removed_in: str | None, what: str = "") -> str:
+    """The warning's text: what is deprecated, since when, until when, and what to write."""
+    removed_in = removed_in or _next_minor(since)
+    return (
+        f"{old} is deprecated since jamp {since} and will be removed in jamp {removed_in}: "
+        f"it was renamed {new}{what}. Write {new} instead."
+    )
+
+
+def module_getattr(module: str, renames: Mapping[str, Rename]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that serves each old name of ``renames``, with a warning.
+
+    Args:
+      module: the module's public name, e.g. ``"jamp"``.
+      renames: ``{old name: Rename(new name, object, since)}``.
+
+    Returns:
+      A function to assign to the module's ``__getattr__``; a name that is
+      neither the module's nor an old one raises Python's ``AttributeError``.
+    """
+
+    def __getattr__(name: str) -> Any:
+        rename = renames.get(name)
+        if rename is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        text = message(
+            f"{module}.{name}",
+            f"{module}.{rename.new}",
+            rename.since,
+            rename.removed_in,
+            " (the same object)",
+        )
+        warnings.warn(text, DeprecationWarning, stacklevel=2)
+        return rename.obj
+
+    return __getattr__
+
+
+def renamed_arguments(
+    *, since: str, removed_in: str | None = None, **renames: str
+) -> Callable[[F], F]:
+    """A decorator that accepts each old keyword argument of ``renames`` as its new name.
+
+    Args:
+      since: the jamp version that deprecated the old names.
+      removed_in: the version that removes them; by default the next minor.
+      **renames: ``old_name="new_name"``.
+
+    Returns:
+      The decorator. Passing both the old and the new name is a
+      ``TypeError``, naming both.
+    """
+
+    def decorate(fn: F) -> F:
+        @functools.wraps(fn)
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            for old, new in renames.items():
+                if old not in kwargs:
+                    continue
+                if new in kwargs:
+                    raise TypeError(
+                        f"`{fn.__qualname__}` got both `{old}` and `{new}`: `{old}` is the old "
+                        f"name of `{new}`; pass `{new}` only."
+                    )
+                text = message(f"`{fn.__qualname__}({old}=...)`", f"`{new}=`", since, removed_in)
+                warnings.warn(text, DeprecationWarning, stacklevel=2)
+                kwargs[new] = kwargs.pop(old)
+            return fn(*args, **kwargs)
+
+        return wrapped  # type: ignore[return-value]
+
+    return decorate

@@ -1,0 +1,99 @@
+"""jamp/_src/deprecations.py: renamed names and arguments keep working, and warn."""
+
+import os
+import pathlib
+import warnings
+
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jamp
+from jamp._src.deprecations import Rename, module_getattr, renamed_arguments
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SKIP = {"build", "dist", "site", "runs", "venv", "node_modules"}
+OLD_NAME = "LossScaling" + "State"  # spelled apart so the scan below finds only real uses
+RENAMED = (
+    rf"^jamp\.{OLD_NAME} is deprecated since jamp 0\.2\.0 and will be removed in jamp 0\.3\.0: "
+    r"it was renamed jamp\.ScaledOptimizerState \(the same object\)\. Write "
+    r"jamp\.ScaledOptimizerState instead\.$"
+)
+
+
+def test_the_old_name_of_the_optax_state_is_the_new_class_and_warns():
+    with pytest.warns(DeprecationWarning, match=RENAMED):
+        old = getattr(jamp, OLD_NAME)
+    assert old is jamp.ScaledOptimizerState
+    state = jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(2)})
+    with pytest.warns(DeprecationWarning, match=RENAMED):
+        assert isinstance(state, getattr(jamp, OLD_NAME))  # an isinstance check still holds
+
+
+def test_importing_the_old_name_warns_where_it_is_imported():
+    with pytest.warns(DeprecationWarning, match=RENAMED) as record:
+        exec(f"from jamp import {OLD_NAME}", {})
+    assert record[0].filename == "<string>"  # the importing line, not jamp's __getattr__
+
+
+def test_the_old_name_is_neither_listed_nor_exported():
+    assert OLD_NAME not in jamp.__all__ and OLD_NAME not in dir(jamp)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        namespace = {}
+        exec("from jamp import *", namespace)  # no warning: the old name is not in __all__
+    assert "ScaledOptimizerState" in namespace and OLD_NAME not in namespace
+
+
+def test_an_unknown_name_is_pythons_attribute_error():
+    with pytest.raises(AttributeError, match=r"^module 'jamp' has no attribute 'loss_scaling_'$"):
+        jamp.loss_scaling_  # noqa: B018
+
+
+def test_nothing_in_the_repository_uses_the_old_name_but_this_test_and_the_changelog():
+    allowed = {"jamp/__init__.py", "CHANGELOG.md"}
+    users = []
+    for folder, dirs, files in os.walk(ROOT):  # pruned: no .git, venvs, caches or builds
+        dirs[:] = [d for d in dirs if not d.startswith((".", "_")) and d not in SKIP]
+        for name in files:
+            path = pathlib.Path(folder, name)
+            rel = path.relative_to(ROOT).as_posix()
+            if (
+                path.suffix in {".py", ".md", ".toml", ".yml", ".yaml", ".txt"}
+                and rel not in allowed
+            ):
+                if OLD_NAME in path.read_text(errors="replace"):
+                    users.append(rel)
+    assert users == []
+
+
+def test_module_getattr_serves_any_rename_with_its_versions():
+    class New:
+        pass
+
+    getattr_ = module_getattr("pkg", {"Old": Rename("New", New, since="1.4.0", removed_in="2.0.0")})
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"^pkg\.Old is deprecated since jamp 1\.4\.0 and will be removed in jamp 2\.0\.0",
+    ):
+        assert getattr_("Old") is New
+    with pytest.raises(AttributeError, match="'pkg' has no attribute 'New'"):
+        getattr_("New")
+
+
+def test_renamed_arguments_passes_the_old_keyword_on_with_a_warning():
+    @renamed_arguments(since="0.2.0", init="init_scale")
+    def make(*, init_scale=1.0):
+        return init_scale
+
+    with pytest.warns(
+        DeprecationWarning,
+        match=r"^`.*make\(init=\.\.\.\)` is deprecated since jamp 0\.2\.0 and will be removed in "
+        r"jamp 0\.3\.0: it was renamed `init_scale=`\. Write `init_scale=` instead\.$",
+    ):
+        assert make(init=4.0) == 4.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make(init_scale=2.0) == 2.0  # the new name: no warning
+    with pytest.raises(TypeError, match=r"got both `init` and `init_scale`.*pass `init_scale`"):
+        make(init=1.0, init_scale=2.0)
