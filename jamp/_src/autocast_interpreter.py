@@ -11,15 +11,13 @@ it. Sub-computations (``HIGHER_ORDER``) are evaluated recursively.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
@@ -52,160 +50,36 @@ from jamp._src.autocast_rules import (
     output_is_low,
     rule_of,
     runs_low,
-    saturated,
     span_of,
     widest,
 )
+from jamp._src.autocast_values import (
+    CONST,
+    FOLD_MAX,
+    LITERAL,
+    MARKER,
+    SCOPE_AUTOCAST,
+    SCOPE_DISABLED,
+    TRACED,
+    Casts,
+    Context,
+    Info,
+    Recorder,
+    bind,
+    cast,
+    float0_zeros,
+    is_float,
+    is_inexact,
+    record,
+    sds,
+    source,
+    strong_cast,
+)
 
-try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
-    from jax._src import source_info_util as _source_info_util
-except ImportError:  # pragma: no cover - depends on the jax version
-    _source_info_util = None
-
-# The name scope that marks a region the interpreter evaluates as traced.
-SCOPE_DISABLED = "jamp_autocast_disabled"
-SCOPE_AUTOCAST = "jamp_autocast"
-MARKER = "jamp_autocast"  # a substring of both
-
-# Where a value comes from (see _eval_jaxpr). Ordered: an output has the
-# smallest kind of its inputs.
-TRACED = 0  # depends on the function's arguments: activations, parameters
-CONST = 1  # known when the function is traced: a concrete constant, or computed from those
-LITERAL = 2  # computed from literals only (Python scalars): also follows under promote
-
-
-class Info(NamedTuple):
-    """What the interpreter knows about a value besides the value itself."""
-
-    kind: int = TRACED
-    low: bool = False  # derived from low-precision activations only (not params, constants)
-    size: int | None = None  # elements before broadcasting; None: its own size
-    span: Span | None = None  # a traced constant's values (a concrete one is looked at)
-    held: bool = False  # a low activation computed in float32 for float32 consumers
-    statistic: bool = False  # low, and a reduction (or computed from reductions alone)
-
-
-class Recorder:
-    """Counts, per (primitive, rule, dtype), the equations evaluated; and unknown primitives."""
-
-    def __init__(self) -> None:
-        self.counts: collections.Counter = collections.Counter()
-        self.unknown: set[str] = set()
-
-    def add(self, prim: str, rule: str, dtype: str) -> None:
-        self.counts[(prim, rule, dtype)] += 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    dtype: np.dtype
-    recorder: Recorder | None
-    as_traced: bool = False
-    # A rule tried before the table (float8: autocast_float8): (eqn, invals, infos, ctx) ->
-    # (outs, infos), or None to leave the equation to the table.
-    rule: Callable[..., tuple[list, list] | None] | None = None
-
-
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
-
-
-def is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _is_inexact(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
-def cast(x: Any, dtype: Any) -> Any:
-    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
-
-
-class _Casts:
-    """The casts autocast inserts, one per value and dtype (torch's cast cache).
-
-    A value cast to the same dtype twice (the input of the query, key and
-    value projections; a weight used twice) is cast once, so the backward
-    pass saves one copy.
-    """
-
-    def __init__(self) -> None:
-        self._done: dict[tuple[int, np.dtype, bool], tuple[Any, Any]] = {}
-
-    def __call__(self, x: Any, dtype: Any, info: Info, saturate: bool = False) -> Any:
-        if x.dtype == dtype:
-            return x
-        key = (id(x), np.dtype(dtype), saturate)
-        hit = self._done.get(key)
-        if hit is not None and hit[0] is x:
-            return hit[1]
-        y = x
-        if saturate and info.kind >= CONST and narrows(x.dtype, dtype):
-            y = saturated(y, dtype)
-        if info.kind < CONST or isinstance(y, jax.core.Tracer) or np.size(y) > _FOLD_MAX:
-            y = lax.convert_element_type(y, dtype)
-        else:  # a small concrete constant: cast now, not in the program
-            y = np.asarray(y).astype(dtype)
-        self._done[key] = (x, y)  # keeps x alive, so its id is not reused
-        return y
-
-    def prime(self, x: Any, dtype: Any, y: Any) -> None:
-        """Makes ``y`` the cast of ``x`` to ``dtype`` (a fused softmax's own cast)."""
-        self._done[(id(x), np.dtype(dtype), False)] = (x, y)
-
-
-def _strong_cast(x: Any, dtype: Any) -> Any:
-    """A cast that also drops weak typing (loop carries must type-check)."""
-    return lax.convert_element_type(x, dtype)
-
-
-def _source(eqn: Any) -> contextlib.AbstractContextManager:
-    stack = contextlib.ExitStack()
-    if _source_info_util is not None:
-        name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-        stack.enter_context(
-            _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
-        )
-    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-    if manager is not None:
-        stack.enter_context(manager)
-    return stack
-
-
-def _bind(eqn: Any, vals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list:
-    """Binds ``eqn``'s primitive on ``vals`` (as ``jax.core.eval_jaxpr`` does)."""
-    bind_params = eqn.primitive.get_bind_params(dict(eqn.params if params is None else params))
-    subfuns: Sequence[Any] = ()
-    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-        subfuns, bind_params = bind_params
-    with _source(eqn):
-        out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _sds(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
-def _float0_zeros(aval: Any) -> np.ndarray:
-    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
-
-
-def _ran_in(vals: Sequence[Any], outs: Sequence[Any]) -> str:
-    floats = [np.dtype(x.dtype) for x in vals if is_float(x.dtype)]
-    if floats:
-        return widest(floats).name
-    for x in outs:
-        return str(x.dtype)
-    return "-"
-
-
-def _record(ctx: Context, eqn: Any, rule: str, vals: Sequence[Any], outs: Sequence[Any]) -> None:
-    if ctx.recorder is not None:
-        ctx.recorder.add(eqn.primitive.name, rule, _ran_in(vals, outs))
-
+__all__ = [  # what the other autocast modules import from here
+    "HIGHER_ORDER", "MARKER", "SCOPE_AUTOCAST", "SCOPE_DISABLED", "Context", "Info", "Recorder",
+    "cast", "eval_closed", "is_float", "kept_preferred_type", "scan_with",
+]  # fmt: skip
 
 # ---------------------------------------------------------------------------
 # The interpreter
@@ -240,7 +114,7 @@ def _eval_jaxpr(
     for v, x, info in zip(jaxpr.invars, args, infos, strict=True):
         env[v] = (x, info)
     to_float32 = _float32_operands(jaxpr)
-    casts = _Casts()
+    casts = Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
     for k, eqn in enumerate(jaxpr.eqns):
@@ -272,16 +146,13 @@ def _upcast(x: Any, info: Info, size: int = 2) -> bool:
     return info.kind == TRACED and np.dtype(x.dtype) in ELIGIBLE and x.dtype.itemsize <= size
 
 
-def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: _Casts):
+def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: Casts):
     """A softmax whose backward pass keeps the low probabilities only (``autocast_residuals``)."""
-    with _source(jaxpr.eqns[group.indices[-1]]):
+    with source(jaxpr.eqns[group.indices[-1]]):
         body, _, (out,) = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
         y, y_low = softmax_keeping_low(lambda x: body(x)[0], group.axes, ctx.dtype, z.dtype)(z)
     casts.prime(y, ctx.dtype, y_low)  # the consuming matmuls' cast of y
     return y, out
-
-
-_FOLD_MAX = 4096  # elements: constants this small are computed when traced
 
 
 def _foldable(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
@@ -295,7 +166,7 @@ def _foldable(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
         and eqn.primitive.name not in HIGHER_ORDER
         and all(i.kind >= CONST for i in infos)
         and not any(isinstance(x, jax.core.Tracer) for x in invals)
-        and sum(int(np.prod(v.aval.shape)) for v in eqn.outvars) <= _FOLD_MAX
+        and sum(int(np.prod(v.aval.shape)) for v in eqn.outvars) <= FOLD_MAX
     )
 
 
@@ -331,8 +202,8 @@ def _as_traced(
         cast(x, v.aval.dtype) if is_float(x.dtype) and is_float(v.aval.dtype) else x
         for x, v in zip(invals, eqn.invars, strict=True)
     ]
-    outs = _bind(eqn, vals)
-    _record(ctx, eqn, rule, vals, outs)
+    outs = bind(eqn, vals)
+    record(ctx, eqn, rule, vals, outs)
     return outs, [Info(kind=_const_kind(infos))] * len(outs)
 
 
@@ -413,7 +284,7 @@ def _eval_eqn(
     infos: list,
     ctx: Context,
     feeds_float32: bool = False,
-    casts: _Casts | None = None,
+    casts: Casts | None = None,
 ) -> tuple[list, list]:
     name = eqn.primitive.name
     if ctx.as_traced:
@@ -435,7 +306,7 @@ def _eval_eqn(
         return _as_traced(eqn, invals, infos, ctx, "unknown")
     if rule == AS_TRACED:
         return _as_traced(eqn, invals, infos, ctx, rule)
-    casts = _Casts() if casts is None else casts
+    casts = Casts() if casts is None else casts
 
     float_in = [i for i, x in enumerate(invals) if is_float(x.dtype)]
     params = eqn.params
@@ -454,8 +325,8 @@ def _eval_eqn(
         params = _lower_params(eqn, float_in, ctx)
         low = True
     elif rule == KEEP:  # each output is its input, as it arrives
-        outs = _bind(eqn, vals, params)
-        _record(ctx, eqn, rule, vals, outs)
+        outs = bind(eqn, vals, params)
+        record(ctx, eqn, rule, vals, outs)
         if len(outs) == len(infos):
             return outs, list(infos)
         return outs, [Info(kind=_const_kind(infos))] * len(outs)
@@ -463,19 +334,19 @@ def _eval_eqn(
         targets = {i: FLOAT32_DTYPE for i in float_in if np.dtype(invals[i].dtype) in ELIGIBLE}
         low = output_is_low(cats)
         if name in RECOMPUTED and targets == {0: FLOAT32_DTYPE} and _upcast(invals[0], infos[0]):
-            with _source(eqn):  # the backward pass keeps the half input (autocast_residuals)
-                outs = [recomputed(lambda x: _bind(eqn, [x], params)[0], invals[0])]
-            _record(ctx, eqn, rule, outs, outs)
+            with source(eqn):  # the backward pass keeps the half input (autocast_residuals)
+                outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
+            record(ctx, eqn, rule, outs, outs)
             return outs, _out_infos(eqn, invals, infos, outs, low)
     else:  # promote; lower with float64 or a constant that does not fit
         target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
-    with _source(eqn):  # the casts carry the user's source line (autocast_report)
+    with source(eqn):  # the casts carry the user's source line (autocast_report)
         for i, dtype in targets.items():
             vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
-    outs = _bind(eqn, vals, params)
-    _record(ctx, eqn, rule, vals, outs)
+    outs = bind(eqn, vals, params)
+    record(ctx, eqn, rule, vals, outs)
     return outs, _out_infos(eqn, invals, infos, outs, low, held)
 
 
@@ -548,10 +419,10 @@ def _convert_element_type(eqn: Any, invals: list, infos: list, ctx: Context):
     if eqn.invars[0].aval.dtype == new_dtype and is_float(new_dtype):
         # A no-op in the traced program (at most a weak-type change): keep the
         # autocast dtype instead of undoing it.
-        _record(ctx, eqn, "no-op cast", [x], [x])
+        record(ctx, eqn, "no-op cast", [x], [x])
         return [x], [infos[0]]
-    outs = _bind(eqn, [x])  # the user's own cast: honoured
-    _record(ctx, eqn, "cast", outs, outs)
+    outs = bind(eqn, [x])  # the user's own cast: honoured
+    record(ctx, eqn, "cast", outs, outs)
     info = infos[0]
     keeps = is_float(x.dtype) and is_float(new_dtype)
     span = info.span if keeps and not narrows(x.dtype, new_dtype) else None
@@ -598,7 +469,7 @@ def scan_with(
     consts = invals[:n_consts]
     carry_dtypes = [v.aval.dtype for v in eqn.invars[n_consts : n_consts + n_carry]]
     init = [
-        _strong_cast(x, d)
+        strong_cast(x, d)
         for x, d in zip(invals[n_consts : n_consts + n_carry], carry_dtypes, strict=True)
     ]
     xs = invals[n_consts + n_carry :]
@@ -611,7 +482,7 @@ def scan_with(
         inner = ctx if body_ctx is None else body_ctx(ctx, slices)
         outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, inner)
         y_infos[:] = [_traced(i) for i in out_infos[n_carry:]]
-        new_carry = [_strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
+        new_carry = [strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
         return new_carry, outs[n_carry:]
 
     length, reverse, unroll = p["length"], p["reverse"], p.get("unroll", 1)
@@ -629,7 +500,7 @@ def _while(eqn: Any, invals: list, infos: list, ctx: Context):
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
     carry_dtypes = [v.aval.dtype for v in eqn.invars[nc + nb :]]
-    init = [_strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
+    init = [strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
     n_carry = len(init)
     cond_infos = [*infos[:nc], *([Info()] * n_carry)]
     body_infos = [*infos[nc : nc + nb], *([Info()] * n_carry)]
@@ -639,7 +510,7 @@ def _while(eqn: Any, invals: list, infos: list, ctx: Context):
 
     def body_fun(carry: list) -> list:
         outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_infos, ctx)
-        return [_strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
+        return [strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
 
     outs = lax.while_loop(cond_fun, body_fun, init)
     return list(outs), [Info()] * len(outs)
@@ -651,7 +522,7 @@ def _cond(eqn: Any, invals: list, infos: list, ctx: Context):
 
     def branch(closed: Any, *xs: Any) -> list:
         outs, _ = eval_closed(closed, xs, infos[1:], ctx)
-        return [_strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
+        return [strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
 
     fns = [functools.partial(branch, b) for b in eqn.params["branches"]]
     outs = lax.switch(index, fns, *ops)
@@ -683,8 +554,8 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     """
     in_avals = [v.aval for v in eqn.invars]
     out_avals = [v.aval for v in eqn.outvars]
-    diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
-    diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
+    diff_in = [i for i, a in enumerate(in_avals) if is_inexact(a.dtype)]
+    diff_out = [j for j, a in enumerate(out_avals) if is_inexact(a.dtype)]
     n, m = len(in_avals), len(out_avals)
     primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_jvp(primal)
@@ -692,16 +563,15 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     def original_jvp(*args: Any) -> list:
         primals, diff_tangents = args[:n], iter(args[n:])
         tangents = [
-            next(diff_tangents) if i in diff_in else _float0_zeros(a)
-            for i, a in enumerate(in_avals)
+            next(diff_tangents) if i in diff_in else float0_zeros(a) for i, a in enumerate(in_avals)
         ]
-        p_out, t_out = jax.jvp(lambda *xs: _bind(eqn, xs), tuple(primals), tuple(tangents))
+        p_out, t_out = jax.jvp(lambda *xs: bind(eqn, xs), tuple(primals), tuple(tangents))
         return [*p_out, *(t_out[j] for j in diff_out)]
 
     @fun.defjvp
     def fun_jvp(primals: tuple, tangents: tuple) -> tuple[tuple, tuple]:
         traced = jax.make_jaxpr(original_jvp)(
-            *map(_sds, in_avals), *(_sds(in_avals[i]) for i in diff_in)
+            *map(sds, in_avals), *(sds(in_avals[i]) for i in diff_in)
         )
         args = [*primals, *(tangents[i] for i in diff_in)]
         # A tangent is never a constant; a literal's (zero) tangent follows.
@@ -713,7 +583,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
         p_out = tuple(cast(x, d) for x, d in zip(outs[:m], out_dtypes, strict=True))
         t_iter = iter(outs[m:])
         t_out = tuple(
-            cast(next(t_iter), out_dtypes[j]) if j in diff_out else _float0_zeros(a)
+            cast(next(t_iter), out_dtypes[j]) if j in diff_out else float0_zeros(a)
             for j, a in enumerate(out_avals)
         )
         return p_out, t_out
@@ -733,17 +603,17 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
     """
     in_avals = [v.aval for v in eqn.invars]
     out_avals = [v.aval for v in eqn.outvars]
-    diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
-    diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
+    diff_in = [i for i, a in enumerate(in_avals) if is_inexact(a.dtype)]
+    diff_out = [j for j, a in enumerate(out_avals) if is_inexact(a.dtype)]
     in_dtypes = [x.dtype for x in invals]
     primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_vjp(primal)
 
     def original_vjp(*primals: Any) -> tuple:
-        return jax.vjp(lambda *xs: _bind(eqn, xs), *primals)
+        return jax.vjp(lambda *xs: bind(eqn, xs), *primals)
 
     def fwd(*xs: Any) -> tuple[tuple, Any]:
-        traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*map(_sds, in_avals))
+        traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*map(sds, in_avals))
         leaves, tree = jax.tree_util.tree_flatten(shapes)
         outs, _ = eval_closed(traced, xs, infos, ctx)
         outs = [cast(x, s.dtype) for x, s in zip(outs, leaves, strict=True)]
@@ -757,7 +627,7 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
         def original_bwd(*args: Any) -> list:
             residuals, diff_cts = args[:n_res], iter(args[n_res:])
             cts_full = [
-                next(diff_cts) if j in diff_out else _float0_zeros(a)
+                next(diff_cts) if j in diff_out else float0_zeros(a)
                 for j, a in enumerate(out_avals)
             ]
             in_cts = jax.tree_util.tree_unflatten(res_tree, residuals)(cts_full)
@@ -765,13 +635,13 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
 
         traced = jax.make_jaxpr(original_bwd)(
             *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in res),
-            *(_sds(out_avals[j]) for j in diff_out),
+            *(sds(out_avals[j]) for j in diff_out),
         )
         args = [*res, *(cts[j] for j in diff_out)]
         outs, _ = eval_closed(traced, args, [Info()] * len(args), ctx)
         it = iter(outs)
         return tuple(
-            cast(next(it), in_dtypes[i]) if i in diff_in else _float0_zeros(a)
+            cast(next(it), in_dtypes[i]) if i in diff_in else float0_zeros(a)
             for i, a in enumerate(in_avals)
         )
 
