@@ -29,6 +29,8 @@ from jamp._src.autocast_residuals import (
     softmax_keeping_low,
 )
 from jamp._src.autocast_rules import (
+    AFFINE,
+    norm_affine,
     ARITHMETIC,
     AS_TRACED,
     ELIGIBLE,
@@ -52,6 +54,12 @@ from jamp._src.autocast_rules import (
     runs_low,
     span_of,
     widest,
+)
+from jamp._src.autocast_sums import (
+    IMPLICIT_BROADCAST,
+    broadcast_operand,
+    half,
+    summed_in_float32,
 )
 from jamp._src.autocast_values import (
     CONST,
@@ -344,10 +352,30 @@ def _eval_eqn(
         low = output_is_low(cats)
     with source(eqn):  # the casts carry the user's source line (autocast_report)
         for i, dtype in targets.items():
-            vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
+            vals[i] = _cast_operand(eqn, vals[i], dtype, infos[i], casts, fill)
+    if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
+        with source(eqn):  # its gradient is summed in float32 (autocast_sums)
+            outs = [summed_in_float32(vals[0], *_broadcast_args(eqn), vals[0].dtype)]
+        record(ctx, eqn, rule, vals, outs)
+        return outs, _out_infos(eqn, invals, infos, outs, low, held)
     outs = bind(eqn, vals, params)
     record(ctx, eqn, rule, vals, outs)
     return outs, _out_infos(eqn, invals, infos, outs, low, held)
+
+
+def _cast_operand(eqn: Any, x: Any, dtype: Any, info: Info, casts: Casts, fill: bool) -> Any:
+    """``x`` cast to ``dtype`` for ``eqn``; an operand the primitive would broadcast into half
+    precision is broadcast first, in float32, so its gradient sums in float32."""
+    if eqn.primitive.name in IMPLICIT_BROADCAST and half(dtype) and info.kind == TRACED:
+        dims = broadcast_operand(np.shape(x), eqn.outvars[0].aval.shape)
+        if dims is not None:
+            return summed_in_float32(x, eqn.outvars[0].aval.shape, dims, dtype)
+    return casts(x, dtype, info, saturate=fill)
+
+
+def _broadcast_args(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    p = eqn.params
+    return tuple(p["shape"]), tuple(p["broadcast_dimensions"])
 
 
 def _promote_target(
@@ -372,9 +400,11 @@ def _promote_target(
     strong = [i for i in float_in if infos[i].kind != LITERAL] or float_in
     target = widest([invals[i].dtype for i in strong])
     eligible = all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in)
+    held = False
     if eligible and runs_low(cats):
         target = ctx.dtype
-    held = False
+        if name in AFFINE and norm_affine(cats, [invals[i].dtype for i in float_in], ctx.dtype):
+            target, held = FLOAT32_DTYPE, True  # a norm's scale and bias: float32, as Flax
     if feeds_float32 and name in ARITHMETIC and target != widest([target, FLOAT32_DTYPE]):
         # The operand of exp/log/sum...: computed in float32 from its
         # half-precision inputs, as torch upcasts softmax's input before

@@ -342,6 +342,25 @@ def runs_low(categories: Sequence[str]) -> bool:
     return LOW_ACTIVATION in kinds or {DERIVED, PARAMETER} <= kinds
 
 
+AFFINE = frozenset({"add", "sub", "mul"})
+
+
+def norm_affine(categories: Sequence[str], dtypes: Sequence[Any], low: Any) -> bool:
+    """Whether a ``promote`` primitive that runs low is a norm's scale or bias: float32
+    derived from low activations (or a low activation held in float32) meeting a broadcast
+    parameter, with no low activation in the low dtype."""
+    kinds = set(categories)
+    if PARAMETER not in kinds or not kinds <= {DERIVED, PARAMETER, CONSTANT, LOW_ACTIVATION}:
+        return False
+    if not kinds & {DERIVED, LOW_ACTIVATION}:
+        return False
+    return all(
+        np.dtype(d) != np.dtype(low)
+        for c, d in zip(categories, dtypes, strict=True)
+        if c == LOW_ACTIVATION
+    )
+
+
 def div_rule(divisor: str) -> str:
     """``x / c`` by a constant or a parameter is a scale (dropout's ``x / keep``,
     attention's ``q / sqrt(d)``): it promotes. Any other division (softmax's,
