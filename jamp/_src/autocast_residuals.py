@@ -143,7 +143,9 @@ def softmax_keeping_low(
     @jax.custom_vjp
     def fun(z: Any) -> tuple[Any, Any]:
         y = body(z)
-        return y, lax.convert_element_type(y, low)
+        # The barrier makes the rounding explicit: XLA's excess precision would otherwise
+        # read the float32 y (and keep exp's float32 output) where y_low is read.
+        return y, lax.optimization_barrier(lax.convert_element_type(y, low))
 
     def fwd(z: Any) -> tuple[tuple[Any, Any], Any]:
         y, y_low = fun.fun(z)
@@ -152,8 +154,8 @@ def softmax_keeping_low(
     def bwd(y_low: Any, cts: tuple[Any, Any]) -> tuple[Any]:
         g, g_low = (lax.convert_element_type(c, FLOAT32_DTYPE) for c in cts)
         y = lax.convert_element_type(y_low, FLOAT32_DTYPE)
-        gy = (g + g_low) * y
-        dz = gy - y * jnp.sum(gy, axis=axes, keepdims=True)
+        g = g + g_low
+        dz = y * (g - jnp.sum(g * y, axis=axes, keepdims=True))
         return (lax.convert_element_type(dz, z_dtype),)
 
     fun.defvjp(fwd, bwd)
@@ -166,4 +168,8 @@ def recomputed(fun: Callable[[Any], Any], x: Any) -> Any:
     def upcast_then(x: Any) -> Any:
         return fun(lax.convert_element_type(x, FLOAT32_DTYPE))
 
-    return jax.checkpoint(upcast_then, policy=jax.checkpoint_policies.nothing_saveable)(x)
+    # prevent_cse=False: no optimization barrier around the recomputation, which would make
+    # XLA write x and the float32 cotangent to memory (the recomputation is x's own value).
+    return jax.checkpoint(
+        upcast_then, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
+    )(x)
