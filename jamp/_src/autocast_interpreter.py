@@ -30,7 +30,6 @@ from jamp._src.autocast_residuals import (
 )
 from jamp._src.autocast_rules import (
     AFFINE,
-    norm_affine,
     ARITHMETIC,
     AS_TRACED,
     ELIGIBLE,
@@ -49,6 +48,7 @@ from jamp._src.autocast_rules import (
     fits,
     merge_spans,
     narrows,
+    norm_affine,
     output_is_low,
     rule_of,
     runs_low,
@@ -79,7 +79,6 @@ from jamp._src.autocast_values import (
     is_float,
     is_inexact,
     record,
-    sds,
     source,
     strong_cast,
 )
@@ -163,15 +162,24 @@ def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: Ca
     return y, out
 
 
+# Primitives typed by the mesh axes of shard_map: bound in the trace, never folded.
+_MESH_AXIS = frozenset(
+    {"pvary", "pbroadcast", "psum_invariant", "axis_index", "all_gather_invariant"}
+)
+
+
 def _foldable(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
     """Whether ``eqn`` computes a small constant from constants (``jnp.sqrt(d)``).
 
     It is then computed when ``fun`` is traced, so the constant rule sees its
-    value instead of a traced constant of unknown value.
+    value instead of a traced constant of unknown value. Mesh-axis primitives
+    (``pvary`` of a literal inside ``shard_map``) have no value outside their
+    trace and are never computed then.
     """
     return (
         not eqn.effects
         and eqn.primitive.name not in HIGHER_ORDER
+        and eqn.primitive.name not in _MESH_AXIS
         and all(i.kind >= CONST for i in infos)
         and not any(isinstance(x, jax.core.Tracer) for x in invals)
         and sum(int(np.prod(v.aval.shape)) for v in eqn.outvars) <= FOLD_MAX
@@ -574,6 +582,14 @@ def _under_rules(jaxpr: Any, invals: list, infos: list, ctx: Context):
     return (lambda *xs: tuple(body(*xs))), dtypes, [_traced(i) for i in out_infos]
 
 
+def _like(values: Sequence[Any], avals: Sequence[Any]) -> list:
+    """``values`` in the traced dtypes of ``avals``, to trace a rule on: unlike shape structs,
+    they keep the sharding and the varying mesh axes (``shard_map``'s check_vma) of the
+    values the rule is applied to."""
+    pairs = zip(values, avals, strict=True)
+    return [cast(x, a.dtype) if is_float(a.dtype) else x for x, a in pairs]
+
+
 def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     """custom_jvp: the body and the jvp rule both evaluated with the rules.
 
@@ -586,6 +602,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     out_avals = [v.aval for v in eqn.outvars]
     diff_in = [i for i, a in enumerate(in_avals) if is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if is_inexact(a.dtype)]
+    diff_avals = [in_avals[i] for i in diff_in]
     n, m = len(in_avals), len(out_avals)
     primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_jvp(primal)
@@ -601,7 +618,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     @fun.defjvp
     def fun_jvp(primals: tuple, tangents: tuple) -> tuple[tuple, tuple]:
         traced = jax.make_jaxpr(original_jvp)(
-            *map(sds, in_avals), *(sds(in_avals[i]) for i in diff_in)
+            *_like(primals, in_avals), *_like([tangents[i] for i in diff_in], diff_avals)
         )
         args = [*primals, *(tangents[i] for i in diff_in)]
         # A tangent is never a constant; a literal's (zero) tangent follows.
@@ -643,7 +660,7 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
         return jax.vjp(lambda *xs: bind(eqn, xs), *primals)
 
     def fwd(*xs: Any) -> tuple[tuple, Any]:
-        traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*map(sds, in_avals))
+        traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*_like(xs, in_avals))
         leaves, tree = jax.tree_util.tree_flatten(shapes)
         outs, _ = eval_closed(traced, xs, infos, ctx)
         outs = [cast(x, s.dtype) for x, s in zip(outs, leaves, strict=True)]
@@ -664,8 +681,7 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
             return [in_cts[i] for i in diff_in]
 
         traced = jax.make_jaxpr(original_bwd)(
-            *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in res),
-            *(sds(out_avals[j]) for j in diff_out),
+            *res, *_like([cts[j] for j in diff_out], [out_avals[j] for j in diff_out])
         )
         args = [*res, *(cts[j] for j in diff_out)]
         outs, _ = eval_closed(traced, args, [Info()] * len(args), ctx)

@@ -53,7 +53,8 @@ def broadcast_operand(shape: Sequence[int], out_shape: Sequence[int]) -> tuple[i
         return None
     if not shape:
         return ()
-    if len(shape) == len(out_shape) and all(a in (1, b) for a, b in zip(shape, out_shape)):
+    pairs = zip(shape, out_shape, strict=False)
+    if len(shape) == len(out_shape) and all(a in (1, b) for a, b in pairs):
         return tuple(range(len(shape)))
     return None
 
