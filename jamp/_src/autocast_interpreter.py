@@ -32,6 +32,7 @@ from jamp._src.autocast_rules import (
     AFFINE,
     ARITHMETIC,
     AS_TRACED,
+    BOUNDED,
     ELIGIBLE,
     FLOAT32,
     FLOAT32_DTYPE,
@@ -57,6 +58,7 @@ from jamp._src.autocast_rules import (
 )
 from jamp._src.autocast_sums import (
     IMPLICIT_BROADCAST,
+    bind_summing,
     broadcast_operand,
     half,
     summed_in_float32,
@@ -121,6 +123,7 @@ def _eval_jaxpr(
     for v, x, info in zip(jaxpr.invars, args, infos, strict=True):
         env[v] = (x, info)
     to_float32 = _float32_operands(jaxpr)
+    reach = _reaching_float32(jaxpr, to_float32)
     casts = Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
@@ -138,7 +141,8 @@ def _eval_jaxpr(
             env[group.y] = _softmax(jaxpr, group, invals[0], ininfos[0], sub, casts)
             done.update(group.indices)
             continue
-        feeds_float32 = any(v in to_float32 for v in eqn.outvars)
+        fed = reach if eqn.primitive.name in BOUNDED else to_float32
+        feeds_float32 = any(v in fed for v in eqn.outvars)
         fold = _foldable(eqn, invals, ininfos)
         with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
             outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts)
@@ -158,8 +162,9 @@ def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: Ca
     with source(jaxpr.eqns[group.indices[-1]]):
         body, _, (out,) = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
         y, y_low = softmax_keeping_low(lambda x: body(x)[0], group.axes, ctx.dtype, z.dtype)(z)
-    casts.prime(y, ctx.dtype, y_low)  # the consuming matmuls' cast of y
-    return y, out
+    # The probabilities are a low activation: the matmuls (and dropout before them) read the
+    # half copy, the one the backward pass keeps.
+    return y_low, Info(low=True)
 
 
 # Primitives typed by the mesh axes of shard_map: bound in the trace, never folded.
@@ -204,6 +209,16 @@ def _float32_operands(jaxpr: Any) -> set:
         if rule_of(eqn) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
             found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
     return found
+
+
+def _reaching_float32(jaxpr: Any, found: set) -> set:
+    """``found`` and the inputs of the add/sub/mul whose result is in it: where a bounded
+    activation (sigmoid, tanh) feeding a float32 primitive runs in float32 (``log(1 - p)``)."""
+    reach = set(found)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ARITHMETIC and any(v in found for v in eqn.outvars):
+            reach.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return reach
 
 
 def _const_kind(infos: Sequence[Info]) -> int:
@@ -354,13 +369,28 @@ def _eval_eqn(
                 outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
             record(ctx, eqn, rule, outs, outs)
             return outs, _out_infos(eqn, invals, infos, outs, low)
+    elif name in BOUNDED and feeds_float32 and float_in == [0] and _upcast(invals[0], infos[0]):
+        # sigmoid feeding log(1 - p): in float32 from its half input, which the backward
+        # pass keeps (in the half dtype 1 - p rounds to 0 and the loss to inf).
+        with source(eqn):
+            outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
+        record(ctx, eqn, rule, outs, outs)
+        return outs, _out_infos(eqn, invals, infos, outs, output_is_low(cats), held=True)
     else:  # promote; lower with float64 or a constant that does not fit
         target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
     with source(eqn):  # the casts carry the user's source line (autocast_report)
+        wide = _broadcast_in_float32(eqn, vals, targets, infos)
         for i, dtype in targets.items():
-            vals[i] = _cast_operand(eqn, vals[i], dtype, infos[i], casts, fill)
+            if i not in wide:
+                vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
+        if wide:  # its gradient is summed in float32 (autocast_sums)
+            shape = eqn.outvars[0].aval.shape
+            outs = bind_summing(lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape)
+    if wide:
+        record(ctx, eqn, rule, vals, outs)
+        return outs, _out_infos(eqn, invals, infos, outs, low, held)
     if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
         with source(eqn):  # its gradient is summed in float32 (autocast_sums)
             outs = [summed_in_float32(vals[0], *_broadcast_args(eqn), vals[0].dtype)]
@@ -371,14 +401,19 @@ def _eval_eqn(
     return outs, _out_infos(eqn, invals, infos, outs, low, held)
 
 
-def _cast_operand(eqn: Any, x: Any, dtype: Any, info: Info, casts: Casts, fill: bool) -> Any:
-    """``x`` cast to ``dtype`` for ``eqn``; an operand the primitive would broadcast into half
-    precision is broadcast first, in float32, so its gradient sums in float32."""
-    if eqn.primitive.name in IMPLICIT_BROADCAST and half(dtype) and info.kind == TRACED:
-        dims = broadcast_operand(np.shape(x), eqn.outvars[0].aval.shape)
-        if dims is not None:
-            return summed_in_float32(x, eqn.outvars[0].aval.shape, dims, dtype)
-    return casts(x, dtype, info, saturate=fill)
+def _broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> dict:
+    """``{operand: broadcast_dimensions}``: the traced operands that ``eqn``'s primitive would
+    broadcast itself in half precision (so its transpose would sum them in half precision)."""
+    if eqn.primitive.name not in IMPLICIT_BROADCAST:
+        return {}
+    out_shape = eqn.outvars[0].aval.shape
+    wide = {}
+    for i, dtype in targets.items():
+        if half(dtype) and infos[i].kind == TRACED:
+            dims = broadcast_operand(np.shape(vals[i]), out_shape)
+            if dims is not None:
+                wide[i] = dims
+    return wide
 
 
 def _broadcast_args(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -49,6 +49,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jamp._src.autocast_rules import FLOAT32, FLOAT32_DTYPE, LOWER, rule_of
+from jamp._src.autocast_values import upcast
 
 # The consumers that cast their floating operands to the low dtype under LOWER.
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
@@ -65,7 +66,8 @@ class Group(NamedTuple):
 
 
 def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
-    """The softmaxes of ``jaxpr`` whose output only feeds low-precision matmuls.
+    """The softmaxes of ``jaxpr`` whose output only feeds low-precision matmuls (through
+    dropout, perhaps).
 
     Keyed by the index of their ``exp``. Each matched value other than ``y``
     has no use outside the group, so evaluating the group at once, where the
@@ -116,9 +118,42 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
         consumers = uses.get(y, [])
         if not consumers or y in outs:
             continue
-        if all(eqns[c].primitive.name in _MATMULS and rule_of(eqns[c]) == LOWER for c in consumers):
+        if _feeds_matmuls(y, eqns, uses, outs, _DROPOUT_DEPTH):
             groups[k] = Group((k, s_k, b_uses[0], d_k), eqn.invars[0], y, axes)
     return groups
+
+
+# Between a softmax and its matmuls: dropout (``y * mask / keep``, ``where(keep, y / p, 0)``).
+_DROPOUT = frozenset({"mul", "div", "select_n"})
+_DROPOUT_DEPTH = 3
+
+
+def _feeds_matmuls(v: Any, eqns: Sequence[Any], uses: dict, outs: set, depth: int) -> bool:
+    """Whether every use of ``v`` is a low-precision matmul, or dropout on the way to one.
+
+    Dropout is a ``mul`` by, a ``div`` of ``v`` by, or a ``select_n`` of ``v`` against
+    values that do not depend on ``v`` (a mask, the keep probability, zero).
+    """
+    found = uses.get(v, [])
+    if not found or v in outs:
+        return False
+    for c in found:
+        eqn = eqns[c]
+        name = eqn.primitive.name
+        if name in _MATMULS and rule_of(eqn) == LOWER:
+            continue
+        others = [u for u in eqn.invars if u is not v]
+        if (
+            depth
+            and name in _DROPOUT
+            and len(others) == len(eqn.invars) - 1
+            and not (name == "div" and eqn.invars[0] is not v)
+            and not (name == "select_n" and eqn.invars[0] is v)
+            and _feeds_matmuls(eqn.outvars[0], eqns, uses, outs, depth - 1)
+        ):
+            continue
+        return False
+    return True
 
 
 def group_jaxpr(jaxpr: Any, group: Group) -> Any:
@@ -166,7 +201,7 @@ def recomputed(fun: Callable[[Any], Any], x: Any) -> Any:
     """``fun(x upcast to float32)``; the backward pass keeps ``x`` and recomputes the rest."""
 
     def upcast_then(x: Any) -> Any:
-        return fun(lax.convert_element_type(x, FLOAT32_DTYPE))
+        return fun(upcast(x, FLOAT32_DTYPE))
 
     # prevent_cse=False: no optimization barrier around the recomputation, which would make
     # XLA write x and the float32 cotangent to memory (the recomputation is x's own value).

@@ -231,6 +231,11 @@ FLOAT32_DTYPE = np.dtype(jnp.float32)
 # primitive (x - max(x) feeding exp in softmax), it runs in float32.
 ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "square", "integer_pow"})
 
+# Bounded activations: rounded to the half dtype they reach 0 or 1 exactly. Feeding a
+# float32 primitive, directly or through ARITHMETIC (log(1 - sigmoid(z))), they run in
+# float32 from their half input (recomputed in the backward pass, like exp).
+BOUNDED = frozenset({"logistic", "tanh", "erf", "erfc"})
+
 
 def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
     """The widest of some floating dtypes; float16 with bfloat16 is float32."""

@@ -23,9 +23,10 @@ tensors in float32 the same way.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -68,3 +69,39 @@ def summed_in_float32(x: Any, out_shape: Sequence[int], dims: Sequence[int], dty
     wide = x if not half(x.dtype) else lax.convert_element_type(x, FLOAT32_DTYPE)
     y = lax.broadcast_in_dim(wide, tuple(out_shape), tuple(dims))
     return y if y.dtype == np.dtype(dtype) else lax.convert_element_type(y, dtype)
+
+
+# Elementwise primitives whose derivative reads their operands: with a broadcast operand
+# made full size, they run under a checkpoint that saves the operands as they came in.
+SAVES_OPERANDS = frozenset(
+    {"mul", "div", "max", "min", "rem", "atan2", "nextafter", "pow", "clamp"}
+)
+
+
+def bind_summing(
+    bind: Callable[[list], list],
+    name: str,
+    vals: Sequence[Any],
+    targets: Mapping[int, Any],
+    wide: Mapping[int, Sequence[int]],
+    out_shape: Sequence[int],
+) -> list:
+    """``bind(vals)`` with the operands in ``wide`` broadcast in float32 and cast to their
+    ``targets`` dtype first (:func:`summed_in_float32`).
+
+    For a primitive whose derivative reads its operands (``x * scale``), the
+    broadcast is recomputed in the backward pass (a checkpoint without an
+    optimization barrier), so what it keeps is ``scale`` as it came in, not a
+    full-size copy.
+    """
+
+    def run(*xs: Any) -> list:
+        ys = list(xs)
+        for i, dims in wide.items():
+            ys[i] = summed_in_float32(xs[i], out_shape, dims, targets[i])
+        return bind(ys)
+
+    if name not in SAVES_OPERANDS:
+        return run(*vals)
+    policy = jax.checkpoint_policies.nothing_saveable
+    return list(jax.checkpoint(run, policy=policy, prevent_cse=False)(*vals))

@@ -89,6 +89,22 @@ def cast(x: Any, dtype: Any) -> Any:
     return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
+def upcast(x: Any, dtype: Any) -> Any:
+    """``x`` cast to ``dtype``; a half-precision value going up keeps its rounding explicit.
+
+    Under ``jit`` XLA's excess precision (on by default, on GPUs too) may skip
+    the rounding of a half-precision value for one consumer and keep it for
+    another, so a loss's normaliser and its label logit can disagree (a
+    cross-entropy below zero). ``reduce_precision`` after the upcast makes every
+    float32 consumer see the value rounded to the half dtype, as the others do.
+    """
+    y = lax.convert_element_type(x, dtype)
+    if np.dtype(x.dtype).itemsize < 4 <= np.dtype(dtype).itemsize and is_float(x.dtype):
+        info = jnp.finfo(x.dtype)
+        y = lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+    return y
+
+
 class Casts:
     """The casts autocast inserts, one per value and dtype (torch's cast cache).
 
@@ -111,7 +127,7 @@ class Casts:
         if saturate and info.kind >= CONST and narrows(x.dtype, dtype):
             y = saturated(y, dtype)
         if info.kind < CONST or isinstance(y, jax.core.Tracer) or np.size(y) > FOLD_MAX:
-            y = lax.convert_element_type(y, dtype)
+            y = upcast(y, dtype) if info.kind == TRACED else lax.convert_element_type(y, dtype)
         else:  # a small concrete constant: cast now, not in the program
             y = np.asarray(y).astype(dtype)
         self._done[key] = (x, y)  # keeps x alive, so its id is not reused
