@@ -58,6 +58,7 @@ from jamp._src.autocast_rules import (
 )
 from jamp._src.autocast_sums import (
     IMPLICIT_BROADCAST,
+    SAVES_OPERANDS,
     bind_summing,
     broadcast_operand,
     half,
@@ -335,6 +336,13 @@ def _eval_eqn(
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
         return _as_traced(eqn, invals, infos, ctx, "unknown")
+    if name in SCATTER_ADD and _scatters_half(eqn, invals, infos):
+        # segment_sum of half messages: accumulated in float32 (the traced dtype), returned
+        # in the half dtype, a low activation (torch lists scatter_add under promote).
+        outs, _ = _as_traced(eqn, invals, infos, ctx, "scatter-add in float32")
+        with source(eqn):
+            outs = [cast(outs[0], ctx.dtype)]
+        return outs, [Info(low=True)]
     if rule == AS_TRACED:
         return _as_traced(eqn, invals, infos, ctx, rule)
     casts = Casts() if casts is None else casts
@@ -382,13 +390,16 @@ def _eval_eqn(
         low = output_is_low(cats)
     with source(eqn):  # the casts carry the user's source line (autocast_report)
         wide = _broadcast_in_float32(eqn, vals, targets, infos)
+        up = _upcast_in_backward(eqn, vals, targets, infos, wide)
         for i, dtype in targets.items():
-            if i not in wide:
+            if i not in wide and i not in up:
                 vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
-        if wide:  # its gradient is summed in float32 (autocast_sums)
+        if wide or up:  # summed in float32, half operands kept (autocast_sums)
             shape = eqn.outvars[0].aval.shape
-            outs = bind_summing(lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape)
-    if wide:
+            outs = bind_summing(
+                lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape, up
+            )
+    if wide or up:
         record(ctx, eqn, rule, vals, outs)
         return outs, _out_infos(eqn, invals, infos, outs, low, held)
     if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
@@ -414,6 +425,34 @@ def _broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> d
             if dims is not None:
                 wide[i] = dims
     return wide
+
+
+def _upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: dict) -> set:
+    """The half-precision traced operands that ``eqn`` upcasts to float32 when its derivative
+    reads them (``x * rsqrt(var)``, ``square(x)`` in a norm of half ``x``): the backward
+    pass keeps them in the half dtype and upcasts again (:func:`autocast_sums.bind_summing`)."""
+    if eqn.primitive.name not in SAVES_OPERANDS:
+        return set()
+    return {
+        i
+        for i, dtype in targets.items()
+        if i not in wide and half(vals[i].dtype) and not half(dtype) and infos[i].kind == TRACED
+    }
+
+
+SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
+
+
+def _scatters_half(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
+    """A float32 scatter-add of half-precision updates (low activations) into a constant
+    (``segment_sum``'s zeros) or a low activation."""
+    operand, _, updates = invals[:3]
+    return (
+        np.dtype(eqn.invars[0].aval.dtype) == FLOAT32_DTYPE
+        and _upcast(updates, infos[2])
+        and infos[2].low
+        and (infos[0].kind >= CONST or infos[0].low)
+    )
 
 
 def _broadcast_args(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

@@ -23,7 +23,7 @@ tensors in float32 the same way.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from jamp._src.autocast_rules import FLOAT32_DTYPE
+from jamp._src.autocast_values import upcast
 
 # Elementwise primitives whose operands lax broadcasts itself (rank 0, or size-1 axes):
 # their transpose sums the cotangent of such an operand over the broadcast axes.
@@ -74,8 +75,9 @@ def summed_in_float32(x: Any, out_shape: Sequence[int], dims: Sequence[int], dty
 # Elementwise primitives whose derivative reads their operands: with a broadcast operand
 # made full size, they run under a checkpoint that saves the operands as they came in.
 SAVES_OPERANDS = frozenset(
-    {"mul", "div", "max", "min", "rem", "atan2", "nextafter", "pow", "clamp"}
-)
+    {"mul", "div", "max", "min", "rem", "atan2", "nextafter", "pow", "clamp", "square",
+     "integer_pow"}
+)  # fmt: skip
 
 
 def bind_summing(
@@ -85,6 +87,7 @@ def bind_summing(
     targets: Mapping[int, Any],
     wide: Mapping[int, Sequence[int]],
     out_shape: Sequence[int],
+    up: Collection[int] = (),
 ) -> list:
     """``bind(vals)`` with the operands in ``wide`` broadcast in float32 and cast to their
     ``targets`` dtype first (:func:`summed_in_float32`).
@@ -92,13 +95,16 @@ def bind_summing(
     For a primitive whose derivative reads its operands (``x * scale``), the
     broadcast is recomputed in the backward pass (a checkpoint without an
     optimization barrier), so what it keeps is ``scale`` as it came in, not a
-    full-size copy.
+    full-size copy; the operands in ``up`` (half precision, going up to float32)
+    are kept in the half dtype the same way.
     """
 
     def run(*xs: Any) -> list:
         ys = list(xs)
         for i, dims in wide.items():
             ys[i] = summed_in_float32(xs[i], out_shape, dims, targets[i])
+        for i in up:
+            ys[i] = upcast(xs[i], targets[i])
         return bind(ys)
 
     if name not in SAVES_OPERANDS:
