@@ -160,8 +160,9 @@ def test_gru_scalar_readout_bias_gradient_within_two_percent():
     cell = eqx.nn.GRUCell(4, 16, key=keys[0])
     readout = eqx.nn.Linear(16, "scalar", key=keys[1])
     model = (cell, readout)
-    xs = _randn(0, 64, 12, 4)
-    ys = jnp.asarray(_rng(1).integers(0, 2, 64), jnp.float32)
+    # A large batch of balanced labels: the bias's gradient is a sum that cancels.
+    xs = _randn(0, 2048, 3, 4)
+    ys = jnp.asarray(_rng(1).integers(0, 2, 2048), jnp.float32)
 
     def loss(model, xs, ys):
         cell, readout = model
@@ -178,8 +179,13 @@ def test_gru_scalar_readout_bias_gradient_within_two_percent():
         return float(np.asarray(grads[1].bias).reshape(-1)[0])
 
     want, got = bias_grad(loss), bias_grad(jamp.autocast(loss, BF16))
-    # Before: the bias's gradient was a bfloat16 sum over the batch (half of float32's).
     assert abs(got / want - 1) < 0.02, (got, want)
+    # Before: the bias's gradient was a bfloat16 sum over the batch (the issue measured half
+    # of float32's on a GPU; XLA:CPU happens to accumulate bfloat16 sums in float32).
+    jaxpr = jax.make_jaxpr(eqx.filter_grad(jamp.autocast(loss, BF16)))(model, xs, ys)
+    half_sums = [e for e in _walk(jaxpr.jaxpr) if e.primitive.name == "reduce_sum"
+                 and e.invars[0].aval.dtype == BF16]  # fmt: skip
+    assert not half_sums, half_sums
 
 
 # --------------------------------------------------------------------------- attention + dropout
