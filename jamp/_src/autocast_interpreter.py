@@ -27,6 +27,7 @@ from jamp._src.autocast_residuals import (
     group_jaxpr,
     recomputed,
     softmax_keeping_low,
+    softmax_matmul_keeping_low,
 )
 from jamp._src.autocast_rules import (
     AFFINE,
@@ -128,16 +129,25 @@ def _eval_jaxpr(
     casts = Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
+    fused = {} if ctx.rule is not None else {g.dot: g for g in softmaxes.values() if g.dot}
     for k, eqn in enumerate(jaxpr.eqns):
         if k in done:
+            continue
+        sub = ctx
+        if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
+            sub = dataclasses.replace(ctx, as_traced=True)
+        group = fused.get(k)
+        if group is not None and group.y not in env:  # p @ v with its softmax
+            v = eqn.invars[1] if eqn.invars[0] is group.y else eqn.invars[0]
+            env[eqn.outvars[0]] = _softmax_matmul(jaxpr, group, read(group.z), read(v), sub, casts)
             continue
         read_in = [read(v) for v in eqn.invars]
         invals = [x for x, _ in read_in]
         ininfos = [i for _, i in read_in]
-        sub = ctx
-        if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
-            sub = dataclasses.replace(ctx, as_traced=True)
         group = softmaxes.get(k)
+        if group is not None and group.dot in fused and _fusable(invals[0], ininfos[0], sub):
+            done.update(group.indices[1:])  # evaluated with its matmul, where that is
+            continue
         if group is not None and not sub.as_traced and _upcast(invals[0], ininfos[0], 4):
             env[group.y] = _softmax(jaxpr, group, invals[0], ininfos[0], sub, casts)
             done.update(group.indices)
@@ -151,6 +161,32 @@ def _eval_jaxpr(
             env[v] = (x, i)
     outs = [read(v) for v in jaxpr.outvars]
     return [x for x, _ in outs], [i for _, i in outs]
+
+
+def _fusable(z: Any, info: Info, ctx: Context) -> bool:
+    return not ctx.as_traced and _upcast(z, info, 4)
+
+
+def _softmax_matmul(jaxpr: Any, group: Any, z_in: tuple, v_in: tuple, ctx: Context, casts):
+    """``softmax(z) @ v`` as one custom_vjp (``softmax_matmul_keeping_low``)."""
+    dot = jaxpr.eqns[group.dot]
+    (z, info), (v, v_info) = z_in, v_in
+    params = _lower_params(dot, [0, 1], ctx)
+    with source(jaxpr.eqns[group.indices[-1]]):
+        body, _, _ = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
+    with source(dot):
+        v_low = casts(v, ctx.dtype, v_info)
+        fun = softmax_matmul_keeping_low(
+            lambda x: body(x)[0],
+            ctx.dtype,
+            z.dtype,
+            lambda a, b: bind(dot, [a, b], params)[0],
+            dot.invars[0] is group.y,
+            dot.params["dimension_numbers"],
+        )
+        out = fun(z, v_low)
+    record(ctx, dot, LOWER, [v_low], [out])
+    return out, Info(low=True)
 
 
 def _upcast(x: Any, info: Info, size: int = 2) -> bool:

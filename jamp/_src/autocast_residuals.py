@@ -63,6 +63,7 @@ class Group(NamedTuple):
     z: Any  # the input of exp
     y: Any  # the output of div
     axes: tuple[int, ...]  # the summed axes
+    dot: int | None = None  # its one consumer, a matmul contracting those axes (fused too)
 
 
 def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
@@ -119,8 +120,22 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
         if not consumers or y in outs:
             continue
         if _feeds_matmuls(y, eqns, uses, outs, _DROPOUT_DEPTH):
-            groups[k] = Group((k, s_k, b_uses[0], d_k), eqn.invars[0], y, axes)
+            dot = _contracting(y, axes, eqns, uses[y])
+            groups[k] = Group((k, s_k, b_uses[0], d_k), eqn.invars[0], y, axes, dot)
     return groups
+
+
+def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], found: list) -> int | None:
+    """The index of ``y``'s one consumer when it is a ``dot_general`` contracting exactly
+    the softmax's axes of ``y`` (attention's probabilities @ values), else ``None``."""
+    if len(found) != 1 or eqns[found[0]].primitive.name != "dot_general":
+        return None
+    eqn = eqns[found[0]]
+    if eqn.invars[0] is eqn.invars[1]:
+        return None
+    (lc, rc), _ = eqn.params["dimension_numbers"]
+    contract = lc if eqn.invars[0] is y else rc
+    return found[0] if sorted(int(a) for a in contract) == sorted(axes) else None
 
 
 # Between a softmax and its matmuls: dropout (``y * mask / keep``, ``where(keep, y / p, 0)``).
@@ -208,3 +223,63 @@ def recomputed(fun: Callable[[Any], Any], x: Any) -> Any:
     return jax.checkpoint(
         upcast_then, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
     )(x)
+
+
+def softmax_matmul_keeping_low(
+    body: Callable[[Any], Any],
+    low: Any,
+    z_dtype: Any,
+    matmul: Callable[[Any, Any], Any],
+    y_is_lhs: bool,
+    dimension_numbers: Any,
+) -> Callable[[Any, Any], Any]:
+    """``(z, v) -> matmul(softmax(z) in low, v)``: attention's softmax and the product with
+    the values, whose backward pass keeps the low probabilities, ``v`` and the output.
+
+    The softmax's backward pass needs ``sum(g_p * p)`` over each row; it is computed as
+    ``sum(g_o * o)`` over the value dimension instead (FlashAttention's identity: both
+    are ``g_o . (p @ v)``), from the output and its cotangent, which are a fraction of the
+    size of the probabilities. The gradient ``p * (g_p - that)`` is then one elementwise
+    pass over ``p`` and ``g_p``, which XLA fuses with the product's transpose.
+    """
+    low, z_dtype = np.dtype(low), np.dtype(z_dtype)
+    (lc, rc), (lb, rb) = dimension_numbers
+
+    def probabilities(z: Any) -> Any:
+        return lax.optimization_barrier(lax.convert_element_type(body(z), low))
+
+    def product(y_low: Any, v: Any) -> Any:
+        return matmul(y_low, v) if y_is_lhs else matmul(v, y_low)
+
+    @jax.custom_vjp
+    def fun(z: Any, v: Any) -> Any:
+        return product(probabilities(z), v)
+
+    def fwd(z: Any, v: Any) -> tuple[Any, Any]:
+        y_low = probabilities(z)
+        out = product(y_low, v)
+        return out, (y_low, v, out)
+
+    def bwd(res: Any, g: Any) -> tuple[Any, Any]:
+        y_low, v, out = res
+        g_y, g_v = jax.vjp(product, y_low, v)[1](g)
+        contract, batch = (lc, lb) if y_is_lhs else (rc, rb)
+        free = [i for i in range(y_low.ndim) if i not in batch and i not in contract]
+        n_v_free = out.ndim - len(batch) - len(free)
+        start = len(batch) + len(free) if y_is_lhs else len(batch)
+        v_free = tuple(range(start, start + n_v_free))
+        row = jnp.sum(_f32(g) * _f32(out), axis=v_free)  # (batch..., free...) of y
+        target = [*batch, *free]
+        order = sorted(range(len(target)), key=lambda j: target[j])
+        keep = tuple(1 if i in contract else n for i, n in enumerate(y_low.shape))
+        row = lax.broadcast_in_dim(lax.transpose(row, order), keep, tuple(sorted(target)))
+        y = _f32(y_low)
+        dz = y * (_f32(g_y) - row)
+        return lax.convert_element_type(dz, z_dtype), g_v
+
+    fun.defvjp(fwd, bwd)
+    return fun
+
+
+def _f32(x: Any) -> Any:
+    return lax.convert_element_type(x, FLOAT32_DTYPE)
