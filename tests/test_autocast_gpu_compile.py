@@ -25,10 +25,10 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 BF16 = jnp.bfloat16
 B, T, D, HEADS = 2, 256, 64, 2
-# The GPT's bytes: autocast keeps less than Flax but reads the half probabilities twice in
-# softmax's backward pass (a row-sum pass, then the gradient), where XLA fuses Flax's into
-# one pass; docs/autocast.md gives the full-size figures.
-GPT_BYTES_LIMIT = 1.03
+# The CNN's head: jnp.mean of the last activations is float32 under autocast (a sum and a
+# division) and the Dense reads it so, where Flax's mean returns bfloat16: 0.13% of the
+# bytes at these shapes, 0.0% at the benchmark's (python -m benchmarks.autocast_memory).
+CNN_BYTES_LIMIT = 1.002
 
 
 def _step(loss):
@@ -96,7 +96,7 @@ def test_gpt_step_is_as_lean_as_flax_dtype():
     p = _programs("GPT")
     ours, flax = p["autocast"], p["flax"]
     assert ours.temp_bytes <= flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
-    assert ours.bytes <= GPT_BYTES_LIMIT * flax.bytes, ours.bytes / flax.bytes
+    assert ours.bytes <= flax.bytes, ours.bytes / flax.bytes
     assert ours.bytes < 0.7 * p["float32"].bytes
     assert ours.gemm_dtypes() == {"bf16"} == flax.gemm_dtypes()
 
@@ -111,6 +111,6 @@ def test_gpt_step_keeps_no_float32_attention_scores():
 def test_cnn_step_is_as_lean_as_flax_dtype():
     p = _programs("CNN")
     ours, flax = p["autocast"], p["flax"]
-    assert ours.bytes <= flax.bytes, ours.bytes / flax.bytes
+    assert ours.bytes <= CNN_BYTES_LIMIT * flax.bytes, ours.bytes / flax.bytes
     assert ours.temp_bytes <= flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
     assert ours.gemm_dtypes() == {"bf16"}
