@@ -48,22 +48,24 @@ from jamp._src.autocast_rules import (
     category,
     div_rule,
     fits,
+    float32_operands,
     merge_spans,
     narrows,
     norm_affine,
     output_is_low,
+    reaching_float32,
     rule_of,
     runs_low,
     span_of,
     widest,
 )
 from jamp._src.autocast_sums import (
-    IMPLICIT_BROADCAST,
-    SAVES_OPERANDS,
+    SCATTER_ADD,
     bind_summing,
-    broadcast_operand,
-    half,
+    broadcast_in_float32,
+    scatters_half,
     summed_in_float32,
+    upcast_in_backward,
 )
 from jamp._src.autocast_values import (
     CONST,
@@ -124,8 +126,8 @@ def _eval_jaxpr(
         env[v] = (x, Info(kind=TRACED if isinstance(x, jax.core.Tracer) else CONST))
     for v, x, info in zip(jaxpr.invars, args, infos, strict=True):
         env[v] = (x, info)
-    to_float32 = _float32_operands(jaxpr)
-    reach = _reaching_float32(jaxpr, to_float32)
+    to_float32 = float32_operands(jaxpr)
+    reach = reaching_float32(jaxpr)
     casts = Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
@@ -234,28 +236,6 @@ def eval_closed(
     if isinstance(closed, jex_core.ClosedJaxpr):
         return _eval_jaxpr(closed.jaxpr, closed.consts, args, infos, ctx)
     return _eval_jaxpr(closed, (), args, infos, ctx)
-
-
-def _float32_operands(jaxpr: Any) -> set:
-    """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
-
-    ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
-    """
-    found = set()
-    for eqn in jaxpr.eqns:
-        if rule_of(eqn) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
-            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    return found
-
-
-def _reaching_float32(jaxpr: Any, found: set) -> set:
-    """``found`` and the inputs of the add/sub/mul whose result is in it: where a bounded
-    activation (sigmoid, tanh) feeding a float32 primitive runs in float32 (``log(1 - p)``)."""
-    reach = set(found)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ARITHMETIC and any(v in found for v in eqn.outvars):
-            reach.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    return reach
 
 
 def _const_kind(infos: Sequence[Info]) -> int:
@@ -372,7 +352,7 @@ def _eval_eqn(
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
         return _as_traced(eqn, invals, infos, ctx, "unknown")
-    if name in SCATTER_ADD and _scatters_half(eqn, invals, infos):
+    if name in SCATTER_ADD and scatters_half(eqn, invals, infos):
         # segment_sum of half messages: accumulated in float32 (the traced dtype), returned
         # in the half dtype, a low activation (torch lists scatter_add under promote).
         outs, _ = _as_traced(eqn, invals, infos, ctx, "scatter-add in float32")
@@ -425,8 +405,8 @@ def _eval_eqn(
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
     with source(eqn):  # the casts carry the user's source line (autocast_report)
-        wide = _broadcast_in_float32(eqn, vals, targets, infos)
-        up = _upcast_in_backward(eqn, vals, targets, infos, wide)
+        wide = broadcast_in_float32(eqn, vals, targets, infos)
+        up = upcast_in_backward(eqn, vals, targets, infos, wide)
         for i, dtype in targets.items():
             if i not in wide and i not in up:
                 vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
@@ -436,7 +416,7 @@ def _eval_eqn(
                 lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape, up
             )
     if wide or up:
-        record(ctx, eqn, rule, vals, outs)
+        record(ctx, eqn, rule, [vals[i] for i in targets if i not in wide] or outs, outs)
         return outs, _out_infos(eqn, invals, infos, outs, low, held)
     if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
         with source(eqn):  # its gradient is summed in float32 (autocast_sums)
@@ -446,49 +426,6 @@ def _eval_eqn(
     outs = bind(eqn, vals, params)
     record(ctx, eqn, rule, vals, outs)
     return outs, _out_infos(eqn, invals, infos, outs, low, held)
-
-
-def _broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> dict:
-    """``{operand: broadcast_dimensions}``: the traced operands that ``eqn``'s primitive would
-    broadcast itself in half precision (so its transpose would sum them in half precision)."""
-    if eqn.primitive.name not in IMPLICIT_BROADCAST:
-        return {}
-    out_shape = eqn.outvars[0].aval.shape
-    wide = {}
-    for i, dtype in targets.items():
-        if half(dtype) and infos[i].kind == TRACED:
-            dims = broadcast_operand(np.shape(vals[i]), out_shape)
-            if dims is not None:
-                wide[i] = dims
-    return wide
-
-
-def _upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: dict) -> set:
-    """The half-precision traced operands that ``eqn`` upcasts to float32 when its derivative
-    reads them (``x * rsqrt(var)``, ``square(x)`` in a norm of half ``x``): the backward
-    pass keeps them in the half dtype and upcasts again (:func:`autocast_sums.bind_summing`)."""
-    if eqn.primitive.name not in SAVES_OPERANDS:
-        return set()
-    return {
-        i
-        for i, dtype in targets.items()
-        if i not in wide and half(vals[i].dtype) and not half(dtype) and infos[i].kind == TRACED
-    }
-
-
-SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
-
-
-def _scatters_half(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
-    """A float32 scatter-add of half-precision updates (low activations) into a constant
-    (``segment_sum``'s zeros) or a low activation."""
-    operand, _, updates = invals[:3]
-    return (
-        np.dtype(eqn.invars[0].aval.dtype) == FLOAT32_DTYPE
-        and _upcast(updates, infos[2])
-        and infos[2].low
-        and (infos[0].kind >= CONST or infos[0].low)
-    )
 
 
 def _broadcast_args(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:

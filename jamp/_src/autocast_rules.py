@@ -96,6 +96,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
 
 LOWER = "lower"
 FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
@@ -440,3 +441,35 @@ def fits(span: Span | None, dtype: Any, *, mask_fill: bool = False) -> bool:
         and span.small >= float(info.smallest_normal)
         and (mask_fill or not span.fill)
     )
+
+
+def float32_operands(jaxpr: Any) -> set:
+    """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
+
+    ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
+    """
+    found = set()
+    for eqn in jaxpr.eqns:
+        if rule_of(eqn) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
+            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return found
+
+
+def reaching_float32(jaxpr: Any) -> set:
+    """Where a bounded activation (sigmoid, tanh) runs in float32: the operands of a
+    float32-rule primitive that is not a sum (``log``, ``exp``, ``pow``...), and the inputs
+    of the add/sub/mul whose result is one (``log(1 - p)``). A sum of squares of tanh
+    (a loss) does not need it: rounded to 1.0, the value stays finite."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if rule_of(eqn) == FLOAT32 and name not in ("div", "integer_pow", *_SUMS):
+            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    reach = set(found)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ARITHMETIC and any(v in found for v in eqn.outvars):
+            reach.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return reach
+
+
+_SUMS = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum")

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from jamp._src.autocast_rules import FLOAT32_DTYPE
-from jamp._src.autocast_values import upcast
+from jamp._src.autocast_values import CONST, TRACED, Info, upcast
 
 # Elementwise primitives whose operands lax broadcasts itself (rank 0, or size-1 axes):
 # their transpose sums the cotangent of such an operand over the broadcast axes.
@@ -111,3 +111,47 @@ def bind_summing(
         return run(*vals)
     policy = jax.checkpoint_policies.nothing_saveable
     return list(jax.checkpoint(run, policy=policy, prevent_cse=False)(*vals))
+
+
+def broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> dict:
+    """``{operand: broadcast_dimensions}``: the traced operands that ``eqn``'s primitive would
+    broadcast itself in half precision (so its transpose would sum them in half precision)."""
+    if eqn.primitive.name not in IMPLICIT_BROADCAST:
+        return {}
+    out_shape = eqn.outvars[0].aval.shape
+    wide = {}
+    for i, dtype in targets.items():
+        if half(dtype) and infos[i].kind == TRACED:
+            dims = broadcast_operand(np.shape(vals[i]), out_shape)
+            if dims is not None:
+                wide[i] = dims
+    return wide
+
+
+def upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: dict) -> set:
+    """The half-precision traced operands that ``eqn`` upcasts to float32 when its derivative
+    reads them (``x * rsqrt(var)``, ``square(x)`` in a norm of half ``x``): the backward
+    pass keeps them in the half dtype and upcasts again (:func:`autocast_sums.bind_summing`)."""
+    if eqn.primitive.name not in SAVES_OPERANDS:
+        return set()
+    return {
+        i
+        for i, dtype in targets.items()
+        if i not in wide and half(vals[i].dtype) and not half(dtype) and infos[i].kind == TRACED
+    }
+
+
+SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
+
+
+def scatters_half(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
+    """A float32 scatter-add of half-precision updates (low activations) into a constant
+    (``segment_sum``'s zeros) or a low activation."""
+    updates = invals[2]
+    return (
+        np.dtype(eqn.invars[0].aval.dtype) == FLOAT32_DTYPE
+        and infos[2].kind == TRACED
+        and half(updates.dtype)
+        and infos[2].low
+        and (infos[0].kind >= CONST or infos[0].low)
+    )
