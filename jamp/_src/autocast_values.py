@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
@@ -100,9 +101,21 @@ def upcast(x: Any, dtype: Any) -> Any:
     """
     y = lax.convert_element_type(x, dtype)
     if np.dtype(x.dtype).itemsize < 4 <= np.dtype(dtype).itemsize and is_float(x.dtype):
-        info = jnp.finfo(x.dtype)
-        y = lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+        y = _rounded(y, np.dtype(x.dtype))
     return y
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _rounded(y: Any, half: np.dtype) -> Any:
+    """``y`` rounded to ``half``'s precision; its derivative is the identity (the cotangent
+    is not rounded: reduce_precision's own transpose would flush float16 gradients)."""
+    info = jnp.finfo(half)
+    return lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+@_rounded.defjvp
+def _rounded_jvp(half: np.dtype, primals: tuple, tangents: tuple) -> tuple:
+    return _rounded(primals[0], half), tangents[0]
 
 
 class Casts:
