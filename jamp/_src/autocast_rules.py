@@ -29,10 +29,14 @@ rule              what happens to the floating inputs of the primitive
                   residual stream, an input batch) is: broadcast parameters
                   (a bias, a scale, a gate), constants and float32 values
                   computed from low activations follow the activation down,
-                  as torch casts a Linear's bias with its matmul. It also runs
-                  low where a float32 value computed from low activations
-                  meets a broadcast parameter: the scale and bias that end a
-                  norm of low activations. Otherwise it runs in the widest
+                  as torch casts a Linear's bias with its matmul. Where a
+                  float32 value computed from low activations meets a
+                  broadcast parameter (the scale and bias that end a norm of
+                  low activations) it runs in float32, as Flax's norms do,
+                  and its result is a low activation held in float32 that the
+                  next primitive reads in the low dtype (``norm_affine``). A
+                  sigmoid or tanh feeding a float32 primitive other than a sum
+                  (``log(1 - p)``) runs in float32. Otherwise it runs in the widest
                   floating input dtype, literals following the others as in
                   ``jnp``. An ``add``/``sub``/``mul``/``square`` whose result
                   feeds a ``float32`` primitive runs in float32 (so ``x -
@@ -191,7 +195,8 @@ _AS_TRACED = (
     "select_and_scatter_add", "rng_bit_generator", "rng_uniform",
     "custom_linear_solve", "pure_callback", "io_callback", "ffi_call",
     # scatter carries an update jaxpr typed for the traced dtype (torch lists
-    # scatter_add and index_put under "promote"; here they run as traced).
+    # scatter_add and index_put under "promote"; here they run as traced, except a
+    # scatter-add of half updates: in float32, its result low (autocast_sums)).
     "scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter_sub",
     "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
     "scatter_max",
