@@ -22,6 +22,19 @@ the same float32 parameters:
     (modules built with ``param_dtype=<dtype>`` so Flax does not cast them
     back), output cast to float32.
 
+An attention block with dropout (``LayerNorm``, ``MultiHeadDotProductAttention``
+with ``dropout_rate=0.1``, a float32 residual; d=256, 4 heads, batch 8x128, MSE
+loss, one fixed dropout key) is measured the same way.
+
+**On the GPU compile** (issue #25), each whole train step (``value_and_grad`` and
+``optax.adamw``, state donated) is compiled for a described H200 without a device
+(``benchmarks/xla_gpu.py``: jax's CUDA plugin, no autotuning) for float32,
+``jamp.autocast`` bfloat16 and Flax ``dtype=bfloat16``, and read from the GPU
+program: modelled HBM bytes, XLA's temp memory, the roofline time and the GEMM
+operand dtypes; models: ``benchmarks/gpu_compile.py``'s GPT (4 blocks, d 512, 8
+heads, batch 16x512) and CNN, and the dropout block at d 512, 8 heads, batch
+16x512. The rows are left out, with the reason, where the plugin is missing.
+
 Columns: **residuals** are the bytes JAX saves for the backward pass
 (``jax.ad_checkpoint`` ``saved_residuals`` of the loss with respect to the
 parameters and the batch, the arguments themselves excluded), split by dtype;
@@ -55,6 +68,10 @@ from typing import Any
 if __package__ in (None, ""):  # `python benchmarks/autocast_memory.py`
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     __package__ = "benchmarks"  # noqa: A001
+# The GPU-compile rows compile for a described H200 with jax's CUDA plugin, which must not
+# start a CUDA backend: only --step-time (timing on a real GPU) uses the default platform.
+if __name__ == "__main__" and "--step-time" not in sys.argv:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax
 import jax.numpy as jnp
@@ -130,6 +147,24 @@ class CNN(nn.Module):
         return nn.Dense(10, **kw)(x)
 
 
+class DropoutBlock(nn.Module):
+    """LayerNorm, causal self-attention with dropout on its probabilities, a residual."""
+
+    heads: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, x):
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+        mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=self.heads, dropout_rate=self.rate, deterministic=False, **kw
+        )(nn.LayerNorm(**kw)(x), mask=mask)
+        return x + h
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -139,6 +174,7 @@ class Case:
     loss: Callable  # (float32 outputs, targets) -> float32 scalar
     torch: Callable | None  # () -> (torch model, torch loss, torch inputs) or None
     params: Any = None
+    rngs: bool = False  # whether apply takes a dropout key
 
 
 def _rng(seed):
@@ -184,6 +220,24 @@ def cnn_case(tiny: bool) -> Case:
     )
 
 
+def dropout_case(tiny: bool) -> Case:
+    d, heads, b, t = (32, 2, 2, 16) if tiny else (256, 4, 8, 128)
+    x = jnp.asarray(_rng(4).standard_normal((b, t, d)), jnp.float32)
+    y = jnp.asarray(_rng(5).standard_normal((b, t, d)), jnp.float32)
+
+    def module(dtype=None, param_dtype=jnp.float32):
+        return DropoutBlock(heads, dtype, param_dtype)
+
+    def loss(out, y):
+        return jnp.mean(jnp.square(out - y))
+
+    describe = (
+        f"LayerNorm + causal MultiHeadDotProductAttention with dropout_rate=0.1 + residual: "
+        f"d={d}, {heads} heads, batch {b}x{t}, MSE loss"
+    )
+    return Case("Attention+dropout", describe, module, (x, y), loss, None, rngs=True)
+
+
 # --------------------------------------------------------------------------- variants
 
 
@@ -192,10 +246,11 @@ def variants(case: Case) -> dict[str, Callable]:
     import jmp
 
     f32 = case.module()
+    kw = {"rngs": {"dropout": jax.random.key(7)}} if case.rngs else {}
 
     def plain(p, batch):
         x, t = batch
-        return case.loss(f32.apply(p, x).astype(jnp.float32), t)
+        return case.loss(f32.apply(p, x, **kw).astype(jnp.float32), t)
 
     out = {"float32": plain}
     for name, dt in HALF.items():
@@ -205,11 +260,11 @@ def variants(case: Case) -> dict[str, Callable]:
 
         def flax_loss(p, batch, m=flax_model):
             x, t = batch
-            return case.loss(m.apply(p, x).astype(jnp.float32), t)
+            return case.loss(m.apply(p, x, **kw).astype(jnp.float32), t)
 
         def jmp_loss(p, batch, m=jmp_model, policy=policy):
             x, t = batch
-            out = m.apply(policy.cast_to_compute(p), policy.cast_to_compute(x))
+            out = m.apply(policy.cast_to_compute(p), policy.cast_to_compute(x), **kw)
             return case.loss(policy.cast_to_output(out), t)
 
         out[f"jamp.autocast {name}"] = jamp.autocast(plain, dt)
@@ -272,7 +327,8 @@ def grad_cosines(grads: Any, reference: Any) -> tuple[float, float]:
 
 
 def measure(case: Case, log: Callable[[str], None]) -> list[dict]:
-    params = case.module().init(jax.random.key(0), case.batch[0])
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    params = case.module().init(keys if case.rngs else keys["params"], case.batch[0])
     rows, reference = [], None
     for name, loss in variants(case).items():
         t0 = time.perf_counter()
@@ -293,6 +349,123 @@ def measure(case: Case, log: Callable[[str], None]) -> list[dict]:
         log(f"  {case.name} {name}: {mib:.1f} MiB residuals, {temp / 2**20:.1f} MiB temp, "
             f"cosine {whole:.5f} ({took:.1f} s)")  # fmt: skip
     return rows
+
+
+# --------------------------------------------------------------------------- GPU compile
+
+GPU_VARIANTS = ("float32", "jamp.autocast bfloat16", "Flax dtype=bfloat16")
+
+
+def gpu_models(tiny: bool) -> list:
+    """``benchmarks/gpu_compile.py`` models: (name, describe, module(dtype), batch, loss, rngs)."""
+    from benchmarks import gpu_compile as gc
+
+    f32 = jnp.float32
+    d, heads, layers, b, t = (32, 2, 2, 2, 16) if tiny else (512, 8, 4, 16, 512)
+    size, nb, feats, groups = (8, 4, (8, 16, 16), 4) if tiny else (32, 32, (32, 64, 128), 8)
+    seq = jax.ShapeDtypeStruct((b, t, d), f32)
+    img = jax.ShapeDtypeStruct((nb, size, size, 3), f32)
+    labels = jax.ShapeDtypeStruct((nb,), jnp.int32)
+
+    def mse(out, y):
+        return jnp.mean(jnp.square(out - y))
+
+    return [
+        ("GPT", gc.gpt_model(tiny).describe, lambda dt=None: GPTStack(layers, heads, dt),
+         (seq, seq), mse, False),
+        ("CNN", gc.cnn_model(tiny).describe, lambda dt=None: CNN(feats, groups, dt),
+         (img, labels), gc._xent, False),
+        ("Attention+dropout", f"one dropout block, d {d}, {heads} heads, batch {b}x{t}",
+         lambda dt=None: DropoutBlock(heads, dt), (seq, seq), mse, True),
+    ]  # fmt: skip
+
+
+def gpu_compile(tiny: bool, log: Callable[[str], None], only=("GPT", "CNN", "Dropout")):
+    """``[(model, describe, {variant: Program})]``: whole train steps of the models in
+    ``only`` (``--models`` names) compiled for an H200, or ``([], why)`` where jax's CUDA
+    plugin is missing."""
+    from benchmarks import xla_gpu
+
+    why = xla_gpu.unavailable()
+    if why:
+        return [], why
+    out = []
+    for name, describe, module, batch, head, rngs in gpu_models(tiny):
+        if name.split("+")[-1].capitalize() not in only and name not in only:
+            continue
+        out.append((name, describe, _gpu_programs(name, describe, module, batch, head, rngs, log)))
+    return out, ""
+
+
+def _gpu_programs(name, describe, module, batch, head, rngs, log) -> dict:
+    from benchmarks import gpu_compile as gc
+    from benchmarks import xla_gpu
+
+    init_keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    first = init_keys if rngs else init_keys["params"]
+    variables = jax.eval_shape(lambda: module().init(first, jnp.zeros(batch[0].shape)))
+    kw = {"rngs": {"dropout": jax.random.key(7)}} if rngs else {}
+
+    def loss_of(m):
+        def loss(p, ms, batch):
+            return head(m.apply(p, batch[0], **kw).astype(jnp.float32), batch[1]), {}
+
+        return loss
+
+    losses = {
+        "float32": loss_of(module()),
+        "jamp.autocast bfloat16": jamp.autocast(loss_of(module()), jnp.bfloat16),
+        "Flax dtype=bfloat16": loss_of(module(jnp.bfloat16)),
+    }
+    programs = {}
+    for variant, loss in losses.items():
+        t0 = time.perf_counter()
+        state, step = gc.plain(gc.Model(name, describe, variables, {}, batch, loss))
+        compiled = xla_gpu.compile_for(step, state, batch, donate_argnums=(0,))
+        programs[variant] = p = xla_gpu.analyse(compiled)
+        log(f"  GPU compile {name} {variant}: {p.bytes / 2**30:.3f} GiB, temp "
+            f"{p.temp_bytes / 2**20:.1f} MiB ({time.perf_counter() - t0:.0f} s)")  # fmt: skip
+    return programs
+
+
+def gpu_lines(results: list, why: str) -> tuple[list[str], list[tuple]]:
+    """The GPU-compile tables and their targets."""
+    L = ["### On the GPU compile (H200 target, no device): whole train steps", ""]
+    if why:
+        return L + [f"Not measured here: {why}.", ""], []
+    L += [
+        "Compiled for a described H200 (`benchmarks/xla_gpu.py`, no autotuning): "
+        "`value_and_grad` + `optax.adamw`, state donated; bytes: modelled HBM traffic "
+        "(each kernel's operands + outputs); temp: XLA's temp allocation; roofline at "
+        "4.8 TB/s and 989 bf16 / 494 tf32 TFLOPS. These are GPU-compile figures, not "
+        "timings.",
+        "",
+    ]
+    targets = []
+    for name, describe, programs in results:
+        base, flax = programs["float32"], programs["Flax dtype=bfloat16"]
+        L += [f"#### {name}: {describe}", "",
+              "| variant | bytes (GiB) | bytes x float32 | bytes x Flax | temp (MiB) | "
+              "temp x float32 | temp x Flax | roofline x float32 | kernels | GEMM dtypes |",
+              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
+        for variant in GPU_VARIANTS:
+            p = programs[variant]
+            L.append(
+                f"| {variant} | {p.bytes / 2**30:.3f} | {p.bytes / base.bytes:.3f} | "
+                f"{p.bytes / flax.bytes:.3f} | {p.temp_bytes / 2**20:.1f} | "
+                f"{p.temp_bytes / base.temp_bytes:.3f} | {p.temp_bytes / flax.temp_bytes:.3f} | "
+                f"{p.roofline() / base.roofline():.3f} | {p.n_kernels} | "
+                f"{', '.join(sorted(p.gemm_dtypes()))} |"
+            )
+        L.append("")
+        ours = programs["jamp.autocast bfloat16"]
+        br, tr = ours.bytes / flax.bytes, ours.temp_bytes / flax.temp_bytes
+        targets.append((
+            f"{name} train step on the GPU compile: jamp.autocast bfloat16 bytes and temp "
+            "<= Flax dtype=bfloat16's (issue #25)",
+            f"bytes {br:.4f}x, temp {tr:.4f}x Flax's", br <= 1.0 and tr <= 1.0, WHY["gpu"],
+        ))  # fmt: skip
+    return L, targets
 
 
 # --------------------------------------------------------------------------- torch
@@ -394,7 +567,9 @@ def _by_dtype(res: dict[str, int]) -> str:
     return ", ".join(f"{k} {_mib(res[k])}" for k in keys if res[k])
 
 
-def section(args, cases: list[Case], results: dict, torch_res: dict, elapsed: float) -> str:
+def section(
+    args, cases: list[Case], results: dict, torch_res: dict, elapsed: float, gpu=((), "")
+) -> str:
     now = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     cmd = "python -m benchmarks.autocast_memory" + (" --tiny" if args.tiny else "")
     L = [
@@ -445,8 +620,12 @@ def section(args, cases: list[Case], results: dict, torch_res: dict, elapsed: fl
             )
         L.append("")
         targets += _targets(case.name, rows, ratios)
+    if not args.no_gpu_compile:
+        gpu_rows, gpu_targets = gpu_lines(*gpu)
+        L += gpu_rows
+        targets += gpu_targets
     L += [
-        "### Targets (issue #17)",
+        "### Targets (issues #17, #25)",
         "",
         "| target | measured | met | why (when missed) |",
         "| --- | --- | --- | --- |",
@@ -461,6 +640,11 @@ def section(args, cases: list[Case], results: dict, torch_res: dict, elapsed: fl
 
 # Why a target is missed, when the measurement says so (see docs/autocast.md).
 WHY = {
+    "gpu": (
+        "group the kernels by op name (jax's name stack) against Flax's program "
+        "(docs/autocast.md): the CNN's head reads jnp.mean's float32 features, where Flax's "
+        "mean returns bfloat16"
+    ),
     "flax": (
         "compare the residuals by dtype: jamp keeps float32 only what computes in float32 "
         "from float32 values (the norms' statistics and normalisation, as Flax), softmax's "
@@ -592,14 +776,17 @@ def parser() -> argparse.ArgumentParser:
         "8 layers, batch 16x512 (large)",
     )
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.autocast rows")
-    ap.add_argument("--models", default="GPT,CNN", help="comma-separated subset of GPT,CNN")
+    ap.add_argument("--models", default="GPT,CNN,Dropout",
+                    help="comma-separated subset of GPT,CNN,Dropout")  # fmt: skip
+    ap.add_argument("--no-gpu-compile", action="store_true",
+                    help="leave out the H200 GPU-compile rows")  # fmt: skip
     return ap
 
 
 def measure_section(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     """The section this benchmark writes into RESULTS.md."""
     t0 = time.perf_counter()
-    builders = {"GPT": gpt_case, "CNN": cnn_case}
+    builders = {"GPT": gpt_case, "CNN": cnn_case, "Dropout": dropout_case}
     cases = [builders[m.strip()](args.tiny) for m in args.models.split(",") if m.strip()]
     results, torch_res = {}, {}
     for case in cases:
@@ -609,7 +796,11 @@ def measure_section(args: argparse.Namespace, log: Callable[[str], None]) -> str
             saved = torch_saved_bytes(case.torch)
             if saved is not None:
                 torch_res[case.name] = saved
-    return section(args, cases, results, torch_res, time.perf_counter() - t0)
+    gpu = ([], "")
+    if not args.no_gpu_compile:
+        log("GPU compile (H200 target)")
+        gpu = gpu_compile(args.tiny, log, [m.strip() for m in args.models.split(",")])
+    return section(args, cases, results, torch_res, time.perf_counter() - t0, gpu)
 
 
 def main(argv: list[str] | None = None) -> str:

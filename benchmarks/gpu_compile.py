@@ -552,7 +552,7 @@ def targets(results: dict[str, list[dict]]) -> list[tuple[str, str, bool]]:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
 
 
 def _version(mod: str) -> str:

@@ -34,6 +34,8 @@ FLOORS = {
     "lookup": FRONT,
     "autocast_rules": FRONT,
     "autocast_residuals": FRONT,
+    "autocast_sums": FRONT,
+    "autocast_values": FRONT,
     "autocast_interpreter": FRONT,
     "autocast_float8": FRONT,
     "autocast": FRONT,

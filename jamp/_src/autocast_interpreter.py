@@ -11,15 +11,13 @@ it. Sub-computations (``HIGHER_ORDER``) are evaluated recursively.
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
@@ -29,10 +27,13 @@ from jamp._src.autocast_residuals import (
     group_jaxpr,
     recomputed,
     softmax_keeping_low,
+    softmax_matmul_keeping_low,
 )
 from jamp._src.autocast_rules import (
+    AFFINE,
     ARITHMETIC,
     AS_TRACED,
+    BOUNDED,
     ELIGIBLE,
     FLOAT32,
     FLOAT32_DTYPE,
@@ -47,165 +48,51 @@ from jamp._src.autocast_rules import (
     category,
     div_rule,
     fits,
+    float32_operands,
     merge_spans,
     narrows,
+    norm_affine,
     output_is_low,
+    reaching_float32,
     rule_of,
     runs_low,
-    saturated,
     span_of,
     widest,
 )
+from jamp._src.autocast_sums import (
+    SCATTER_ADD,
+    bind_summing,
+    broadcast_in_float32,
+    scatters_half,
+    summed_in_float32,
+    upcast_in_backward,
+)
+from jamp._src.autocast_values import (
+    CONST,
+    FOLD_MAX,
+    LITERAL,
+    MARKER,
+    SCOPE_AUTOCAST,
+    SCOPE_DISABLED,
+    TRACED,
+    Casts,
+    Context,
+    Info,
+    Recorder,
+    bind,
+    cast,
+    float0_zeros,
+    is_float,
+    is_inexact,
+    record,
+    source,
+    strong_cast,
+)
 
-try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
-    from jax._src import source_info_util as _source_info_util
-except ImportError:  # pragma: no cover - depends on the jax version
-    _source_info_util = None
-
-# The name scope that marks a region the interpreter evaluates as traced.
-SCOPE_DISABLED = "jamp_autocast_disabled"
-SCOPE_AUTOCAST = "jamp_autocast"
-MARKER = "jamp_autocast"  # a substring of both
-
-# Where a value comes from (see _eval_jaxpr). Ordered: an output has the
-# smallest kind of its inputs.
-TRACED = 0  # depends on the function's arguments: activations, parameters
-CONST = 1  # known when the function is traced: a concrete constant, or computed from those
-LITERAL = 2  # computed from literals only (Python scalars): also follows under promote
-
-
-class Info(NamedTuple):
-    """What the interpreter knows about a value besides the value itself."""
-
-    kind: int = TRACED
-    low: bool = False  # derived from low-precision activations only (not params, constants)
-    size: int | None = None  # elements before broadcasting; None: its own size
-    span: Span | None = None  # a traced constant's values (a concrete one is looked at)
-    held: bool = False  # a low activation computed in float32 for float32 consumers
-    statistic: bool = False  # low, and a reduction (or computed from reductions alone)
-
-
-class Recorder:
-    """Counts, per (primitive, rule, dtype), the equations evaluated; and unknown primitives."""
-
-    def __init__(self) -> None:
-        self.counts: collections.Counter = collections.Counter()
-        self.unknown: set[str] = set()
-
-    def add(self, prim: str, rule: str, dtype: str) -> None:
-        self.counts[(prim, rule, dtype)] += 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Context:
-    dtype: np.dtype
-    recorder: Recorder | None
-    as_traced: bool = False
-    # A rule tried before the table (float8: autocast_float8): (eqn, invals, infos, ctx) ->
-    # (outs, infos), or None to leave the equation to the table.
-    rule: Callable[..., tuple[list, list] | None] | None = None
-
-
-# ---------------------------------------------------------------------------
-# Helpers
-# ---------------------------------------------------------------------------
-
-
-def is_float(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.floating)
-
-
-def _is_inexact(dtype: Any) -> bool:
-    return jnp.issubdtype(dtype, jnp.inexact)
-
-
-def cast(x: Any, dtype: Any) -> Any:
-    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
-
-
-class _Casts:
-    """The casts autocast inserts, one per value and dtype (torch's cast cache).
-
-    A value cast to the same dtype twice (the input of the query, key and
-    value projections; a weight used twice) is cast once, so the backward
-    pass saves one copy.
-    """
-
-    def __init__(self) -> None:
-        self._done: dict[tuple[int, np.dtype, bool], tuple[Any, Any]] = {}
-
-    def __call__(self, x: Any, dtype: Any, info: Info, saturate: bool = False) -> Any:
-        if x.dtype == dtype:
-            return x
-        key = (id(x), np.dtype(dtype), saturate)
-        hit = self._done.get(key)
-        if hit is not None and hit[0] is x:
-            return hit[1]
-        y = x
-        if saturate and info.kind >= CONST and narrows(x.dtype, dtype):
-            y = saturated(y, dtype)
-        if info.kind < CONST or isinstance(y, jax.core.Tracer) or np.size(y) > _FOLD_MAX:
-            y = lax.convert_element_type(y, dtype)
-        else:  # a small concrete constant: cast now, not in the program
-            y = np.asarray(y).astype(dtype)
-        self._done[key] = (x, y)  # keeps x alive, so its id is not reused
-        return y
-
-    def prime(self, x: Any, dtype: Any, y: Any) -> None:
-        """Makes ``y`` the cast of ``x`` to ``dtype`` (a fused softmax's own cast)."""
-        self._done[(id(x), np.dtype(dtype), False)] = (x, y)
-
-
-def _strong_cast(x: Any, dtype: Any) -> Any:
-    """A cast that also drops weak typing (loop carries must type-check)."""
-    return lax.convert_element_type(x, dtype)
-
-
-def _source(eqn: Any) -> contextlib.AbstractContextManager:
-    stack = contextlib.ExitStack()
-    if _source_info_util is not None:
-        name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
-        stack.enter_context(
-            _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
-        )
-    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
-    if manager is not None:
-        stack.enter_context(manager)
-    return stack
-
-
-def _bind(eqn: Any, vals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list:
-    """Binds ``eqn``'s primitive on ``vals`` (as ``jax.core.eval_jaxpr`` does)."""
-    bind_params = eqn.primitive.get_bind_params(dict(eqn.params if params is None else params))
-    subfuns: Sequence[Any] = ()
-    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-        subfuns, bind_params = bind_params
-    with _source(eqn):
-        out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _sds(aval: Any) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
-def _float0_zeros(aval: Any) -> np.ndarray:
-    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
-
-
-def _ran_in(vals: Sequence[Any], outs: Sequence[Any]) -> str:
-    floats = [np.dtype(x.dtype) for x in vals if is_float(x.dtype)]
-    if floats:
-        return widest(floats).name
-    for x in outs:
-        return str(x.dtype)
-    return "-"
-
-
-def _record(ctx: Context, eqn: Any, rule: str, vals: Sequence[Any], outs: Sequence[Any]) -> None:
-    if ctx.recorder is not None:
-        ctx.recorder.add(eqn.primitive.name, rule, _ran_in(vals, outs))
-
+__all__ = [  # what the other autocast modules import from here
+    "HIGHER_ORDER", "MARKER", "SCOPE_AUTOCAST", "SCOPE_DISABLED", "Context", "Info", "Recorder",
+    "cast", "eval_closed", "is_float", "kept_preferred_type", "scan_with",
+]  # fmt: skip
 
 # ---------------------------------------------------------------------------
 # The interpreter
@@ -239,25 +126,36 @@ def _eval_jaxpr(
         env[v] = (x, Info(kind=TRACED if isinstance(x, jax.core.Tracer) else CONST))
     for v, x, info in zip(jaxpr.invars, args, infos, strict=True):
         env[v] = (x, info)
-    to_float32 = _float32_operands(jaxpr)
-    casts = _Casts()
+    to_float32 = float32_operands(jaxpr)
+    reach = reaching_float32(jaxpr)
+    casts = Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
+    fused = {} if ctx.rule is not None else {g.dot: g for g in softmaxes.values() if g.dot}
     for k, eqn in enumerate(jaxpr.eqns):
         if k in done:
+            continue
+        sub = ctx
+        if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
+            sub = dataclasses.replace(ctx, as_traced=True)
+        group = fused.get(k)
+        if group is not None and group.y not in env:  # p @ v with its softmax
+            v = eqn.invars[1] if eqn.invars[0] is group.y else eqn.invars[0]
+            env[eqn.outvars[0]] = _softmax_matmul(jaxpr, group, read(group.z), read(v), sub, casts)
             continue
         read_in = [read(v) for v in eqn.invars]
         invals = [x for x, _ in read_in]
         ininfos = [i for _, i in read_in]
-        sub = ctx
-        if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
-            sub = dataclasses.replace(ctx, as_traced=True)
         group = softmaxes.get(k)
+        if group is not None and group.dot in fused and _fusable(invals[0], ininfos[0], sub):
+            done.update(group.indices[1:])  # evaluated with its matmul, where that is
+            continue
         if group is not None and not sub.as_traced and _upcast(invals[0], ininfos[0], 4):
             env[group.y] = _softmax(jaxpr, group, invals[0], ininfos[0], sub, casts)
             done.update(group.indices)
             continue
-        feeds_float32 = any(v in to_float32 for v in eqn.outvars)
+        fed = reach if eqn.primitive.name in BOUNDED else to_float32
+        feeds_float32 = any(v in fed for v in eqn.outvars)
         fold = _foldable(eqn, invals, ininfos)
         with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
             outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts)
@@ -267,35 +165,68 @@ def _eval_jaxpr(
     return [x for x, _ in outs], [i for _, i in outs]
 
 
+def _fusable(z: Any, info: Info, ctx: Context) -> bool:
+    return not ctx.as_traced and _upcast(z, info, 4)
+
+
+def _softmax_matmul(jaxpr: Any, group: Any, z_in: tuple, v_in: tuple, ctx: Context, casts):
+    """``softmax(z) @ v`` as one custom_vjp (``softmax_matmul_keeping_low``)."""
+    dot = jaxpr.eqns[group.dot]
+    (z, info), (v, v_info) = z_in, v_in
+    params = _lower_params(dot, [0, 1], ctx)
+    with source(jaxpr.eqns[group.indices[-1]]):
+        body, _, _ = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
+    with source(dot):
+        v_low = casts(v, ctx.dtype, v_info)
+        fun = softmax_matmul_keeping_low(
+            lambda x: body(x)[0],
+            ctx.dtype,
+            z.dtype,
+            lambda a, b: bind(dot, [a, b], params)[0],
+            dot.invars[0] is group.y,
+            dot.params["dimension_numbers"],
+        )
+        out = fun(z, v_low)
+    record(ctx, dot, LOWER, [v_low], [out])
+    return out, Info(low=True)
+
+
 def _upcast(x: Any, info: Info, size: int = 2) -> bool:
     """Whether ``x``, an activation, is float16/bfloat16 (``size`` 2) or float32 too (4)."""
     return info.kind == TRACED and np.dtype(x.dtype) in ELIGIBLE and x.dtype.itemsize <= size
 
 
-def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: _Casts):
+def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: Casts):
     """A softmax whose backward pass keeps the low probabilities only (``autocast_residuals``)."""
-    with _source(jaxpr.eqns[group.indices[-1]]):
+    with source(jaxpr.eqns[group.indices[-1]]):
         body, _, (out,) = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
         y, y_low = softmax_keeping_low(lambda x: body(x)[0], group.axes, ctx.dtype, z.dtype)(z)
-    casts.prime(y, ctx.dtype, y_low)  # the consuming matmuls' cast of y
-    return y, out
+    # The probabilities are a low activation: the matmuls (and dropout before them) read the
+    # half copy, the one the backward pass keeps.
+    return y_low, Info(low=True)
 
 
-_FOLD_MAX = 4096  # elements: constants this small are computed when traced
+# Primitives typed by the mesh axes of shard_map: bound in the trace, never folded.
+_MESH_AXIS = frozenset(
+    {"pvary", "pbroadcast", "psum_invariant", "axis_index", "all_gather_invariant"}
+)
 
 
 def _foldable(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
     """Whether ``eqn`` computes a small constant from constants (``jnp.sqrt(d)``).
 
     It is then computed when ``fun`` is traced, so the constant rule sees its
-    value instead of a traced constant of unknown value.
+    value instead of a traced constant of unknown value. Mesh-axis primitives
+    (``pvary`` of a literal inside ``shard_map``) have no value outside their
+    trace and are never computed then.
     """
     return (
         not eqn.effects
         and eqn.primitive.name not in HIGHER_ORDER
+        and eqn.primitive.name not in _MESH_AXIS
         and all(i.kind >= CONST for i in infos)
         and not any(isinstance(x, jax.core.Tracer) for x in invals)
-        and sum(int(np.prod(v.aval.shape)) for v in eqn.outvars) <= _FOLD_MAX
+        and sum(int(np.prod(v.aval.shape)) for v in eqn.outvars) <= FOLD_MAX
     )
 
 
@@ -305,18 +236,6 @@ def eval_closed(
     if isinstance(closed, jex_core.ClosedJaxpr):
         return _eval_jaxpr(closed.jaxpr, closed.consts, args, infos, ctx)
     return _eval_jaxpr(closed, (), args, infos, ctx)
-
-
-def _float32_operands(jaxpr: Any) -> set:
-    """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
-
-    ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
-    """
-    found = set()
-    for eqn in jaxpr.eqns:
-        if rule_of(eqn) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
-            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    return found
 
 
 def _const_kind(infos: Sequence[Info]) -> int:
@@ -331,8 +250,8 @@ def _as_traced(
         cast(x, v.aval.dtype) if is_float(x.dtype) and is_float(v.aval.dtype) else x
         for x, v in zip(invals, eqn.invars, strict=True)
     ]
-    outs = _bind(eqn, vals)
-    _record(ctx, eqn, rule, vals, outs)
+    outs = bind(eqn, vals)
+    record(ctx, eqn, rule, vals, outs)
     return outs, [Info(kind=_const_kind(infos))] * len(outs)
 
 
@@ -413,7 +332,7 @@ def _eval_eqn(
     infos: list,
     ctx: Context,
     feeds_float32: bool = False,
-    casts: _Casts | None = None,
+    casts: Casts | None = None,
 ) -> tuple[list, list]:
     name = eqn.primitive.name
     if ctx.as_traced:
@@ -433,9 +352,16 @@ def _eval_eqn(
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
         return _as_traced(eqn, invals, infos, ctx, "unknown")
+    if name in SCATTER_ADD and scatters_half(eqn, invals, infos):
+        # segment_sum of half messages: accumulated in float32 (the traced dtype), returned
+        # in the half dtype, a low activation (torch lists scatter_add under promote).
+        outs, _ = _as_traced(eqn, invals, infos, ctx, "scatter-add in float32")
+        with source(eqn):
+            outs = [cast(outs[0], ctx.dtype)]
+        return outs, [Info(low=True)]
     if rule == AS_TRACED:
         return _as_traced(eqn, invals, infos, ctx, rule)
-    casts = _Casts() if casts is None else casts
+    casts = Casts() if casts is None else casts
 
     float_in = [i for i, x in enumerate(invals) if is_float(x.dtype)]
     params = eqn.params
@@ -454,8 +380,8 @@ def _eval_eqn(
         params = _lower_params(eqn, float_in, ctx)
         low = True
     elif rule == KEEP:  # each output is its input, as it arrives
-        outs = _bind(eqn, vals, params)
-        _record(ctx, eqn, rule, vals, outs)
+        outs = bind(eqn, vals, params)
+        record(ctx, eqn, rule, vals, outs)
         if len(outs) == len(infos):
             return outs, list(infos)
         return outs, [Info(kind=_const_kind(infos))] * len(outs)
@@ -463,20 +389,48 @@ def _eval_eqn(
         targets = {i: FLOAT32_DTYPE for i in float_in if np.dtype(invals[i].dtype) in ELIGIBLE}
         low = output_is_low(cats)
         if name in RECOMPUTED and targets == {0: FLOAT32_DTYPE} and _upcast(invals[0], infos[0]):
-            with _source(eqn):  # the backward pass keeps the half input (autocast_residuals)
-                outs = [recomputed(lambda x: _bind(eqn, [x], params)[0], invals[0])]
-            _record(ctx, eqn, rule, outs, outs)
+            with source(eqn):  # the backward pass keeps the half input (autocast_residuals)
+                outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
+            record(ctx, eqn, rule, outs, outs)
             return outs, _out_infos(eqn, invals, infos, outs, low)
+    elif name in BOUNDED and feeds_float32 and float_in == [0] and _upcast(invals[0], infos[0]):
+        # sigmoid feeding log(1 - p): in float32 from its half input, which the backward
+        # pass keeps (in the half dtype 1 - p rounds to 0 and the loss to inf).
+        with source(eqn):
+            outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
+        record(ctx, eqn, rule, outs, outs)
+        return outs, _out_infos(eqn, invals, infos, outs, output_is_low(cats), held=True)
     else:  # promote; lower with float64 or a constant that does not fit
         target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
-    with _source(eqn):  # the casts carry the user's source line (autocast_report)
+    with source(eqn):  # the casts carry the user's source line (autocast_report)
+        wide = broadcast_in_float32(eqn, vals, targets, infos)
+        up = upcast_in_backward(eqn, vals, targets, infos, wide)
         for i, dtype in targets.items():
-            vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
-    outs = _bind(eqn, vals, params)
-    _record(ctx, eqn, rule, vals, outs)
+            if i not in wide and i not in up:
+                vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
+        if wide or up:  # summed in float32, half operands kept (autocast_sums)
+            shape = eqn.outvars[0].aval.shape
+            outs = bind_summing(
+                lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape, up
+            )
+    if wide or up:
+        record(ctx, eqn, rule, [vals[i] for i in targets if i not in wide] or outs, outs)
+        return outs, _out_infos(eqn, invals, infos, outs, low, held)
+    if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
+        with source(eqn):  # its gradient is summed in float32 (autocast_sums)
+            outs = [summed_in_float32(vals[0], *_broadcast_args(eqn), vals[0].dtype)]
+        record(ctx, eqn, rule, vals, outs)
+        return outs, _out_infos(eqn, invals, infos, outs, low, held)
+    outs = bind(eqn, vals, params)
+    record(ctx, eqn, rule, vals, outs)
     return outs, _out_infos(eqn, invals, infos, outs, low, held)
+
+
+def _broadcast_args(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    p = eqn.params
+    return tuple(p["shape"]), tuple(p["broadcast_dimensions"])
 
 
 def _promote_target(
@@ -501,9 +455,11 @@ def _promote_target(
     strong = [i for i in float_in if infos[i].kind != LITERAL] or float_in
     target = widest([invals[i].dtype for i in strong])
     eligible = all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in)
+    held = False
     if eligible and runs_low(cats):
         target = ctx.dtype
-    held = False
+        if name in AFFINE and norm_affine(cats, [invals[i].dtype for i in float_in], ctx.dtype):
+            target, held = FLOAT32_DTYPE, True  # a norm's scale and bias: float32, as Flax
     if feeds_float32 and name in ARITHMETIC and target != widest([target, FLOAT32_DTYPE]):
         # The operand of exp/log/sum...: computed in float32 from its
         # half-precision inputs, as torch upcasts softmax's input before
@@ -548,10 +504,10 @@ def _convert_element_type(eqn: Any, invals: list, infos: list, ctx: Context):
     if eqn.invars[0].aval.dtype == new_dtype and is_float(new_dtype):
         # A no-op in the traced program (at most a weak-type change): keep the
         # autocast dtype instead of undoing it.
-        _record(ctx, eqn, "no-op cast", [x], [x])
+        record(ctx, eqn, "no-op cast", [x], [x])
         return [x], [infos[0]]
-    outs = _bind(eqn, [x])  # the user's own cast: honoured
-    _record(ctx, eqn, "cast", outs, outs)
+    outs = bind(eqn, [x])  # the user's own cast: honoured
+    record(ctx, eqn, "cast", outs, outs)
     info = infos[0]
     keeps = is_float(x.dtype) and is_float(new_dtype)
     span = info.span if keeps and not narrows(x.dtype, new_dtype) else None
@@ -598,7 +554,7 @@ def scan_with(
     consts = invals[:n_consts]
     carry_dtypes = [v.aval.dtype for v in eqn.invars[n_consts : n_consts + n_carry]]
     init = [
-        _strong_cast(x, d)
+        strong_cast(x, d)
         for x, d in zip(invals[n_consts : n_consts + n_carry], carry_dtypes, strict=True)
     ]
     xs = invals[n_consts + n_carry :]
@@ -611,7 +567,7 @@ def scan_with(
         inner = ctx if body_ctx is None else body_ctx(ctx, slices)
         outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, inner)
         y_infos[:] = [_traced(i) for i in out_infos[n_carry:]]
-        new_carry = [_strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
+        new_carry = [strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
         return new_carry, outs[n_carry:]
 
     length, reverse, unroll = p["length"], p["reverse"], p.get("unroll", 1)
@@ -629,7 +585,7 @@ def _while(eqn: Any, invals: list, infos: list, ctx: Context):
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
     carry_dtypes = [v.aval.dtype for v in eqn.invars[nc + nb :]]
-    init = [_strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
+    init = [strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
     n_carry = len(init)
     cond_infos = [*infos[:nc], *([Info()] * n_carry)]
     body_infos = [*infos[nc : nc + nb], *([Info()] * n_carry)]
@@ -639,7 +595,7 @@ def _while(eqn: Any, invals: list, infos: list, ctx: Context):
 
     def body_fun(carry: list) -> list:
         outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_infos, ctx)
-        return [_strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
+        return [strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
 
     outs = lax.while_loop(cond_fun, body_fun, init)
     return list(outs), [Info()] * len(outs)
@@ -651,7 +607,7 @@ def _cond(eqn: Any, invals: list, infos: list, ctx: Context):
 
     def branch(closed: Any, *xs: Any) -> list:
         outs, _ = eval_closed(closed, xs, infos[1:], ctx)
-        return [_strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
+        return [strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
 
     fns = [functools.partial(branch, b) for b in eqn.params["branches"]]
     outs = lax.switch(index, fns, *ops)
@@ -673,6 +629,14 @@ def _under_rules(jaxpr: Any, invals: list, infos: list, ctx: Context):
     return (lambda *xs: tuple(body(*xs))), dtypes, [_traced(i) for i in out_infos]
 
 
+def _like(values: Sequence[Any], avals: Sequence[Any]) -> list:
+    """``values`` in the traced dtypes of ``avals``, to trace a rule on: unlike shape structs,
+    they keep the sharding and the varying mesh axes (``shard_map``'s check_vma) of the
+    values the rule is applied to."""
+    pairs = zip(values, avals, strict=True)
+    return [cast(x, a.dtype) if is_float(a.dtype) else x for x, a in pairs]
+
+
 def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     """custom_jvp: the body and the jvp rule both evaluated with the rules.
 
@@ -683,8 +647,9 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     """
     in_avals = [v.aval for v in eqn.invars]
     out_avals = [v.aval for v in eqn.outvars]
-    diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
-    diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
+    diff_in = [i for i, a in enumerate(in_avals) if is_inexact(a.dtype)]
+    diff_out = [j for j, a in enumerate(out_avals) if is_inexact(a.dtype)]
+    diff_avals = [in_avals[i] for i in diff_in]
     n, m = len(in_avals), len(out_avals)
     primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_jvp(primal)
@@ -692,16 +657,15 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     def original_jvp(*args: Any) -> list:
         primals, diff_tangents = args[:n], iter(args[n:])
         tangents = [
-            next(diff_tangents) if i in diff_in else _float0_zeros(a)
-            for i, a in enumerate(in_avals)
+            next(diff_tangents) if i in diff_in else float0_zeros(a) for i, a in enumerate(in_avals)
         ]
-        p_out, t_out = jax.jvp(lambda *xs: _bind(eqn, xs), tuple(primals), tuple(tangents))
+        p_out, t_out = jax.jvp(lambda *xs: bind(eqn, xs), tuple(primals), tuple(tangents))
         return [*p_out, *(t_out[j] for j in diff_out)]
 
     @fun.defjvp
     def fun_jvp(primals: tuple, tangents: tuple) -> tuple[tuple, tuple]:
         traced = jax.make_jaxpr(original_jvp)(
-            *map(_sds, in_avals), *(_sds(in_avals[i]) for i in diff_in)
+            *_like(primals, in_avals), *_like([tangents[i] for i in diff_in], diff_avals)
         )
         args = [*primals, *(tangents[i] for i in diff_in)]
         # A tangent is never a constant; a literal's (zero) tangent follows.
@@ -713,7 +677,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
         p_out = tuple(cast(x, d) for x, d in zip(outs[:m], out_dtypes, strict=True))
         t_iter = iter(outs[m:])
         t_out = tuple(
-            cast(next(t_iter), out_dtypes[j]) if j in diff_out else _float0_zeros(a)
+            cast(next(t_iter), out_dtypes[j]) if j in diff_out else float0_zeros(a)
             for j, a in enumerate(out_avals)
         )
         return p_out, t_out
@@ -733,17 +697,17 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
     """
     in_avals = [v.aval for v in eqn.invars]
     out_avals = [v.aval for v in eqn.outvars]
-    diff_in = [i for i, a in enumerate(in_avals) if _is_inexact(a.dtype)]
-    diff_out = [j for j, a in enumerate(out_avals) if _is_inexact(a.dtype)]
+    diff_in = [i for i, a in enumerate(in_avals) if is_inexact(a.dtype)]
+    diff_out = [j for j, a in enumerate(out_avals) if is_inexact(a.dtype)]
     in_dtypes = [x.dtype for x in invals]
     primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_vjp(primal)
 
     def original_vjp(*primals: Any) -> tuple:
-        return jax.vjp(lambda *xs: _bind(eqn, xs), *primals)
+        return jax.vjp(lambda *xs: bind(eqn, xs), *primals)
 
     def fwd(*xs: Any) -> tuple[tuple, Any]:
-        traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*map(_sds, in_avals))
+        traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*_like(xs, in_avals))
         leaves, tree = jax.tree_util.tree_flatten(shapes)
         outs, _ = eval_closed(traced, xs, infos, ctx)
         outs = [cast(x, s.dtype) for x, s in zip(outs, leaves, strict=True)]
@@ -757,21 +721,20 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
         def original_bwd(*args: Any) -> list:
             residuals, diff_cts = args[:n_res], iter(args[n_res:])
             cts_full = [
-                next(diff_cts) if j in diff_out else _float0_zeros(a)
+                next(diff_cts) if j in diff_out else float0_zeros(a)
                 for j, a in enumerate(out_avals)
             ]
             in_cts = jax.tree_util.tree_unflatten(res_tree, residuals)(cts_full)
             return [in_cts[i] for i in diff_in]
 
         traced = jax.make_jaxpr(original_bwd)(
-            *(jax.ShapeDtypeStruct(r.shape, r.dtype) for r in res),
-            *(_sds(out_avals[j]) for j in diff_out),
+            *res, *_like([cts[j] for j in diff_out], [out_avals[j] for j in diff_out])
         )
         args = [*res, *(cts[j] for j in diff_out)]
         outs, _ = eval_closed(traced, args, [Info()] * len(args), ctx)
         it = iter(outs)
         return tuple(
-            cast(next(it), in_dtypes[i]) if i in diff_in else _float0_zeros(a)
+            cast(next(it), in_dtypes[i]) if i in diff_in else float0_zeros(a)
             for i, a in enumerate(in_avals)
         )
 

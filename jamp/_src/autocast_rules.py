@@ -29,10 +29,14 @@ rule              what happens to the floating inputs of the primitive
                   residual stream, an input batch) is: broadcast parameters
                   (a bias, a scale, a gate), constants and float32 values
                   computed from low activations follow the activation down,
-                  as torch casts a Linear's bias with its matmul. It also runs
-                  low where a float32 value computed from low activations
-                  meets a broadcast parameter: the scale and bias that end a
-                  norm of low activations. Otherwise it runs in the widest
+                  as torch casts a Linear's bias with its matmul. Where a
+                  float32 value computed from low activations meets a
+                  broadcast parameter (the scale and bias that end a norm of
+                  low activations) it runs in float32, as Flax's norms do,
+                  and its result is a low activation held in float32 that the
+                  next primitive reads in the low dtype (``norm_affine``). A
+                  sigmoid or tanh feeding a float32 primitive other than a sum
+                  (``log(1 - p)``) runs in float32. Otherwise it runs in the widest
                   floating input dtype, literals following the others as in
                   ``jnp``. An ``add``/``sub``/``mul``/``square`` whose result
                   feeds a ``float32`` primitive runs in float32 (so ``x -
@@ -96,6 +100,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
 
 LOWER = "lower"
 FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
@@ -190,7 +195,8 @@ _AS_TRACED = (
     "select_and_scatter_add", "rng_bit_generator", "rng_uniform",
     "custom_linear_solve", "pure_callback", "io_callback", "ffi_call",
     # scatter carries an update jaxpr typed for the traced dtype (torch lists
-    # scatter_add and index_put under "promote"; here they run as traced).
+    # scatter_add and index_put under "promote"; here they run as traced, except a
+    # scatter-add of half updates: in float32, its result low (autocast_sums)).
     "scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter_sub",
     "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
     "scatter_max",
@@ -230,6 +236,11 @@ FLOAT32_DTYPE = np.dtype(jnp.float32)
 # Promote-rule arithmetic that rounds. When its result feeds a float32-rule
 # primitive (x - max(x) feeding exp in softmax), it runs in float32.
 ARITHMETIC = frozenset({"add", "add_any", "sub", "mul", "square", "integer_pow"})
+
+# Bounded activations: rounded to the half dtype they reach 0 or 1 exactly. Feeding a
+# float32 primitive, directly or through ARITHMETIC (log(1 - sigmoid(z))), they run in
+# float32 from their half input (recomputed in the backward pass, like exp).
+BOUNDED = frozenset({"logistic", "tanh", "erf", "erfc"})
 
 
 def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
@@ -342,6 +353,25 @@ def runs_low(categories: Sequence[str]) -> bool:
     return LOW_ACTIVATION in kinds or {DERIVED, PARAMETER} <= kinds
 
 
+AFFINE = frozenset({"add", "sub", "mul"})
+
+
+def norm_affine(categories: Sequence[str], dtypes: Sequence[Any], low: Any) -> bool:
+    """Whether a ``promote`` primitive that runs low is a norm's scale or bias: float32
+    derived from low activations (or a low activation held in float32) meeting a broadcast
+    parameter, with no low activation in the low dtype."""
+    kinds = set(categories)
+    if PARAMETER not in kinds or not kinds <= {DERIVED, PARAMETER, CONSTANT, LOW_ACTIVATION}:
+        return False
+    if not kinds & {DERIVED, LOW_ACTIVATION}:
+        return False
+    return all(
+        np.dtype(d) != np.dtype(low)
+        for c, d in zip(categories, dtypes, strict=True)
+        if c == LOW_ACTIVATION
+    )
+
+
 def div_rule(divisor: str) -> str:
     """``x / c`` by a constant or a parameter is a scale (dropout's ``x / keep``,
     attention's ``q / sqrt(d)``): it promotes. Any other division (softmax's,
@@ -416,3 +446,35 @@ def fits(span: Span | None, dtype: Any, *, mask_fill: bool = False) -> bool:
         and span.small >= float(info.smallest_normal)
         and (mask_fill or not span.fill)
     )
+
+
+def float32_operands(jaxpr: Any) -> set:
+    """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
+
+    ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
+    """
+    found = set()
+    for eqn in jaxpr.eqns:
+        if rule_of(eqn) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
+            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return found
+
+
+def reaching_float32(jaxpr: Any) -> set:
+    """Where a bounded activation (sigmoid, tanh) runs in float32: the operands of a
+    float32-rule primitive that is not a sum (``log``, ``exp``, ``pow``...), and the inputs
+    of the add/sub/mul whose result is one (``log(1 - p)``). A sum of squares of tanh
+    (a loss) does not need it: rounded to 1.0, the value stays finite."""
+    found = set()
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if rule_of(eqn) == FLOAT32 and name not in ("div", "integer_pow", *_SUMS):
+            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    reach = set(found)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ARITHMETIC and any(v in found for v in eqn.outvars):
+            reach.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
+    return reach
+
+
+_SUMS = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum")

@@ -1,0 +1,157 @@
+"""Where autocast's backward pass sums: in float32, as ``jnp.sum`` does for half inputs.
+
+The transpose of a broadcast is a ``reduce_sum``, computed in the dtype of
+the broadcast value. A float32 bias or scale cast to bfloat16 and then
+broadcast inside a half-precision ``add`` or ``mul`` (``lax.add`` broadcasts
+a ``(1, 1, 1, C)`` or a rank-0 operand itself: Flax's ``Dense`` and ``Conv``
+bias, the scale and bias of its norms, an Equinox ``Linear``'s scalar bias
+under ``vmap``) therefore gets its gradient as a bfloat16 sum over ``N*H*W``
+elements, each partial sum rounded to bfloat16: XLA keeps a bfloat16 reducer,
+on the GPU too. Such sums cancel (the sum of ``|g|`` can be ten times
+``|sum g|``), and the gradient loses a quarter of its norm.
+
+autocast broadcasts such an operand itself, in float32, and casts the
+full-size result: forward values are unchanged bit for bit (a cast commutes
+with a broadcast), and the transpose is a cast of the cotangent to float32
+followed by a float32 ``reduce_sum``, which XLA fuses into one reduction
+kernel: no buffer is added. A half-precision value that is broadcast
+(``broadcast_in_dim`` of a bfloat16 operand, or a bfloat16 operand broadcast
+inside a primitive) goes up to float32 first (exact), so its gradient is
+summed in float32 and rounded once. torch accumulates every reduction of half
+tensors in float32 the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jamp._src.autocast_rules import FLOAT32_DTYPE
+from jamp._src.autocast_values import CONST, TRACED, Info, upcast
+
+# Elementwise primitives whose operands lax broadcasts itself (rank 0, or size-1 axes):
+# their transpose sums the cotangent of such an operand over the broadcast axes.
+IMPLICIT_BROADCAST = frozenset(
+    {"add", "add_any", "sub", "mul", "div", "max", "min", "rem", "atan2", "nextafter", "pow",
+     "select_n", "clamp"}
+)  # fmt: skip
+
+
+def half(dtype: Any) -> bool:
+    """Whether ``dtype`` is a floating dtype narrower than float32."""
+    return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize < 4
+
+
+def broadcast_operand(shape: Sequence[int], out_shape: Sequence[int]) -> tuple[int, ...] | None:
+    """The ``broadcast_dimensions`` that take an operand of ``shape`` to ``out_shape``, or
+    ``None`` when it is not broadcast (or not in a way lax broadcasts implicitly)."""
+    shape, out_shape = tuple(shape), tuple(out_shape)
+    if shape == out_shape:
+        return None
+    if not shape:
+        return ()
+    pairs = zip(shape, out_shape, strict=False)
+    if len(shape) == len(out_shape) and all(a in (1, b) for a, b in pairs):
+        return tuple(range(len(shape)))
+    return None
+
+
+def summed_in_float32(x: Any, out_shape: Sequence[int], dims: Sequence[int], dtype: Any) -> Any:
+    """``x`` broadcast to ``out_shape`` and cast to ``dtype``, broadcast in float32.
+
+    The values are those of the plain broadcast; the transpose sums the
+    cotangent in float32 (``x`` in half precision goes up to float32 first).
+    """
+    wide = x if not half(x.dtype) else lax.convert_element_type(x, FLOAT32_DTYPE)
+    y = lax.broadcast_in_dim(wide, tuple(out_shape), tuple(dims))
+    return y if y.dtype == np.dtype(dtype) else lax.convert_element_type(y, dtype)
+
+
+# Elementwise primitives whose derivative reads their operands: with a broadcast operand
+# made full size, they run under a checkpoint that saves the operands as they came in.
+SAVES_OPERANDS = frozenset(
+    {"mul", "div", "max", "min", "rem", "atan2", "nextafter", "pow", "clamp", "square",
+     "integer_pow"}
+)  # fmt: skip
+
+
+def bind_summing(
+    bind: Callable[[list], list],
+    name: str,
+    vals: Sequence[Any],
+    targets: Mapping[int, Any],
+    wide: Mapping[int, Sequence[int]],
+    out_shape: Sequence[int],
+    up: Collection[int] = (),
+) -> list:
+    """``bind(vals)`` with the operands in ``wide`` broadcast in float32 and cast to their
+    ``targets`` dtype first (:func:`summed_in_float32`).
+
+    For a primitive whose derivative reads its operands (``x * scale``), the
+    broadcast is recomputed in the backward pass (a checkpoint without an
+    optimization barrier), so what it keeps is ``scale`` as it came in, not a
+    full-size copy; the operands in ``up`` (half precision, going up to float32)
+    are kept in the half dtype the same way.
+    """
+
+    def run(*xs: Any) -> list:
+        ys = list(xs)
+        for i, dims in wide.items():
+            ys[i] = summed_in_float32(xs[i], out_shape, dims, targets[i])
+        for i in up:
+            ys[i] = upcast(xs[i], targets[i])
+        return bind(ys)
+
+    if name not in SAVES_OPERANDS:
+        return run(*vals)
+    policy = jax.checkpoint_policies.nothing_saveable
+    return list(jax.checkpoint(run, policy=policy, prevent_cse=False)(*vals))
+
+
+def broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> dict:
+    """``{operand: broadcast_dimensions}``: the traced operands that ``eqn``'s primitive would
+    broadcast itself in half precision (so its transpose would sum them in half precision)."""
+    if eqn.primitive.name not in IMPLICIT_BROADCAST:
+        return {}
+    out_shape = eqn.outvars[0].aval.shape
+    wide = {}
+    for i, dtype in targets.items():
+        if half(dtype) and infos[i].kind == TRACED:
+            dims = broadcast_operand(np.shape(vals[i]), out_shape)
+            if dims is not None:
+                wide[i] = dims
+    return wide
+
+
+def upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: dict) -> set:
+    """The half-precision traced operands that ``eqn`` upcasts to float32 when its derivative
+    reads them (``x * rsqrt(var)``, ``square(x)`` in a norm of half ``x``): the backward
+    pass keeps them in the half dtype and upcasts again (:func:`autocast_sums.bind_summing`)."""
+    if eqn.primitive.name not in SAVES_OPERANDS:
+        return set()
+    return {
+        i
+        for i, dtype in targets.items()
+        if i not in wide and half(vals[i].dtype) and not half(dtype) and infos[i].kind == TRACED
+    }
+
+
+SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
+
+
+def scatters_half(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
+    """A float32 scatter-add of half-precision updates (low activations) into a constant
+    (``segment_sum``'s zeros) or a low activation."""
+    updates = invals[2]
+    return (
+        np.dtype(eqn.invars[0].aval.dtype) == FLOAT32_DTYPE
+        and infos[2].kind == TRACED
+        and half(updates.dtype)
+        and infos[2].low
+        and (infos[0].kind >= CONST or infos[0].low)
+    )

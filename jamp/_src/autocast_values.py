@@ -1,0 +1,202 @@
+"""The values autocast's interpreter evaluates: what it knows of each, and its casts.
+
+Every value carries an :class:`Info` (where it comes from, whether it is a
+low activation, its size before broadcasting, a constant's span); the
+:class:`Casts` cache makes one cast per value and dtype; :func:`bind`
+re-binds a traced equation with the user's source information.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jamp._src.autocast_rules import Span, narrows, saturated, widest
+
+try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
+    from jax._src import source_info_util as _source_info_util
+except ImportError:  # pragma: no cover - depends on the jax version
+    _source_info_util = None
+
+# The name scope that marks a region the interpreter evaluates as traced.
+SCOPE_DISABLED = "jamp_autocast_disabled"
+SCOPE_AUTOCAST = "jamp_autocast"
+MARKER = "jamp_autocast"  # a substring of both
+
+# Where a value comes from (see autocast_interpreter). Ordered: an output has the
+# smallest kind of its inputs.
+TRACED = 0  # depends on the function's arguments: activations, parameters
+CONST = 1  # known when the function is traced: a concrete constant, or computed from those
+LITERAL = 2  # computed from literals only (Python scalars): also follows under promote
+
+FOLD_MAX = 4096  # elements: constants this small are computed when traced
+
+
+class Info(NamedTuple):
+    """What the interpreter knows about a value besides the value itself."""
+
+    kind: int = TRACED
+    low: bool = False  # derived from low-precision activations only (not params, constants)
+    size: int | None = None  # elements before broadcasting; None: its own size
+    span: Span | None = None  # a traced constant's values (a concrete one is looked at)
+    held: bool = False  # a low activation computed in float32 for float32 consumers
+    statistic: bool = False  # low, and a reduction (or computed from reductions alone)
+
+
+class Recorder:
+    """Counts, per (primitive, rule, dtype), the equations evaluated; and unknown primitives."""
+
+    def __init__(self) -> None:
+        self.counts: collections.Counter = collections.Counter()
+        self.unknown: set[str] = set()
+
+    def add(self, prim: str, rule: str, dtype: str) -> None:
+        self.counts[(prim, rule, dtype)] += 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    dtype: np.dtype
+    recorder: Recorder | None
+    as_traced: bool = False
+    # A rule tried before the table (float8: autocast_float8): (eqn, invals, infos, ctx) ->
+    # (outs, infos), or None to leave the equation to the table.
+    rule: Callable[..., tuple[list, list] | None] | None = None
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------
+
+
+def is_float(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def is_inexact(dtype: Any) -> bool:
+    return jnp.issubdtype(dtype, jnp.inexact)
+
+
+def cast(x: Any, dtype: Any) -> Any:
+    return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
+
+
+def upcast(x: Any, dtype: Any) -> Any:
+    """``x`` cast to ``dtype``; a half-precision value going up keeps its rounding explicit.
+
+    Under ``jit`` XLA's excess precision (on by default, on GPUs too) may skip
+    the rounding of a half-precision value for one consumer and keep it for
+    another, so a loss's normaliser and its label logit can disagree (a
+    cross-entropy below zero). ``reduce_precision`` after the upcast makes every
+    float32 consumer see the value rounded to the half dtype, as the others do.
+    """
+    y = lax.convert_element_type(x, dtype)
+    if np.dtype(x.dtype).itemsize < 4 <= np.dtype(dtype).itemsize and is_float(x.dtype):
+        y = _rounded(y, np.dtype(x.dtype))
+    return y
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
+def _rounded(y: Any, half: np.dtype) -> Any:
+    """``y`` rounded to ``half``'s precision; its derivative is the identity (the cotangent
+    is not rounded: reduce_precision's own transpose would flush float16 gradients)."""
+    info = jnp.finfo(half)
+    return lax.reduce_precision(y, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+
+@_rounded.defjvp
+def _rounded_jvp(half: np.dtype, primals: tuple, tangents: tuple) -> tuple:
+    return _rounded(primals[0], half), tangents[0]
+
+
+class Casts:
+    """The casts autocast inserts, one per value and dtype (torch's cast cache).
+
+    A value cast to the same dtype twice (the input of the query, key and
+    value projections; a weight used twice) is cast once, so the backward
+    pass saves one copy.
+    """
+
+    def __init__(self) -> None:
+        self._done: dict[tuple[int, np.dtype, bool], tuple[Any, Any]] = {}
+
+    def __call__(self, x: Any, dtype: Any, info: Info, saturate: bool = False) -> Any:
+        if x.dtype == dtype:
+            return x
+        key = (id(x), np.dtype(dtype), saturate)
+        hit = self._done.get(key)
+        if hit is not None and hit[0] is x:
+            return hit[1]
+        y = x
+        if saturate and info.kind >= CONST and narrows(x.dtype, dtype):
+            y = saturated(y, dtype)
+        if info.kind < CONST or isinstance(y, jax.core.Tracer) or np.size(y) > FOLD_MAX:
+            y = upcast(y, dtype) if info.kind == TRACED else lax.convert_element_type(y, dtype)
+        else:  # a small concrete constant: cast now, not in the program
+            y = np.asarray(y).astype(dtype)
+        self._done[key] = (x, y)  # keeps x alive, so its id is not reused
+        return y
+
+    def prime(self, x: Any, dtype: Any, y: Any) -> None:
+        """Makes ``y`` the cast of ``x`` to ``dtype`` (a fused softmax's own cast)."""
+        self._done[(id(x), np.dtype(dtype), False)] = (x, y)
+
+
+def strong_cast(x: Any, dtype: Any) -> Any:
+    """A cast that also drops weak typing (loop carries must type-check)."""
+    return lax.convert_element_type(x, dtype)
+
+
+def source(eqn: Any) -> contextlib.AbstractContextManager:
+    stack = contextlib.ExitStack()
+    if _source_info_util is not None:
+        name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
+        stack.enter_context(
+            _source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+        )
+    manager = getattr(getattr(eqn, "ctx", None), "manager", None)
+    if manager is not None:
+        stack.enter_context(manager)
+    return stack
+
+
+def bind(eqn: Any, vals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list:
+    """Binds ``eqn``'s primitive on ``vals`` (as ``jax.core.eval_jaxpr`` does)."""
+    bind_params = eqn.primitive.get_bind_params(dict(eqn.params if params is None else params))
+    subfuns: Sequence[Any] = ()
+    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
+        subfuns, bind_params = bind_params
+    with source(eqn):
+        out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def sds(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def float0_zeros(aval: Any) -> np.ndarray:
+    return np.zeros(aval.shape, dtype=jax.dtypes.float0)
+
+
+def ran_in(vals: Sequence[Any], outs: Sequence[Any]) -> str:
+    floats = [np.dtype(x.dtype) for x in vals if is_float(x.dtype)]
+    if floats:
+        return widest(floats).name
+    for x in outs:
+        return str(x.dtype)
+    return "-"
+
+
+def record(ctx: Context, eqn: Any, rule: str, vals: Sequence[Any], outs: Sequence[Any]) -> None:
+    if ctx.recorder is not None:
+        ctx.recorder.add(eqn.primitive.name, rule, ran_in(vals, outs))

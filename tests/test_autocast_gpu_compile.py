@@ -1,0 +1,116 @@
+"""autocast on the GPU compile: as lean as Flax's module dtype (issue #25, section 2).
+
+Each train step is compiled for a described H200 with no device
+(``benchmarks/xla_gpu.py``) and read from the compiled GPU program. The shapes
+are the smallest that keep the program's structure (causal attention whose
+rows are long enough for XLA's softmax fusions, a gelu MLP, a conv +
+GroupNorm CNN); ``benchmarks/autocast_memory.py`` measures the full sizes.
+Skipped, with the reason, where jax's CUDA plugin is missing.
+"""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import jamp
+from benchmarks import xla_gpu
+from benchmarks.autocast_memory import CNN, GPTStack
+
+WHY = xla_gpu.unavailable()
+pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+
+BF16 = jnp.bfloat16
+B, T, D, HEADS = 2, 256, 64, 2
+# The CNN's head: jnp.mean of the last activations is float32 under autocast (a sum and a
+# division) and the Dense reads it so, where Flax's mean returns bfloat16: 0.13% of the
+# bytes at these shapes, 0.0% at the benchmark's (python -m benchmarks.autocast_memory).
+CNN_BYTES_LIMIT = 1.002
+
+
+def _step(loss):
+    tx = optax.sgd(1e-3)
+
+    def step(params, opt_state, batch):
+        grads = jax.grad(loss)(params, batch)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step, tx
+
+
+@functools.cache
+def _programs(model: str) -> dict:
+    """float32, jamp.autocast bfloat16 and Flax dtype=bfloat16: compiled steps, analysed."""
+    f32 = jnp.float32
+    if model == "GPT":
+        x = jax.ShapeDtypeStruct((B, T, D), f32)
+        batch = (x, x)
+
+        def module(dtype=None):
+            return GPTStack(1, HEADS, dtype)
+
+        def head(out, y):
+            return jnp.mean(jnp.square(out.astype(f32) - y))
+    else:
+        x = jax.ShapeDtypeStruct((8, 16, 16, 3), f32)
+        batch = (x, jax.ShapeDtypeStruct((8,), jnp.int32))
+
+        def module(dtype=None):
+            return CNN((16, 32), 4, dtype)
+
+        def head(logits, labels):
+            logits = logits.astype(f32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    params = jax.eval_shape(lambda: module().init(jax.random.key(0), jnp.zeros(x.shape)))
+
+    def loss_of(m):
+        return lambda p, batch: head(m.apply(p, batch[0]), batch[1])
+
+    losses = {
+        "float32": loss_of(module()),
+        "autocast": jamp.autocast(loss_of(module()), BF16),
+        "flax": loss_of(module(BF16)),
+    }
+    out = {}
+    for name, loss in losses.items():
+        step, tx = _step(loss)
+        opt_state = jax.eval_shape(tx.init, params)
+        with jax.numpy_dtype_promotion("standard"):  # Flax's bfloat16 norms promote inside
+            compiled = xla_gpu.compile_for(step, params, opt_state, batch, donate_argnums=(0, 1))
+        out[name] = xla_gpu.analyse(compiled)
+    return out
+
+
+def _entry_buffers(program, shape: str) -> list[str]:
+    """The kernels of the step whose result is an array of ``shape`` (e.g. f32[2,2,8,8])."""
+    comps, entry = xla_gpu.parse(program.text)
+    return [i.name for i in comps[entry].values() if re.search(re.escape(shape), i.shape)]
+
+
+def test_gpt_step_is_as_lean_as_flax_dtype():
+    p = _programs("GPT")
+    ours, flax = p["autocast"], p["flax"]
+    assert ours.temp_bytes <= flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
+    assert ours.bytes <= flax.bytes, ours.bytes / flax.bytes
+    assert ours.bytes < 0.7 * p["float32"].bytes
+    assert ours.gemm_dtypes() == {"bf16"} == flax.gemm_dtypes()
+
+
+def test_gpt_step_keeps_no_float32_attention_scores():
+    """Before: exp's float32 output over B*H*T*T was written and read back (XLA's excess
+    precision read it where the bfloat16 probabilities were meant)."""
+    scores = f"f32[{B},{HEADS},{T},{T}]"
+    assert not _entry_buffers(_programs("GPT")["autocast"], scores)
+
+
+def test_cnn_step_is_as_lean_as_flax_dtype():
+    p = _programs("CNN")
+    ours, flax = p["autocast"], p["flax"]
+    assert ours.bytes <= CNN_BYTES_LIMIT * flax.bytes, ours.bytes / flax.bytes
+    assert ours.temp_bytes <= flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
+    assert ours.gemm_dtypes() == {"bf16"}
