@@ -573,6 +573,51 @@ BAD_INPUT = {
         TypeError,
         r"`GradScaler.scale` expected `state`.*dict",
     ),
+    # issue #26
+    "step(filter=3)": (
+        lambda: GS().step(
+            INIT, optax.sgd(0.1), PARAMS, optax.sgd(0.1).init(PARAMS), PARAMS, filter=3
+        ),
+        TypeError,
+        r"`jamp.GradScaler.step` expected `filter` to be a function of a leaf",
+    ),
+    "update(new_scale=[1.0])": (
+        lambda: GS().update(INIT, new_scale=[1.0]),
+        TypeError,
+        r"`new_scale` to be a Python float or a scalar array, got list \[1.0\]",
+    ),
+    "update(new_scale=10**400)": (
+        lambda: GS().update(INIT, new_scale=10**400),
+        ValueError,
+        r"`new_scale` to be a finite number",
+    ),
+    "load_state_dict(_growth_tracker=None)": (
+        lambda: GS().load_state_dict(valid_state_dict(_growth_tracker=None)),
+        TypeError,
+        r"state_dict\['_growth_tracker'\] to be an integer >= 0, got None",
+    ),
+    "load_state_dict(scale=10**400)": (
+        lambda: GS().load_state_dict(valid_state_dict(scale=10**400)),
+        ValueError,
+        r"state_dict\['scale'\]",
+    ),
+    "load_state_dict(growth_interval='10')": (
+        lambda: GS().load_state_dict(valid_state_dict(growth_interval="10")),
+        TypeError,
+        r"`state_dict\['growth_interval'\]` to be an integer",
+    ),
+    "step(opt_state of another optimizer)": (
+        lambda: GS().step(INIT, optax.adam(1e-3), PARAMS, optax.sgd(0.1, 0.9).init(PARAMS), PARAMS),
+        ValueError,
+        r"`jamp.GradScaler.step` expected `opt_state` to be the state that the optimizer's init",
+    ),
+    "step(grads of other shapes)": (
+        lambda: GS().step(
+            INIT, optax.sgd(0.1), {"w": jnp.ones(3)}, optax.sgd(0.1).init(PARAMS), PARAMS
+        ),
+        ValueError,
+        r"gradients and `params` to match.*shapes \(3,\) and \(2,\)",
+    ),
 }
 
 
