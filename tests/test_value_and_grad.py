@@ -247,3 +247,29 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
     assert_clear_error(*BAD_INPUT[case])
+
+
+@pytest.mark.parametrize("skip", ["auto", "cond", "select"])
+def test_step_if_finite_skipped_keeps_the_old_parameters_bit_for_bit(skip):
+    """-0.0 and a float32 subnormal included (step_if_finite hands back the old buffers)."""
+    params = {"w": jnp.array([-0.0, 1e-40, 2.0], jnp.float32)}
+    tx = optax.adam(1e-2)
+    vg = jamp.value_and_grad(lambda p, x: jnp.sum(p["w"] * x))
+
+    @jax.jit
+    def train_step(params, opt_state, loss_scale, x):
+        out = vg(loss_scale, params, x)
+        params, opt_state = jamp.step_if_finite(
+            out.finite, tx, out.grads, opt_state, params, skip=skip
+        )
+        return params, opt_state, out.loss_scale
+
+    opt_state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # adam's bias correction
+        new, new_opt, _ = train_step(
+            params, opt_state, jamp.dynamic_loss_scale(), jnp.full(3, 1e38)
+        )
+    assert np.array_equal(
+        np.asarray(new["w"]).view(np.uint32), np.asarray(params["w"]).view(np.uint32)
+    )
+    assert_trees_equal(new_opt, opt_state)

@@ -215,11 +215,13 @@ def _concrete(x: Any) -> bool:
 _TOLERANCE = 2.0**-8
 
 
-def _scales_from(amax: np.ndarray, margin: int) -> np.ndarray:
-    """The recipe's scale for each row's ``amax`` (``(..., 3)``), as :func:`next_state`
-    computes it in float32; inf where it would not be a finite float32 number."""
+def _scales_from(amax: np.ndarray, margin: int, history: bool = False) -> np.ndarray:
+    """The recipe's scale for each row's ``amax`` (``(..., 3)``, or a history ``(..., 3,
+    steps)``), as :func:`next_state` computes it in float32; inf where it would not be a
+    finite float32 number."""
+    row_max = ROW_MAX[:, None] if history else ROW_MAX
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        new = (ROW_MAX / amax.astype(np.float32)) / np.float32(2.0**margin)
+        new = (row_max / amax.astype(np.float32)) / np.float32(2.0**margin)
     return np.where(np.isfinite(new), new, np.inf)
 
 
@@ -286,7 +288,7 @@ def check_values(state: Any, where: str, recipe: DelayedScaling | None = None) -
             # A scale past float32 is not taken: the row keeps an earlier one.
             ok |= measured & (_matches(s, want) | np.isinf(want))
             if algo == "most_recent":  # an amax of 0 keeps the scale of an earlier one
-                earlier = _matches(s[..., None], _scales_from(h, m)) & (h > 0)
+                earlier = _matches(s[..., None], _scales_from(h, m, history=True)) & (h > 0)
                 ok |= finite & (amax == 0) & np.any(earlier, axis=-1)
         ok |= finite & (amax == 0) & (s == 1)  # never measured: a fresh state's 1
     if not np.all(ok):
