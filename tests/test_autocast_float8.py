@@ -355,7 +355,7 @@ def test_every_state_the_recipe_makes_is_valid_and_a_corrupted_restore_is_refuse
     for x in inputs:
         f8 = next_state(f8, params, x, y)
         jamp.check_restored(f8)  # raises unless valid
-        model(f8, params, randn(1, 2, 16))  # an eager call checks it against the recipe
+    model(f8, params, randn(1, 2, 16))  # an eager call checks it against the recipe
     # What a checkpoint hands back, with one scale corrupted.
     saved = serialization.to_state_dict(f8)
     key = next(iter(f8))
