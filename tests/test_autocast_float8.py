@@ -328,6 +328,56 @@ def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_which_is_never
         assert np.any(np.asarray(got)) and np.asarray(got).tobytes() == np.asarray(want).tobytes()
 
 
+# --------------------------------------------------------------------------- restored states
+
+RECIPES = {
+    "max": jamp.DelayedScaling(4),
+    "most_recent, margin 2": jamp.DelayedScaling(4, margin=2, amax_compute_algo="most_recent"),
+    "current first": jamp.DelayedScaling(3, unmeasured="current"),
+}
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+def test_every_state_the_recipe_makes_is_valid_and_a_corrupted_restore_is_refused(recipe):
+    """Issue #26, item 1: a restored Float8State with a scale of 1e30 saturated every value
+    and made the product 0.0 (finite: loss scaling applied the step). The state is now
+    checked where it enters (an eager call) and by check_restored: every state the recipe
+    makes passes, over six decades of amaxes, a zero amax and an overflowing input."""
+    from flax import serialization
+
+    params, y = mlp_params(), jnp.zeros((8, 8))
+    model = jamp.autocast(mlp, "float8", recipe=recipe)
+    loss = mse(model)
+    next_state = jax.jit(jax.grad(loss))
+    f8 = jamp.float8_init(model, params, randn(0, 8, 16))
+    inputs = [randn(i, 8, 16, scale=10.0 ** (i - 3)) for i in range(6)]
+    inputs += [jnp.zeros((8, 16)), randn(9, 8, 16).at[0, 0].set(jnp.inf)]
+    for x in inputs:
+        f8 = next_state(f8, params, x, y)
+        jamp.check_restored(f8)  # raises unless valid
+    model(f8, params, randn(1, 2, 16))  # an eager call checks it against the recipe
+    # What a checkpoint hands back, with one scale corrupted.
+    saved = serialization.to_state_dict(f8)
+    key = next(iter(f8))
+    saved[key]["scale"] = np.asarray(saved[key]["scale"]).copy()
+    saved[key]["scale"][1] = 1e30
+    restored = serialization.from_state_dict(f8, saved)
+    with pytest.raises(ValueError, match=rf"{re.escape(key)}.scale\[1\] \(the scale of the right"):
+        jamp.check_restored({"float8": restored})
+    with pytest.raises(ValueError, match=r"its amax\s+history gives|the one its amax history"):
+        model(restored, params, randn(1, 2, 16))
+    for field, value, match in (
+        ("scale", -1.0, r"scale to be finite and >= 0"),
+        ("scale", np.nan, r"scale to be finite and >= 0"),
+        ("amax_history", -2.0, r"amax_history to hold amaxes.*negative"),
+    ):
+        broken = np.asarray(getattr(f8[key], field)).copy()
+        broken.flat[0] = value
+        bad = {**f8, key: f8[key]._replace(**{field: jnp.asarray(broken)})}
+        with pytest.raises(ValueError, match=match):
+            jamp.check_restored(bad)
+
+
 # --------------------------------------------------------------------------- composition
 
 
@@ -463,6 +513,30 @@ BAD_INPUT = {
         lambda: _delayed()({}, mlp_params(), jnp.ones((2, 16))),
         ValueError,
         r"keys \['0:dot_general', '1:dot_general'\], got keys \[\].*jamp.float8_init",
+    ),
+    "delayed function with a Float8State of lists": (
+        lambda: _delayed()(
+            {
+                k: jamp.Float8State([[0.0] * 4] * 3, [1.0, 1.0, 1.0])
+                for k in ("0:dot_general", "1:dot_general")
+            },
+            mlp_params(),
+            jnp.ones((2, 16)),
+        ),
+        ValueError,
+        r"Float8State of float32 arrays.*'0:dot_general'.*got \('list', 'list'\)",
+    ),
+    "delayed function with a scale of 1e30": (
+        lambda: _delayed()(
+            {
+                k: v._replace(scale=jnp.full(3, 1e30, jnp.float32))
+                for k, v in jamp.float8_init(_delayed(), mlp_params(), jnp.ones((2, 16))).items()
+            },
+            mlp_params(),
+            jnp.ones((2, 16)),
+        ),
+        ValueError,
+        r"'0:dot_general'.scale\[0\].*never measured.*scale is 1 or 0",
     ),
     "delayed function with another history length": (
         lambda: _delayed()(

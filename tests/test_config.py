@@ -211,6 +211,36 @@ BAD_INPUT = {
         TypeError,
         r"`scale`.*dtype bfloat16",
     ),
+    # issue #26: numbers past float64's range name the argument (were a bare OverflowError)
+    "init_scale=10**400": (
+        lambda: DYN(10**400),
+        ValueError,
+        r"`init_scale` to be a finite number within float32's range, got an integer of 401",
+    ),
+    "growth_factor=10**400": (lambda: DYN(growth_factor=10**400), ValueError, r"`growth_factor`"),
+    "backoff_factor=-10**400": (
+        lambda: DYN(backoff_factor=-(10**400)),
+        ValueError,
+        r"`backoff_factor`",
+    ),
+    "min_scale=10**400": (lambda: DYN(min_scale=10**400), ValueError, r"`min_scale`"),
+    "growth_interval=10**400": (
+        lambda: DYN(growth_interval=10**400),
+        ValueError,
+        r"`growth_interval` to be an integer in \[1, 2\*\*31 - 1\].*\(401 characters\)",
+    ),
+    "static scale=10**400": (lambda: STATIC(10**400), ValueError, r"`scale`"),
+    # issue #26: a growth factor the scale could never grow by (1e300 was accepted)
+    "growth_factor=1e300": (
+        lambda: DYN(growth_factor=1e300),
+        ValueError,
+        (r"`growth_factor` <= max_scale / min_scale", r"would stop growing"),
+    ),
+    "growth_factor=2**20 with bounds [1, 2**16]": (
+        lambda: DYN(1.0, growth_factor=2.0**20, min_scale=1.0, max_scale=2.0**16),
+        ValueError,
+        r"`growth_factor` <= max_scale / min_scale = 65536\.0, got growth_factor=1048576",
+    ),
 }
 
 
@@ -223,3 +253,23 @@ def test_validation_rejects_tracers():
     # Raised inside jit's trace by design, so not a BAD_INPUT entry.
     with pytest.raises(TypeError, match=r"`init_scale`.*traced value"):
         jax.jit(lambda x: jamp.dynamic_loss_scale(x))(jnp.float32(2.0))
+
+
+def test_an_integer_scale_is_accepted_as_a_number_as_check_config_says():
+    """check_config's docstring and code agree (issue #26): an integer scale, a Python int
+    or an integer 0-d array, is a number; float16, complex and bool arrays are refused."""
+    for scale in (1024, np.int64(1024), jnp.int32(1024), np.uint16(1024)):
+        assert float(DYN(scale).scale) == 1024.0
+        assert float(STATIC(scale).scale) == 1024.0
+    for bad in (jnp.float16(8), np.complex64(8), np.bool_(True)):
+        with pytest.raises(TypeError, match=r"`init_scale`"):
+            DYN(bad)
+
+
+def test_a_factor_up_to_the_whole_range_is_accepted_and_grows_the_scale():
+    state = DYN(1.0, growth_factor=2.0**16, growth_interval=1, min_scale=1.0, max_scale=2.0**16)
+    assert float(jamp.update(state, jnp.bool_(True)).scale) == 2.0**16
+    pinned = DYN(4.0, growth_factor=1e30, min_scale=4.0, max_scale=4.0)  # cannot move anyway
+    assert float(jamp.update(pinned, jnp.bool_(True)).scale) == 4.0
+    with pytest.raises(ValueError, match=r"`growth_factor` <= .*3[.]40282"):
+        DYN(4.0, growth_factor=1e300, min_scale=4.0, max_scale=4.0)  # past float32

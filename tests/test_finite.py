@@ -507,6 +507,27 @@ BAD_INPUT = {
         TypeError,
         r"expected `state` to be a LossScaleState.*got dict",
     ),
+    # issue #26: an object array holding NaN was ignored (all_finite said True)
+    "all_finite object array holding NaN": (
+        lambda: jamp.all_finite({"g": np.array([np.nan, 1.0], dtype=object)}),
+        TypeError,
+        r"`jamp.all_finite` expected a pytree of numeric arrays, got .*dtype object.*\['g'\]",
+    ),
+    "all_finite str array": (
+        lambda: jamp.all_finite(np.array(["nan"])),
+        TypeError,
+        r"numeric arrays.*dtype <U3 at path <root>",
+    ),
+    "all_finite filter returning an array": (
+        lambda: jamp.all_finite({"w": jnp.ones(2)}, filter=lambda x: jnp.ones(2, bool)),
+        TypeError,
+        r"`filter` to return a bool for each leaf.*ArrayImpl of shape \(2,\)",
+    ),
+    "unscale_and_check filter returning None": (
+        lambda: jamp.unscale_and_check(jamp.dynamic_loss_scale(), [1.0], filter=lambda x: None),
+        TypeError,
+        r"`filter` to return a bool.*NoneType",
+    ),
 }
 
 

@@ -376,9 +376,48 @@ BAD_INPUT = {
         TypeError,
         r"Expected a string for `unmeasured` \('one' or 'current'\), got 1.0",
     ),
+    # issue #26: a margin of 200 made every scale 0 and every output 0.0; 2**28 steps of
+    # history allocated 3 GiB per product, 2**31 failed inside XLA
+    "DelayedScaling(margin=200)": (
+        lambda: jamp.DelayedScaling(margin=200),
+        ValueError,
+        r"`margin` in \[0, 14\], got margin=200.*smallest normal",
+    ),
+    "DelayedScaling(margin=15)": (
+        lambda: jamp.DelayedScaling(margin=15),
+        ValueError,
+        r"`margin` in \[0, 14\]",
+    ),
+    "DelayedScaling(margin=10**400)": (
+        lambda: jamp.DelayedScaling(margin=10**400),
+        ValueError,
+        r"`margin` in \[0, 14\], got margin=<an integer of 401 digits>",
+    ),
+    "DelayedScaling(amax_history_len=2**28)": (
+        lambda: jamp.DelayedScaling(amax_history_len=2**28),
+        ValueError,
+        r"`amax_history_len` <= 2\*\*16 = 65536, got amax_history_len=268435456",
+    ),
+    "DelayedScaling(amax_history_len=2**31)": (
+        lambda: jamp.DelayedScaling(amax_history_len=2**31),
+        ValueError,
+        r"`amax_history_len` <= 2\*\*16",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
     assert_clear_error(*BAD_INPUT[case])
+
+
+def test_the_largest_margin_and_history_still_give_usable_scales():
+    assert jamp.DelayedScaling(amax_history_len=2**16).amax_history_len == 2**16
+    recipe = jamp.DelayedScaling(amax_history_len=4, margin=14)
+    state = float8.init_state(recipe)
+    new = float8.next_state(state, jnp.array([10.0, 1.0, 1e-3], jnp.float32), recipe)
+    scales = np.asarray(new.scale)
+    assert np.all(np.isfinite(scales) & (scales > 0))
+    # The largest value quantises to a normal float8_e4m3fn number (>= 2**-6), not to 0.
+    assert float(10.0 * scales[0]) >= 2.0**-6
+    float8.check_values(new, "the state", recipe)

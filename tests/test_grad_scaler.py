@@ -573,6 +573,51 @@ BAD_INPUT = {
         TypeError,
         r"`GradScaler.scale` expected `state`.*dict",
     ),
+    # issue #26
+    "step(filter=3)": (
+        lambda: GS().step(
+            INIT, optax.sgd(0.1), PARAMS, optax.sgd(0.1).init(PARAMS), PARAMS, filter=3
+        ),
+        TypeError,
+        r"`jamp.GradScaler.step` expected `filter` to be a function of a leaf",
+    ),
+    "update(new_scale=[1.0])": (
+        lambda: GS().update(INIT, new_scale=[1.0]),
+        TypeError,
+        r"`new_scale` to be a Python float or a scalar array, got list \[1.0\]",
+    ),
+    "update(new_scale=10**400)": (
+        lambda: GS().update(INIT, new_scale=10**400),
+        ValueError,
+        r"`new_scale` to be a finite number",
+    ),
+    "load_state_dict(_growth_tracker=None)": (
+        lambda: GS().load_state_dict(valid_state_dict(_growth_tracker=None)),
+        TypeError,
+        r"state_dict\['_growth_tracker'\] to be an integer >= 0, got None",
+    ),
+    "load_state_dict(scale=10**400)": (
+        lambda: GS().load_state_dict(valid_state_dict(scale=10**400)),
+        ValueError,
+        r"state_dict\['scale'\]",
+    ),
+    "load_state_dict(growth_interval='10')": (
+        lambda: GS().load_state_dict(valid_state_dict(growth_interval="10")),
+        TypeError,
+        r"`state_dict\['growth_interval'\]` to be an integer",
+    ),
+    "step(opt_state of another optimizer)": (
+        lambda: GS().step(INIT, optax.adam(1e-3), PARAMS, optax.sgd(0.1, 0.9).init(PARAMS), PARAMS),
+        ValueError,
+        r"`jamp.GradScaler.step` expected `opt_state` to be the state that the optimizer's init",
+    ),
+    "step(grads of other shapes)": (
+        lambda: GS().step(
+            INIT, optax.sgd(0.1), {"w": jnp.ones(3)}, optax.sgd(0.1).init(PARAMS), PARAMS
+        ),
+        ValueError,
+        r"gradients and `params` to match.*shapes \(3,\) and \(2,\)",
+    ),
 }
 
 
@@ -786,3 +831,38 @@ def test_the_stage_costs_nothing_in_the_compiled_step():
         ours = jax.make_jaxpr(with_scaler, static_argnums=3)(scaler.init(), *args)
         theirs = jax.make_jaxpr(by_hand, static_argnums=3)(jamp.dynamic_loss_scale(1024.0), *args)
         assert str(ours) == str(theirs), unscale_first
+
+
+@pytest.mark.parametrize("skip", ["auto", "cond", "select"])
+def test_a_skipped_step_hands_back_the_old_parameters_subnormals_and_minus_zero_included(skip):
+    """GradScaler.step keeps the old buffers on a skipped step: every bit, -0.0 and a
+    float32 subnormal (which XLA:CPU's arithmetic would flush) included."""
+    scaler = jamp.GradScaler(skip=skip)
+    params = {"w": jnp.array([-0.0, 1e-40, -1e-42, 3.0], jnp.float32)}
+    tx = optax.sgd(0.1, momentum=0.9)
+
+    @jax.jit
+    def train_step(state, params, opt_state, x):
+        grads = jax.grad(lambda p: scaler.scale(state, jnp.sum(p["w"] * x)))(params)
+        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+        return params, opt_state, scaler.update(state)
+
+    opt_state = tx.init(params)
+    new, new_opt, state = train_step(scaler.init(), params, opt_state, jnp.full(4, jnp.inf))
+    assert float(state.scale) == 2.0**15  # it overflowed and backed off
+    assert np.array_equal(
+        np.asarray(new["w"]).view(np.uint32), np.asarray(params["w"]).view(np.uint32)
+    )
+    for a, b in zip(jax.tree.leaves(new_opt), jax.tree.leaves(opt_state), strict=True):
+        assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+
+
+def test_a_complex_new_scale_under_jit_is_refused_not_truncated():
+    """Under jit a complex new_scale lost its imaginary part (issue #26)."""
+    scaler = jamp.GradScaler()
+    with pytest.raises(TypeError, match=r"`new_scale` to be a float32 .*complex64"):
+        jax.jit(lambda s: scaler.update(scaler.init(), new_scale=s))(jnp.complex64(4 + 3j))
+    with pytest.raises(TypeError, match=r"`new_scale`.*bool|found_inf"):
+        jax.jit(lambda s: scaler.update(scaler.init(), new_scale=s))(jnp.bool_(True))
+    state = jax.jit(lambda s: scaler.update(scaler.init(), new_scale=s))(jnp.int32(4))
+    assert float(state.scale) == 4.0

@@ -1,5 +1,7 @@
 """jamp.get_loss_scale and jamp.metrics: finding the loss-scale state in any optimizer state."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -153,6 +155,50 @@ def test_metrics_from_train_state_and_nnx():
     assert all(isinstance(v, jax.Array) for v in m.values())
 
 
+# ---------------------------------------------------------------- trees restored without a target
+
+
+def _restored_without_target(tmp_path, state):
+    import orbax.checkpoint as ocp
+
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt", state)
+        ckptr.wait_until_finished()
+        return ckptr.restore(tmp_path / "ckpt")  # no target: nested dicts of arrays
+
+
+def test_metrics_of_an_orbax_restore_without_a_target_are_validated(tmp_path):
+    """Issue #26, item 3: metrics/get_loss_scale of a tree restored without a target took
+    a NaN scale, a tracker of -7 and the string "2.0" as they were."""
+    tx = jamp.loss_scaling(optax.adam(1e-3), jamp.dynamic_loss_scale(512.0))
+    state = tx.init(params0())
+    restored = _restored_without_target(tmp_path / "good", state)
+    assert isinstance(restored["loss_scale"], dict)  # the configuration is gone
+    m = jamp.metrics(restored)
+    assert float(m["loss_scale"]) == 512.0 and int(m["skipped_steps"]) == 0
+    assert float(jamp.get_loss_scale(restored).scale) == 512.0
+    crashed = state._replace(
+        loss_scale=dataclasses.replace(state.loss_scale, scale=jnp.float32(jnp.nan))
+    )
+    restored = _restored_without_target(tmp_path / "crashed", crashed)
+    for call in (jamp.metrics, jamp.get_loss_scale):
+        with pytest.raises(
+            ValueError,
+            match=r"\['loss_scale'\]\['scale'\]` to be positive.*"
+            r"check_restored",
+        ):
+            call(restored)
+
+
+def _flat(**values):
+    """A loss_scaling state as a checkpoint restored without a target holds it."""
+    inner = {"scale": 1024.0, "growth_tracker": 3, "overflow_streak": 0}
+    inner.update({k: v for k, v in values.items() if k in inner})
+    outer = {"last_finite": True, "skipped_steps": 2}
+    outer.update({k: v for k, v in values.items() if k in outer})
+    return {"loss_scale": inner, "inner_state": {}, **outer}
+
+
 # ---------------------------------------------------------------- bad input
 
 
@@ -197,6 +243,59 @@ BAD_INPUT = {
         lambda: jamp.metrics(optax.sgd(0.1).init({"w": jnp.ones(2)})),
         ValueError,
         r"found none",
+    ),
+    # issue #26: trees restored without a target are validated, and the fix is named
+    "get_loss_scale(restored, scale=nan)": (
+        lambda: jamp.get_loss_scale(_flat(scale=np.float32(np.nan))),
+        ValueError,
+        (r"`opt_state\['loss_scale'\]\['scale'\]` to be positive and finite", r"check_restored"),
+    ),
+    "get_loss_scale(restored, scale='2.0')": (
+        lambda: jamp.get_loss_scale(_flat(scale="2.0")),
+        TypeError,
+        r"`opt_state\['loss_scale'\]\['scale'\]` to be a real number, got '2.0'",
+    ),
+    "get_loss_scale(restored, scale='abc')": (
+        lambda: jamp.get_loss_scale(_flat(scale="abc")),
+        TypeError,
+        r"\['scale'\]` to be a real number, got 'abc'",
+    ),
+    "get_loss_scale(restored, growth_tracker=-7)": (
+        lambda: jamp.get_loss_scale(_flat(growth_tracker=np.int32(-7))),
+        ValueError,
+        r"\['growth_tracker'\]` to be an integer in \[0, 2\*\*31 - 1\].*-7",
+    ),
+    "metrics(restored, scale=-1)": (
+        lambda: jamp.metrics(_flat(scale=-1.0)),
+        ValueError,
+        r"`state\['loss_scale'\]\['scale'\]` to be positive",
+    ),
+    "metrics(restored, skipped_steps=nan)": (
+        lambda: jamp.metrics(_flat(skipped_steps=np.float32(np.nan))),
+        TypeError,
+        r"`state\['skipped_steps'\]` to be an integer scalar",
+    ),
+    "metrics(restored, last_finite='yes')": (
+        lambda: jamp.metrics(_flat(last_finite="yes")),
+        TypeError,
+        r"`state\['last_finite'\]` to be a boolean scalar",
+    ),
+    "check_restored(skipped_steps=2**40)": (
+        lambda: jamp.check_restored(_lss()._replace(skipped_steps=np.int64(2**40))),
+        ValueError,
+        r"`skipped_steps` to be an integer in \[0, 2\*\*31 - 1\]",
+    ),
+    "check_restored(last_finite=1.0)": (
+        lambda: jamp.check_restored(_lss()._replace(last_finite=np.float32(1.0))),
+        TypeError,
+        r"`last_finite` to be a boolean scalar",
+    ),
+    "check_restored(growth_tracker=None)": (
+        lambda: jamp.check_restored(
+            _lss()._replace(loss_scale=dataclasses.replace(_lss().loss_scale, growth_tracker=None))
+        ),
+        TypeError,
+        r"`loss_scale/growth_tracker` to be an integer >= 0, got None",
     ),
 }
 

@@ -403,9 +403,89 @@ def test_multi_steps_has_updated_as_optax_multisteps():
     assert flags == [False, False, True, False, False, True, False]
 
 
+# ---------------------------------------------------------------- a skipped step keeps every bit
+
+
+def _bits(x):
+    x = np.asarray(x)
+    return x.view({2: np.uint16, 4: np.uint32}[x.dtype.itemsize])
+
+
+@pytest.mark.parametrize("skip", ["auto", "cond", "select"])
+def test_skipped_step_leaves_every_parameter_bit_identical_minus_zero_included(skip):
+    """Issue #26, item 4: a jitted train step whose gradient overflows leaves each parameter
+    as it was, bit for bit: -0.0 stays -0.0 (a +0.0 update turned it into +0.0)."""
+    params = {
+        "w": jnp.array([[-0.0, 0.0], [1.5, -3.0]], jnp.float32),
+        "b": jnp.array([-0.0, 2.0**-126, -(2.0**100)], jnp.float32),
+        "h": jnp.array([-0.0, 0.5], jnp.bfloat16),
+    }
+    tx = jamp.loss_scaling(optax.adamw(1e-2, weight_decay=0.1), skip=skip)
+    opt_state = tx.init(params)
+
+    def loss(p, x):
+        h = p["h"].astype(jnp.float32)
+        return jnp.sum((x @ p["w"]) ** 2) + jnp.sum(p["b"] ** 2) + jnp.sum(h**2)
+
+    @jax.jit
+    def train_step(params, opt_state, x):
+        ls = jamp.get_loss_scale(opt_state)
+        grads = jax.grad(lambda p: jamp.scale(ls, loss(p, x)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    with jax.numpy_dtype_promotion("standard"):  # adamw's bias correction
+        new, state = train_step(params, opt_state, jnp.array([[1.0, 1e30]], jnp.float32))
+    assert not bool(state.last_finite) and int(state.skipped_steps) == 1  # it overflowed
+    for name in params:
+        assert np.array_equal(_bits(new[name]), _bits(params[name])), name
+    assert_trees_equal(state.inner_state, opt_state.inner_state)
+
+
+# ---------------------------------------------------------------- inputs that do not match
+
+
+@pytest.mark.standard_promotion  # optax.lookahead mixes a float and a bool
+def test_lookahead_gradients_of_the_fast_parameters_still_pass():
+    """Gradients and `params` of different structures are not refused: optax.lookahead
+    takes the fast parameters' gradients with both parameter sets."""
+    tx = jamp.loss_scaling(optax.lookahead(optax.sgd(0.1), sync_period=2, slow_step_size=0.5))
+    params = optax.LookaheadParams.init_synced(params0())
+    state = tx.init(params)
+    grads = scaled_grads(state, params.fast)
+    updates, state = tx.update(grads, state, params)
+    assert bool(state.last_finite)
+    assert jax.tree_util.tree_structure(updates) == jax.tree_util.tree_structure(params)
+
+
+@pytest.mark.standard_promotion  # optax.MultiSteps counts in int32 beside float32
+def test_multi_steps_takes_python_float_gradients_as_optax_does():
+    for tx in (optax.MultiSteps(optax.sgd(1.0), 2), jamp.multi_steps(optax.sgd(1.0), 2)):
+        state = tx.init({"a": 1.0})
+        for _ in range(2):
+            updates, state = tx.update({"a": 1.0}, state)
+        assert float(updates["a"]) == -1.0
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, None])
+def test_multi_steps_accumulator_dtype_floating_or_none_is_accepted(dtype):
+    tx = jamp.multi_steps(optax.sgd(1.0), 2, accumulator_dtype=dtype)
+    state = tx.init(params0())
+    for _ in range(2):
+        updates, state = tx.update(params0(), state)
+    np.testing.assert_allclose(updates["w"], -np.asarray(params0()["w"]), rtol=1e-2)
+
+
+def _restored(**fields):
+    """A loss_scaling state as an unvalidated checkpoint might hold it."""
+    state = jamp.loss_scaling(SGD).init(params0())
+    return state._replace(**fields)
+
+
 # ---------------------------------------------------------------- bad input
 
 SGD = optax.sgd(0.1)
+SGD_LS = jamp.loss_scaling(SGD)
 
 # Every invalid argument of loss_scaling, its update and multi_steps: id -> (call,
 # exception, match).
@@ -452,6 +532,57 @@ BAD_INPUT = {
         TypeError,
         r"`state` to be the ScaledOptimizerState.*got dict",
     ),
+    # update: gradients, parameters and states that do not match (issue #26)
+    "update(grads of other shapes than params)": (
+        lambda: jamp.loss_scaling(optax.adam(1e-3)).update(
+            {"w": jnp.ones(4)},
+            jamp.loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(3)}),
+            {"w": jnp.ones(3)},
+        ),
+        ValueError,
+        (r"gradients and `params` to match", r"\['w'\]: shapes \(4,\) and \(3,\)"),
+    ),
+    "update(state made for other shapes)": (
+        lambda: jamp.loss_scaling(optax.adam(1e-3)).update(
+            {"w": jnp.ones(4)}, jamp.loss_scaling(optax.adam(1e-3)).init({"w": jnp.ones(3)})
+        ),
+        ValueError,
+        (r"`state.inner_state` to be the state", r"shapes \(3,\) and \(4,\)", r"tx.init"),
+    ),
+    "update(state of another optimizer)": (
+        lambda: jamp.loss_scaling(optax.adam(1e-3)).update(
+            {"w": jnp.ones(3)},
+            jamp.loss_scaling(optax.sgd(1e-3, momentum=0.9)).init({"w": jnp.ones(3)}),
+            {"w": jnp.ones(3)},
+        ),
+        ValueError,
+        (r"`state.inner_state` to be the state that the optimizer's init made", r"structure"),
+    ),
+    "update(skipped_steps=2**40 restored unchecked)": (
+        lambda: SGD_LS.update(params0(), _restored(skipped_steps=np.int64(2**40)), params0()),
+        ValueError,
+        (r"`state.skipped_steps` to be an integer in \[0, 2\*\*31 - 1\]", r"check_restored"),
+    ),
+    "update(skipped_steps=-5)": (
+        lambda: SGD_LS.update(params0(), _restored(skipped_steps=jnp.int32(-5)), params0()),
+        ValueError,
+        r"`state.skipped_steps`.*got -5",
+    ),
+    "update(skipped_steps=nan)": (
+        lambda: SGD_LS.update(params0(), _restored(skipped_steps=np.float32("nan")), params0()),
+        TypeError,
+        r"`state.skipped_steps` to be an integer scalar, got .*float32",
+    ),
+    "update(last_finite='yes')": (
+        lambda: SGD_LS.update(params0(), _restored(last_finite="yes"), params0()),
+        TypeError,
+        r"`state.last_finite` to be a bool scalar, got str",
+    ),
+    "update(loss_scale=2.0)": (
+        lambda: SGD_LS.update(params0(), _restored(loss_scale=2.0), params0()),
+        TypeError,
+        r"`state.loss_scale` to be a jamp.LossScaleState, got float",
+    ),
     # multi_steps
     "multi_steps inner=function": (
         lambda: jamp.multi_steps(optax.sgd, 2),
@@ -477,6 +608,48 @@ BAD_INPUT = {
         lambda: jamp.multi_steps(SGD, True),
         TypeError,
         r"`every_k_schedule`.*True",
+    ),
+    "multi_steps every_k_schedule=2**31": (
+        lambda: jamp.multi_steps(SGD, 2**31),
+        ValueError,
+        r"`every_k_schedule` in \[1, 2\*\*31 - 1\].*2147483648",
+    ),
+    "multi_steps accumulator_dtype=int32": (
+        lambda: jamp.multi_steps(SGD, 2, accumulator_dtype=jnp.int32),
+        TypeError,
+        r"`accumulator_dtype` to be None or a floating dtype",
+    ),
+    "multi_steps accumulator_dtype=bool": (
+        lambda: jamp.multi_steps(SGD, 2, accumulator_dtype=bool),
+        TypeError,
+        r"`accumulator_dtype`.*integer or boolean accumulator",
+    ),
+    "multi_steps accumulator_dtype='abc'": (
+        lambda: jamp.multi_steps(SGD, 2, accumulator_dtype="abc"),
+        TypeError,
+        r"`accumulator_dtype`.*'abc'",
+    ),
+    "multi_steps should_skip_update_fn=3": (
+        lambda: jamp.multi_steps(SGD, 2, should_skip_update_fn=3),
+        TypeError,
+        r"`should_skip_update_fn` to be None or a function",
+    ),
+    "multi_steps use_grad_mean='yes'": (
+        lambda: jamp.multi_steps(SGD, 2, use_grad_mean="yes"),
+        TypeError,
+        r"`use_grad_mean` to be a bool, got 'yes'",
+    ),
+    "multi_steps update(state=dict)": (
+        lambda: jamp.multi_steps(SGD, 2).update(params0(), {}),
+        TypeError,
+        r"`state` to be the optax.MultiStepsState.*got dict",
+    ),
+    "multi_steps update(state made for other shapes)": (
+        lambda: jamp.multi_steps(SGD, 2).update(
+            {"w": jnp.ones(4)}, jamp.multi_steps(SGD, 2).init({"w": jnp.ones(3)})
+        ),
+        ValueError,
+        (r"gradients to match `state.acc_grads`", r"shapes \(4,\) and \(3,\)"),
     ),
 }
 

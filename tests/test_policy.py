@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from _bad_input import assert_clear_error
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jamp
@@ -240,9 +240,73 @@ BAD_INPUT = {
         ValueError,
         r"Expected one of float16, bfloat16, float32, float64 for `param_dtype`.*float8_e4m3fn",
     ),
+    # issue #26: strings NumPy parses as code, dicts and arrays are jamp's errors
+    "parse_dtype(',')": (
+        lambda: jamp.parse_dtype(","),
+        ValueError,
+        r"Expected a dtype name for `dtype`.*got ','",
+    ),
+    "parse_dtype('i4,f4')": (
+        lambda: jamp.parse_dtype("i4,f4"),
+        ValueError,
+        r"Expected a dtype name for `dtype`.*got 'i4,f4'",
+    ),
+    "parse_dtype({'a': 1})": (
+        lambda: jamp.parse_dtype({"a": 1}),
+        TypeError,
+        r"Expected a floating dtype for `dtype`.*\{'a': 1\} \(type dict\)",
+    ),
+    "parse_dtype([('a', 'f4')])": (
+        lambda: jamp.parse_dtype([("a", "f4")]),
+        TypeError,
+        r"floating dtype for `dtype`",
+    ),
+    "Policy(',', f32, f32)": (
+        lambda: jamp.Policy(",", jnp.float32, jnp.float32),
+        ValueError,
+        r"dtype name for `param_dtype`.*got ','",
+    ),
+    "Policy(array, f32, f32)": (
+        lambda: jamp.Policy(jnp.ones(2), jnp.float32, jnp.float32),
+        TypeError,
+        r"floating dtype for `param_dtype`.*an array of dtype float32 and shape \(2,\).*x.dtype",
+    ),
+    "Policy(np.float32(1.0), ...)": (
+        lambda: jamp.Policy(F32, np.float32(1.0), F32),
+        TypeError,
+        r"`compute_dtype`.*an array of dtype float32",
+    ),
+    "autocast(f, ',')": (
+        lambda: jamp.autocast(lambda x: x, ","),
+        ValueError,
+        r"dtype name for `dtype`.*got ','",
+    ),
+    "autocast(f, policy='')": (
+        lambda: jamp.autocast(lambda x: x, policy=""),
+        ValueError,
+        r"Expected a non-empty policy string for `policy`",
+    ),
+    "autocast(f, policy='q=f16')": (
+        lambda: jamp.autocast(lambda x: x, policy="q=f16"),
+        ValueError,
+        r"policy key.*\(`policy`\), got 'q'",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
     assert_clear_error(*BAD_INPUT[case])
+
+
+@settings(max_examples=200, derandomize=True, deadline=None, database=None)
+@given(text=st.text(alphabet=",=:[]()<>|'\" fiubcSUVOMmf0123456789", max_size=8))
+def test_every_dtype_string_is_a_dtype_or_an_error_naming_the_argument(text):
+    """54 of 6,000 random strings were NumPy SyntaxErrors (issue #26); now each is a
+    supported dtype or jamp's ValueError/TypeError naming `dtype`."""
+    try:
+        dtype = jamp.parse_dtype(text)
+    except (TypeError, ValueError) as e:
+        assert type(e) in (TypeError, ValueError) and "`dtype`" in str(e)
+    else:
+        assert dtype in {np.dtype(d) for d in (jnp.float16, jnp.bfloat16, F32, jnp.float64)}

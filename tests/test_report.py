@@ -159,6 +159,32 @@ BAD_INPUT = {
         TypeError,
         r"`prefix` to be a str",
     ),
+    # issue #26: accepted, then an OverflowError inside jax; a string or an array for count
+    "every=2**31": (
+        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2**31, count=jnp.int32(1)),
+        ValueError,
+        r"`every` to be an int >= 1, got every=2147483648 instead \(at most 2\*\*31 - 1",
+    ),
+    "count='abc'": (
+        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count="abc"),
+        TypeError,
+        r"`count` to be an integer scalar.*'abc' \(type str\)",
+    ),
+    "count=array": (
+        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count=jnp.ones(3, jnp.int32)),
+        ValueError,
+        r"`count` to be a scalar.*shape \(3,\)",
+    ),
+    "count=float": (
+        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count=jnp.float32(2)),
+        TypeError,
+        r"`count` to be an integer scalar",
+    ),
+    "count=2**40": (
+        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count=2**40),
+        ValueError,
+        r"`count` to fit in an int32",
+    ),
 }
 
 

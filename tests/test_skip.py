@@ -70,6 +70,22 @@ BAD_INPUT = {
         TypeError,
         r"non-array leaves.*at path \['a'\]",
     ),
+    # issue #26: arrays of strings or objects failed inside jax
+    "str arrays": (
+        lambda: jamp.select_tree(T, {"a": np.array(["x"])}, {"a": np.array(["y"])}),
+        TypeError,
+        r"`jamp.select_tree` expected numeric array leaves.*<U1 at path \['a'\]",
+    ),
+    "object arrays": (
+        lambda: jamp.select_tree(T, np.array([1.0], object), np.array([2.0], object)),
+        TypeError,
+        r"numeric array leaves, got an array of dtype object at path <root>",
+    ),
+    "filter returning an array": (
+        lambda: jamp.select_tree(T, ONE, ONE, filter=lambda x: jnp.ones(2, bool)),
+        TypeError,
+        r"`filter` to return a bool",
+    ),
 }
 
 

@@ -3,6 +3,7 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _bad_input import assert_clear_error
 from _problem import (
@@ -155,9 +156,120 @@ BAD_INPUT = {
         TypeError,
         r"`fun` to return a pair \(loss, aux\)",
     ),
+    # issue #26: accepted, then an OverflowError inside jax; has_aux never checked
+    "max_retries=2**31": (
+        lambda: jamp.value_and_grad(jnp.sum, max_retries=2**31),
+        ValueError,
+        r"`max_retries` <= 2\*\*31 - 1.*got max_retries=2147483648",
+    ),
+    "max_retries=1.5": (
+        lambda: jamp.value_and_grad(jnp.sum, max_retries=1.5),
+        TypeError,
+        r"`max_retries` to be an int >= 0, got max_retries=1.5",
+    ),
+    "has_aux='yes'": (
+        lambda: jamp.value_and_grad(jnp.sum, has_aux="yes"),
+        TypeError,
+        r"`has_aux` to be a bool.*got has_aux='yes'",
+    ),
+    "filter_value_and_grad has_aux=1": (
+        lambda: jamp.filter_value_and_grad(jnp.sum, has_aux=1),
+        TypeError,
+        r"`has_aux` to be a bool",
+    ),
+    "differentiating an integer argument": (
+        lambda: jamp.value_and_grad(lambda w: jnp.sum(w))(
+            jamp.dynamic_loss_scale(), {"w": jnp.ones(2, jnp.int32)}
+        ),
+        TypeError,
+        r"differentiates positional argument 0 of `fun`.*int32 at path \['w'\]",
+    ),
+    "differentiating a string": (
+        lambda: jamp.value_and_grad(lambda w: w)(jamp.dynamic_loss_scale(), "abc"),
+        TypeError,
+        r"differentiates positional argument 0.*type str at path <root>",
+    ),
+    # step_if_finite: gradients, parameters and optimizer states that do not match
+    "step_if_finite(opt_state of another optimizer)": (
+        lambda: jamp.step_if_finite(
+            jnp.bool_(True),
+            optax.adam(1e-3),
+            params0(),
+            optax.sgd(0.1, 0.9).init(params0()),
+            params0(),
+        ),
+        ValueError,
+        r"`jamp.step_if_finite` expected `opt_state` to be the state that the optimizer's init",
+    ),
+    "step_if_finite(grads of other shapes)": (
+        lambda: jamp.step_if_finite(
+            jnp.bool_(True),
+            optax.sgd(0.1),
+            {"w": jnp.ones(4), "b": jnp.ones(2)},
+            optax.sgd(0.1).init(params0()),
+            params0(),
+        ),
+        ValueError,
+        r"gradients and `params` to match leaf for leaf.*\['w'\]: shapes \(4,\) and \(2, 2\)",
+    ),
+    "step_if_finite(integer gradients)": (
+        lambda: jamp.step_if_finite(
+            jnp.bool_(True),
+            optax.sgd(0.1),
+            {"w": jnp.ones(2, jnp.int32)},
+            optax.sgd(0.1).init({"w": jnp.ones(2)}),
+            {"w": jnp.ones(2)},
+        ),
+        TypeError,
+        r"gradients to be floating arrays, got .*int32 at path \['w'\]",
+    ),
+    "step_if_finite(a bool parameter)": (
+        lambda: jamp.step_if_finite(
+            jnp.bool_(True),
+            optax.sgd(0.1),
+            {"w": jnp.ones(2)},
+            optax.sgd(0.1).init({"w": jnp.ones(2)}),
+            {"w": jnp.zeros(2, bool)},
+        ),
+        TypeError,
+        r"a float32 gradient for a bool parameter.*becomes True",
+    ),
+    "step_if_finite(params=None)": (
+        lambda: jamp.step_if_finite(
+            jnp.bool_(True), optax.sgd(0.1), {"w": jnp.ones(2)}, optax.sgd(0.1).init(None), None
+        ),
+        ValueError,
+        r"`params` to hold the parameters the gradients update, got NoneType",
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
     assert_clear_error(*BAD_INPUT[case])
+
+
+@pytest.mark.parametrize("skip", ["auto", "cond", "select"])
+def test_step_if_finite_skipped_keeps_the_old_parameters_bit_for_bit(skip):
+    """-0.0 and a float32 subnormal included (step_if_finite hands back the old buffers)."""
+    params = {"w": jnp.array([-0.0, 1e-40, 2.0], jnp.float32)}
+    tx = optax.adam(1e-2)
+    vg = jamp.value_and_grad(lambda p, x: jnp.sum(p["w"] * x))
+
+    @jax.jit
+    def train_step(params, opt_state, loss_scale, x):
+        out = vg(loss_scale, params, x)
+        params, opt_state = jamp.step_if_finite(
+            out.finite, tx, out.grads, opt_state, params, skip=skip
+        )
+        return params, opt_state, out.loss_scale
+
+    opt_state = tx.init(params)
+    with jax.numpy_dtype_promotion("standard"):  # adam's bias correction
+        new, new_opt, _ = train_step(
+            params, opt_state, jamp.dynamic_loss_scale(), jnp.full(3, 1e38)
+        )
+    assert np.array_equal(
+        np.asarray(new["w"]).view(np.uint32), np.asarray(params["w"]).view(np.uint32)
+    )
+    assert_trees_equal(new_opt, opt_state)

@@ -45,7 +45,7 @@ from jamp._src.autocast_interpreter import (
 )
 from jamp._src.autocast_rules import RULES
 from jamp._src.float8 import DelayedScaling, Float8State
-from jamp._src.policy import Policy, check_dtype, get_policy
+from jamp._src.policy import Policy, check_dtype, parse_policy
 
 __all__ = [
     "RULES",
@@ -218,7 +218,7 @@ def _resolve(dtype: Any, policy: Any) -> tuple[np.dtype, Policy | None, bool]:
             f"`policy`, got {policy!r} (type {type(policy).__name__}) instead."
         )
     low = None if dtype is None else _low_dtype(dtype, "`dtype`")
-    policy = get_policy(policy)
+    policy = parse_policy(policy, "policy")
     compute = _low_dtype(policy.compute_dtype, "the compute dtype of `policy`")
     if low is not None and low != compute:
         raise ValueError(

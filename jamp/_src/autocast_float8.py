@@ -28,7 +28,6 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -47,6 +46,7 @@ from jamp._src.float8 import (
     DelayedScaling,
     Float8State,
     Spec,
+    check_values,
     current_dot,
     delayed_dot,
     init_state,
@@ -175,12 +175,11 @@ def check_states(state: Any, found: Sequence[Site], recipe: DelayedScaling) -> N
         entry = state[site.key]
         shapes = {"amax_history": (*site.stack, 3, h), "scale": (*site.stack, 3)}
         ok = isinstance(entry, Float8State) and all(
-            tuple(np.shape(getattr(entry, f))) == shape and np.dtype(getattr(entry, f).dtype) == F32
-            for f, shape in shapes.items()
+            _is_array(getattr(entry, f), shape) for f, shape in shapes.items()
         )
         if not ok:
             described = (
-                jax.tree_util.tree_map(lambda x: (np.dtype(x.dtype).name, np.shape(x)), entry)
+                tuple(_describe(x) for x in entry)
                 if isinstance(entry, tuple)
                 else type(entry).__name__
             )
@@ -189,6 +188,19 @@ def check_states(state: Any, found: Sequence[Site], recipe: DelayedScaling) -> N
                 f"float8 state entry {site.key!r} (amax_history_len={h}), got {described} "
                 f"instead; {fix}."
             )
+        check_values(entry, f"float8 state entry {site.key!r}", recipe)
+
+
+def _is_array(x: Any, shape: tuple) -> bool:
+    """Whether ``x`` is a float32 array (or tracer) of ``shape``."""
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and np.dtype(dtype) == F32 and tuple(np.shape(x)) == shape
+
+
+def _describe(x: Any) -> Any:
+    if hasattr(x, "dtype") and hasattr(x, "shape"):
+        return (np.dtype(x.dtype).name, tuple(np.shape(x)))
+    return type(x).__name__
 
 
 @dataclasses.dataclass(frozen=True)

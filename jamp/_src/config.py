@@ -69,19 +69,36 @@ def _scalar_float(name: str, value: Any) -> float:
             )
         return float(np.asarray(value))
     if not is_real_number(value):
-        raise TypeError(f"Expected `{name}` to be a real number, got {value!r} instead.")
-    return float(value)
+        raise TypeError(f"Expected `{name}` to be a real number, got {_show(value)} instead.")
+    try:
+        return float(value)
+    except OverflowError:  # an int past float64's range, such as 10**400
+        raise ValueError(
+            f"Expected `{name}` to be a finite number within float32's range, got an integer "
+            f"of {len(str(abs(value)))} digits instead."
+        ) from None
+
+
+def _show(value: Any) -> str:
+    """``repr(value)``, cut short: a message shows a 10**400 or a large array in a line."""
+    text = repr(value)
+    return text if len(text) <= 60 else f"{text[:48]}... ({len(text)} characters)"
 
 
 def _count(name: str, value: Any) -> int:
     """An int in ``[1, 2**31 - 1]``: a TypeError for a non-integer, a ValueError out of range."""
     if not is_integer(value):
-        raise TypeError(f"Expected `{name}` to be an integer >= 1, got {name}={value!r} instead.")
+        raise TypeError(
+            f"Expected `{name}` to be an integer >= 1, got {name}={_show(value)} instead."
+        )
     if int(value) < 1:
-        raise ValueError(f"Expected `{name}` to be an integer >= 1, got {name}={value!r} instead.")
+        raise ValueError(
+            f"Expected `{name}` to be an integer >= 1, got {name}={_show(value)} instead."
+        )
     if int(value) > INT32_MAX:
         raise ValueError(
-            f"Expected `{name}` to be an integer in [1, 2**31 - 1], got {name}={value!r} instead."
+            f"Expected `{name}` to be an integer in [1, 2**31 - 1], got {name}={_show(value)} "
+            "instead."
         )
     return int(value)
 
@@ -132,7 +149,8 @@ def _moves(factor: float, grows: bool) -> bool:
     """
     for m in (1.0, 1.0 + 2.0**-23, 2.0 - 2.0**-23):
         s = np.float32(m)
-        out = np.float32(np.float64(s) * factor)
+        with np.errstate(over="ignore"):  # a huge factor is refused by its bound
+            out = np.float32(np.float64(s) * factor)
         if (out <= s) if grows else (out >= s):
             return False
     return True
@@ -149,10 +167,11 @@ def _counter(name: str, value: Any) -> int:
             )
         value = int(np.asarray(value))
     if not is_integer(value):
-        raise TypeError(f"Expected `{name}` to be an integer, got {name}={value!r} instead.")
+        raise TypeError(f"Expected `{name}` to be an integer, got {name}={_show(value)} instead.")
     if not 0 <= int(value) <= INT32_MAX:
         raise ValueError(
-            f"Expected `{name}` to be an integer in [0, 2**31 - 1], got {name}={value!r} instead."
+            f"Expected `{name}` to be an integer in [0, 2**31 - 1], got {name}={_show(value)} "
+            "instead."
         )
     return int(value)
 
@@ -177,8 +196,10 @@ def check_config(
     Args:
       scale: a scale to check against the bounds (:data:`NO_SCALE`: none to check).
       scale_name: the argument name ``scale`` came from, for messages.
-      growth_factor: > 1 and finite, and far enough from 1 to move a float32
-        scale (more than 1 + 2**-24).
+      growth_factor: > 1 and finite, far enough from 1 to move a float32
+        scale (more than 1 + 2**-24), and at most ``max_scale / min_scale``
+        (a larger one jumps past the whole range in one growth, and a grown
+        scale past float32's range is dropped: the scale would stop growing).
       backoff_factor: in (0, 1), and far enough from 1 to move a float32
         scale (below about 1 - 2**-24).
       growth_interval: an int in [1, 2**31 - 1].
@@ -193,43 +214,60 @@ def check_config(
         tracker at or past ``growth_interval`` is held one short of it (so
         the scale grows on the next finite step instead of never), and an
         overflow streak past ``hysteresis`` is held at it.
-      names: how to name ``growth_tracker`` and ``overflow_streak`` in
-        messages (a mapping), e.g. ``{"growth_tracker": "state_dict['_growth_tracker']"}``.
+      names: how to name the values in messages (a mapping from the
+        argument names above), e.g. ``{"growth_tracker":
+        "state_dict['_growth_tracker']"}``; ``growth_factor``,
+        ``backoff_factor``, ``growth_interval``, ``growth_tracker`` and
+        ``overflow_streak`` may be renamed.
 
     Returns:
       A :class:`Config` of Python numbers.
 
     Raises:
       TypeError: a value of the wrong type (a string, a bool, a float
-        ``growth_interval``, a traced value, an integer array scale ...).
-      ValueError: a value out of range; the message names the argument.
+        ``growth_interval``, a traced value, a float16, bfloat16, complex or
+        boolean array scale ...). An integer scale, a Python ``int`` or an
+        integer 0-d array, is a number like any other and is accepted.
+      ValueError: a value out of range (an integer past float64's range,
+        ``10**400``, included); the message names the argument.
     """
     names = dict(names or {})
-    gf = _scalar_float("growth_factor", growth_factor)
+    gf_name = names.get("growth_factor", "growth_factor")
+    bf_name = names.get("backoff_factor", "backoff_factor")
+    gf = _scalar_float(gf_name, growth_factor)
     if not (math.isfinite(gf) and gf > 1.0):
-        raise ValueError(
-            f"Expected `growth_factor` > 1 and finite, got growth_factor={gf!r} instead."
-        )
-    bf = _scalar_float("backoff_factor", backoff_factor)
+        raise ValueError(f"Expected `{gf_name}` > 1 and finite, got growth_factor={gf!r} instead.")
+    bf = _scalar_float(bf_name, backoff_factor)
     if not (0.0 < bf < 1.0):
         raise ValueError(
-            f"Expected `backoff_factor` in the open interval (0, 1), got backoff_factor={bf!r} "
-            "instead."
+            f"Expected `{bf_name}` in the open interval (0, 1), got backoff_factor={bf!r} instead."
         )
-    for name, factor, grows in (("growth_factor", gf, True), ("backoff_factor", bf, False)):
+    for name, factor, grows in ((gf_name, gf, True), (bf_name, bf, False)):
         if not _moves(factor, grows):
+            plain = "growth_factor" if grows else "backoff_factor"
             raise ValueError(
-                f"Expected `{name}` to move a float32 scale, got {name}={factor!r} instead: it is "
-                "so close to 1 that the scale rounds back to itself, so it would never "
+                f"Expected `{name}` to move a float32 scale, got {plain}={factor!r} instead: it "
+                "is so close to 1 that the scale rounds back to itself, so it would never "
                 f"{'grow' if grows else 'back off'} (and after an overflow every step would be "
                 "skipped)."
             )
-    interval = _count("growth_interval", growth_interval)
+    interval = _count(names.get("growth_interval", "growth_interval"), growth_interval)
     hyst = _count("hysteresis", hysteresis)
     lo, hi = _bound("min_scale", min_scale), _bound("max_scale", max_scale)
     if lo > hi:
         raise ValueError(
             f"Expected `min_scale` <= `max_scale`, got min_scale={lo!r} > max_scale={hi!r} instead."
+        )
+    f32_max = float(np.finfo(np.float32).max)
+    top = min(hi / lo, f32_max) if lo < hi else f32_max
+    if gf > top:
+        # A grown scale past float32's range is dropped (torch's rule): with a factor
+        # larger than the whole range, the scale would grow from almost none of its values.
+        raise ValueError(
+            f"Expected `{gf_name}` <= max_scale / min_scale = {top!r}, got "
+            f"growth_factor={gf!r} instead: it jumps past the whole range of the scale in one "
+            "growth, and a grown scale past float32's range is dropped (torch's rule), so the "
+            "scale would stop growing. Use a factor such as 2.0."
         )
     checked = None if scale is NO_SCALE else _scale(scale_name, scale, lo, hi, restore)
     tracker = streak = None
@@ -249,3 +287,36 @@ def check_config(
         if hyst == 1:  # not counted with hysteresis 1 (loss_scale.update)
             streak = 0
     return Config(checked, gf, bf, interval, lo, hi, hyst, tracker, streak)
+
+
+def checked_scale(name: str, value: Any) -> float:
+    """A scale read from a checkpoint without its configuration, as a Python float.
+
+    A positive, finite number (a Python number or a concrete 0-d float32,
+    float64 or integer array); a string, a bool or a traced value is a
+    ``TypeError``, NaN, inf, zero or a negative number a ``ValueError``.
+    """
+    v = _scalar_float(name, value)
+    if not (math.isfinite(v) and 0 < v <= float(np.finfo(np.float32).max)):
+        raise ValueError(
+            f"Expected `{name}` to be positive and finite, got {name}={v!r} instead; every step "
+            "would be skipped (or none scaled) with it."
+        )
+    return v
+
+
+def checked_counter(name: str, value: Any) -> int:
+    """A counter read from a checkpoint: a concrete integer in ``[0, 2**31 - 1]``."""
+    return _counter(name, value)
+
+
+def checked_floor(name: str, value: Any) -> float:
+    """flax's ``minimum_scale`` as jamp's ``min_scale``: a number in ``[0, 2**126]``,
+    raised to jamp's floor of ``2**-126`` when below it."""
+    v = _scalar_float(name, value)
+    if not (math.isfinite(v) and 0 <= v <= MAX_SCALE):
+        raise ValueError(
+            f"Expected `{name}` in [0, 2**126] (None or below 2**-126: jamp's floor of "
+            f"2**-126), got {name}={v!r} instead."
+        )
+    return max(_float32(v), MIN_SCALE)

@@ -120,15 +120,16 @@ def check_unscaled(
     *,
     axis_name: AxisName | None = None,
     filter: Filter = None,
+    fn: str = "unscale_and_check",
 ) -> jax.Array:
     """Whether ``unscale(state, grads)`` is all finite, from one read of ``grads``.
 
     The unscaled gradients are not formed on the fast path, so a caller can
     unscale inside the branch that uses them, where XLA fuses the multiply
-    into the optimizer's own pass.
+    into the optimizer's own pass. ``fn`` names the caller in messages.
     """
     inv = inverse_scale(state) if state.enabled else None
-    return agree(finite(float_leaves(grads, "unscale_and_check", filter), inv), axis_name)
+    return agree(finite(float_leaves(grads, fn, filter), inv), axis_name)
 
 
 def unscale_and_check(

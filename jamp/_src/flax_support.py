@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from jamp._src import loss_scale as ls
-from jamp._src.config import MIN_SCALE, check_config
+from jamp._src.config import MIN_SCALE, check_config, checked_floor
 
 _FIELDS = ("scale", "growth_tracker", "overflow_streak")
 
@@ -150,6 +150,10 @@ def from_flax_dynamic_scale(
         minimum_scale=minimum_scale,
     )
     config.update({k: v for k, v in given.items() if v is not None})
+    if values["fin_steps"] is None:  # check_config reads None as "not given"
+        raise TypeError(
+            "Expected `fin_steps` of the flax DynamicScale to be an integer >= 0, got None instead."
+        )
     floor = config.get("minimum_scale")
     checked = check_config(
         scale=values["scale"],
@@ -157,7 +161,7 @@ def from_flax_dynamic_scale(
         growth_factor=config.get("growth_factor", 2.0),
         backoff_factor=config.get("backoff_factor", 0.5),
         growth_interval=config.get("growth_interval", 2000),
-        min_scale=MIN_SCALE if floor is None else max(float(floor), MIN_SCALE),
+        min_scale=MIN_SCALE if floor is None else checked_floor("minimum_scale", floor),
         growth_tracker=values["fin_steps"],
         restore=True,
         names={"growth_tracker": "fin_steps"},

@@ -64,6 +64,12 @@ _SMALLEST_AMAX = ROW_MAX * np.float32(2.0**-126)
 ALGOS = ("max", "most_recent")
 UNMEASURED = ("one", "current")
 
+# The largest margin that keeps the largest recorded amax a normal float8_e4m3fn number
+# (448 / 2**14 >= 2**-6); past 18 it is below the smallest subnormal, and flushes to 0.
+MAX_MARGIN = 14
+# 3 rows of float32 per step: 768 KiB per product. TE's default is 1024.
+MAX_HISTORY = 2**16
+
 
 # ---------------------------------------------------------------------------
 # The state and the recipe of delayed scaling
@@ -91,6 +97,12 @@ class Float8State(NamedTuple):
 
     amax_history: jax.Array
     scale: jax.Array
+
+
+def _short(n: int) -> str:
+    """An integer as written, or its number of digits when it is too long to read."""
+    text = str(int(n))
+    return text if len(text) <= 20 else f"<an integer of {len(text.lstrip('-'))} digits>"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +145,12 @@ class DelayedScaling:
     Raises:
       TypeError: ``amax_history_len`` or ``margin`` is not an integer, or
         ``amax_compute_algo`` or ``unmeasured`` not a string.
-      ValueError: ``amax_history_len < 1``, ``margin < 0`` or an unknown
-        ``amax_compute_algo`` or ``unmeasured``.
+      ValueError: ``amax_history_len`` outside ``[1, 2**16]`` (a longer
+        history is 12 bytes a step for every product: 2**28 steps would be
+        3 GiB each), ``margin`` outside ``[0, 14]`` (a larger one maps even
+        the largest value below float8_e4m3fn's smallest normal number,
+        ``2**-6``, so the products lose their precision, and past 18 are all
+        zero) or an unknown ``amax_compute_algo`` or ``unmeasured``.
 
     Examples:
       >>> import jax.numpy as jnp, jamp
@@ -161,8 +177,22 @@ class DelayedScaling:
             raise ValueError(
                 f"Expected `amax_history_len` >= 1, got {self.amax_history_len} instead."
             )
+        if self.amax_history_len > MAX_HISTORY:
+            raise ValueError(
+                f"Expected `amax_history_len` <= 2**16 = {MAX_HISTORY}, got "
+                f"amax_history_len={_short(self.amax_history_len)} instead: the history holds 12 "
+                "bytes per step for every float8 product (Transformer Engine's default is 1024)."
+            )
         if self.margin < 0:
             raise ValueError(f"Expected `margin` >= 0, got {self.margin} instead.")
+        if self.margin > MAX_MARGIN:
+            raise ValueError(
+                f"Expected `margin` in [0, {MAX_MARGIN}], got margin={_short(self.margin)} "
+                f"instead: the scale divides by 2**margin, and past {MAX_MARGIN} even the largest "
+                "recorded value quantises below float8_e4m3fn's smallest normal number "
+                "(2**-6), so the products lose their precision (past 18 they are all zero). "
+                "Transformer Engine's default is 0."
+            )
         for name, allowed in (("amax_compute_algo", ALGOS), ("unmeasured", UNMEASURED)):
             value, choices = getattr(self, name), " or ".join(repr(a) for a in allowed)
             if not isinstance(value, str):
@@ -171,6 +201,117 @@ class DelayedScaling:
                 )
             if value not in allowed:
                 raise ValueError(f"Expected {choices} for `{name}`, got {value!r} instead.")
+
+
+def _concrete(x: Any) -> bool:
+    """Whether ``x`` holds values this process can read (not a tracer, not another host's)."""
+    if isinstance(x, jax.core.Tracer):
+        return False
+    return getattr(x, "is_fully_addressable", True)
+
+
+# Relative tolerance of a restored scale against the one its history gives (the recipe
+# computes it in float32; a state from another backend may round differently).
+_TOLERANCE = 2.0**-8
+
+
+def _scales_from(amax: np.ndarray, margin: int, history: bool = False) -> np.ndarray:
+    """The recipe's scale for each row's ``amax`` (``(..., 3)``, or a history ``(..., 3,
+    steps)``), as :func:`next_state` computes it in float32; inf where it would not be a
+    finite float32 number."""
+    row_max = ROW_MAX[:, None] if history else ROW_MAX
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        new = (row_max / amax.astype(np.float32)) / np.float32(2.0**margin)
+    return np.where(np.isfinite(new), new, np.inf)
+
+
+def _matches(scale: np.ndarray, want: np.ndarray) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.isfinite(want) & (np.abs(scale / want - 1.0) <= _TOLERANCE)
+
+
+def check_values(state: Any, where: str, recipe: DelayedScaling | None = None) -> None:
+    """A ``ValueError`` naming ``where`` unless ``state`` (a :class:`Float8State`) holds
+    values the recipe can have produced: the scale the next product quantises with.
+
+    An amax history with a negative entry, or a scale that is negative or not
+    finite, never comes from the recipe. A row whose history is finite and
+    measured (an amax > 0) must hold the scale the recipe computes from it,
+    ``finfo.max / amax / 2**margin``, for ``recipe``'s ``amax_compute_algo`` and
+    ``margin`` (with ``recipe=None``, for either algorithm and some margin in
+    ``[0, 14]``); a row never measured holds 1 (a fresh state) or 0 ("not
+    measured yet"). A restored scale of ``1e30`` for a tensor of amax 10 would
+    saturate every value and make the product 0.0: finite, so loss scaling
+    would apply the step. Traced values (under ``jit``) are not checked.
+    """
+    history, scale = state.amax_history, state.scale
+    if not (_concrete(history) and _concrete(scale)):
+        return
+    fix = (
+        "start from a fresh state (jamp.float8_init) or restore the checkpoint the run saved; "
+        "a state saved by another recipe (a changed margin or amax_compute_algo) does not carry "
+        "over"
+    )
+    for name, x in (("amax_history", history), ("scale", scale)):
+        if not hasattr(x, "dtype") or np.dtype(x.dtype) != F32:
+            raise TypeError(
+                f"Expected {where}.{name} to be a float32 array, got "
+                f"{type(x).__name__}{'' if not hasattr(x, 'dtype') else ' of ' + str(x.dtype)} "
+                f"instead; {fix}."
+            )
+    h, s = np.asarray(history), np.asarray(scale)
+    if h.ndim < 2 or h.shape[-2] != 3 or s.shape != h.shape[:-1]:
+        raise ValueError(
+            f"Expected {where} to hold an amax_history of shape (..., 3, amax_history_len) and "
+            f"a scale of shape (..., 3), got {h.shape} and {s.shape} instead; {fix}."
+        )
+    if np.any(h < 0) or np.any(np.isneginf(h)):
+        raise ValueError(
+            f"Expected {where}.amax_history to hold amaxes (largest magnitudes, >= 0), found "
+            f"a negative one ({float(h[h < 0].min())!r}) instead; {fix}."
+        )
+    if not (np.all(np.isfinite(s)) and np.all(s >= 0)):
+        bad = s[~(np.isfinite(s) & (s >= 0))]
+        raise ValueError(
+            f"Expected {where}.scale to be finite and >= 0 (0: not measured yet), got "
+            f"{float(bad.flat[0])!r} instead; {fix}."
+        )
+    algos = ALGOS if recipe is None else (recipe.amax_compute_algo,)
+    margins = range(MAX_MARGIN + 1) if recipe is None else (recipe.margin,)
+    finite = np.all(np.isfinite(h), axis=-1)  # a non-finite amax freezes a row's scale
+    ok = (s == 0) | ~finite
+    for algo in algos:
+        amax = np.max(h, axis=-1) if algo == "max" else h[..., 0]
+        measured = finite & (amax > 0)
+        for m in margins:
+            want = _scales_from(amax, m)
+            # A scale past float32 is not taken: the row keeps an earlier one.
+            ok |= measured & (_matches(s, want) | np.isinf(want))
+            if algo == "most_recent":  # an amax of 0 keeps the scale of an earlier one
+                earlier = _matches(s[..., None], _scales_from(h, m, history=True)) & (h > 0)
+                ok |= finite & (amax == 0) & np.any(earlier, axis=-1)
+        ok |= finite & (amax == 0) & (s == 1)  # never measured: a fresh state's 1
+    if not np.all(ok):
+        idx = tuple(int(i) for i in np.argwhere(~ok)[0])
+        row = ("the left operand", "the right operand", "the output's gradient")[idx[-1]]
+        amaxes = h[idx]
+        expected = (
+            f"the amax history of that row has max {float(np.max(amaxes)):.4g}, most recent "
+            f"{float(amaxes[0]):.4g}"
+            if np.any(amaxes > 0)
+            else "that row was never measured (its history is all zero), so its scale is 1 or 0"
+        )
+        which = (
+            "any margin in [0, 14]"
+            if recipe is None
+            else f"margin={recipe.margin}, amax_compute_algo={recipe.amax_compute_algo!r}"
+        )
+        raise ValueError(
+            f"Expected {where}.scale{list(idx)} (the scale of {row}) to be the one its amax "
+            f"history gives, finfo.max / amax / 2**margin with {which}, got "
+            f"{float(s[idx])!r} instead: {expected}. Quantised with it, the product would be "
+            f"wrong (saturated or flushed to zero) while still finite; {fix}."
+        )
 
 
 def init_state(

@@ -36,7 +36,7 @@ from jamp._src import loss_scale as ls
 from jamp._src.config import check_config
 from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
 from jamp._src.finite import unscale_and_check as _unscale_and_check
-from jamp._src.leaves import is_real_number
+from jamp._src.leaves import check_filter, is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import check_skip, optimizer_step
@@ -552,6 +552,7 @@ class GradScaler:
                 f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
             )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
+        check_filter(filter, "GradScaler.step")
         _check_not_swapped(grads, opt_state, params)
 
         def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
@@ -565,6 +566,7 @@ class GradScaler:
                 skip=self.skip,
                 extra_args=extra_args,
                 fn="GradScaler.step",
+                grads=grads,
             )
 
         if not self.enabled:
@@ -579,7 +581,9 @@ class GradScaler:
             finite = jnp.logical_not(found_inf)
             unscaled = lambda: grads  # noqa: E731
         else:
-            finite = check_unscaled(state, grads, axis_name=self.axis_name, filter=filter)
+            finite = check_unscaled(
+                state, grads, axis_name=self.axis_name, filter=filter, fn="GradScaler.step"
+            )
             found_inf = None
             unscaled = lambda: ls.unscale(state, grads, filter=filter)  # noqa: E731
 
@@ -620,13 +624,28 @@ class GradScaler:
         state = _check_state(state, "update")
         if not self.enabled:
             return state
-        if isinstance(new_scale, (bool, np.bool_, list, tuple, ls.LossScaleState)) or (
-            getattr(new_scale, "dtype", None) == np.bool_
+        flags = new_scale if isinstance(new_scale, (list, tuple)) else [new_scale]
+        if isinstance(new_scale, ls.LossScaleState) or all(
+            isinstance(f, (bool, np.bool_)) or getattr(f, "dtype", None) == np.bool_ for f in flags
         ):
             raise _refuse_found_inf("update")
+        if isinstance(new_scale, (list, tuple, dict)):
+            raise TypeError(
+                "Expected `new_scale` to be a Python float or a scalar array, got "
+                f"{type(new_scale).__name__} {new_scale!r:.40} instead; `update` reads the inf "
+                "checks from the state, so it takes no list of found_inf flags either."
+            )
         _check_not_passed(state, "update")
         if new_scale is not None:
             if isinstance(new_scale, jax.core.Tracer):
+                dtype = np.dtype(new_scale.dtype)
+                if dtype not in (np.float32, np.float64) and not np.issubdtype(dtype, np.integer):
+                    raise TypeError(
+                        "Expected `new_scale` to be a float32 (or integer) scalar, got a traced "
+                        f"array of dtype {dtype} instead: converting it would drop what a "
+                        f"float32 scale cannot hold. Pass `new_scale.astype(jnp.float32)` if "
+                        "that is what you mean."
+                    )
                 if jnp.shape(new_scale) != ():
                     raise ValueError(
                         "Expected `new_scale` to be a scalar, got an array of shape "
@@ -721,12 +740,17 @@ class GradScaler:
             )
         # Orbax and np.load hand back 0-d arrays where torch saved numbers.
         state_dict = {k: _python_scalar(state_dict[k]) for k in _TORCH_KEYS}
+        if state_dict["_growth_tracker"] is None:  # check_config reads None as "not given"
+            raise TypeError(
+                "Expected state_dict['_growth_tracker'] to be an integer >= 0, got None "
+                "instead; a dict saved by PyTorch or by GradScaler.state_dict holds the count."
+            )
         scale_value = state_dict["scale"]
         if is_real_number(scale_value) and not (
-            math.isfinite(float(scale_value)) and float(scale_value) > 0
+            isinstance(scale_value, int) or math.isfinite(scale_value) and scale_value > 0
         ):
             raise ValueError(
-                f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r} "
+                f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r:.60} "
                 "instead; a PyTorch scaler whose scale collapsed to 0 cannot be resumed."
             )
         # A restore: a scale torch let grow past max_scale (up to 2**127) is
@@ -739,6 +763,9 @@ class GradScaler:
             growth_interval=state_dict["growth_interval"],
             growth_tracker=state_dict["_growth_tracker"],
             restore=True,
-            names={"growth_tracker": "state_dict['_growth_tracker']"},
+            names={
+                "growth_tracker": "state_dict['_growth_tracker']",
+                **{k: f"state_dict['{k}']" for k in _TORCH_KEYS[1:4]},
+            },
         )
         return _as_grad_scaler_state(ls.from_config(ls.DYNAMIC, config))

@@ -34,6 +34,17 @@ def is_float_dtype(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact) and dtype != jax.dtypes.float0
 
 
+def is_numeric_dtype(dtype: Any) -> bool:
+    """A dtype JAX computes with: boolean, integer, floating, complex or ``float0``; not an
+    object, string, bytes or datetime dtype (NumPy arrays may have those)."""
+    dtype = np.dtype(dtype)
+    return (
+        dtype == jax.dtypes.float0
+        or jnp.issubdtype(dtype, jnp.bool_)
+        or jnp.issubdtype(dtype, jnp.number)
+    )
+
+
 def is_half(dtype: Any) -> bool:
     """A real floating dtype narrower than float32 (float16, bfloat16, float8...)."""
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
@@ -58,8 +69,24 @@ def check_filter(filter: Any, fn: str) -> Filter:
 
 
 def selected(filter: Filter, leaf: Any) -> bool:
-    """Whether ``filter`` (``None``: every leaf) selects ``leaf``."""
-    return filter is None or bool(filter(leaf))
+    """Whether ``filter`` (``None``: every leaf) selects ``leaf``; a TypeError unless the
+    filter answers with a bool (an array cannot say which leaves to take, and a traced
+    one cannot be read at all)."""
+    if filter is None:
+        return True
+    out = filter(leaf)
+    if isinstance(out, (bool, np.bool_)):
+        return bool(out)
+    raise TypeError(
+        f"Expected `filter` to return a bool for each leaf (as eqx.is_inexact_array does), got "
+        f"{type(out).__name__}{_shape_of(out)} for a leaf of type {type(leaf).__name__} "
+        "instead; return a Python bool that says whether to take the leaf."
+    )
+
+
+def _shape_of(x: Any) -> str:
+    shape = getattr(x, "shape", None)
+    return "" if shape is None else f" of shape {tuple(shape)}"
 
 
 def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
@@ -69,6 +96,13 @@ def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
     anything that is not an array or a number.
     """
     if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "__jax_array__"):
+        if not is_numeric_dtype(leaf.dtype):
+            raise TypeError(
+                f"`jamp.{fn}` expected a pytree of numeric arrays, got an array of dtype "
+                f"{np.dtype(leaf.dtype)} at path {jax.tree_util.keystr(path) or '<root>'} "
+                "instead: its values (strings, Python objects) cannot be checked or scaled. "
+                "Convert it to a numeric dtype, or leave it out with `filter`."
+            )
         return FLOAT if is_float_dtype(leaf.dtype) else PASS
     if isinstance(leaf, bool) or isinstance(leaf, numbers.Integral):
         return PASS
@@ -159,8 +193,8 @@ def float_leaves(tree: Any, fn: str, filter: Filter = None) -> list[jax.Array]:
 def partition(tree: Any, filter: Callable[[Any], Any]) -> tuple[Any, Any]:
     """``(chosen, rest)``: ``tree`` with ``None`` where ``filter`` is False, and with
     ``None`` where it is True (Equinox's ``eqx.partition``)."""
-    chosen = jax.tree_util.tree_map(lambda x: x if filter(x) else None, tree)
-    rest = jax.tree_util.tree_map(lambda x: None if filter(x) else x, tree)
+    chosen = jax.tree_util.tree_map(lambda x: x if selected(filter, x) else None, tree)
+    rest = jax.tree_util.tree_map(lambda x: None if selected(filter, x) else x, tree)
     return chosen, rest
 
 

@@ -13,8 +13,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jamp._src.loss_scale import STATIC, LossScaleState, restore
+from jamp._src.config import checked_counter, checked_scale
+from jamp._src.float8 import Float8State, check_values
+from jamp._src.leaves import check_bool_scalar
+from jamp._src.loss_scale import STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
 from jamp._src.value_and_grad import ScaledValueAndGrad
 
@@ -57,19 +61,54 @@ def _flattened(tree: Any) -> dict[tuple, dict[str, Any]]:
     return groups
 
 
-def _snapshot(fields: dict[str, Any]) -> LossScaleState:
-    """A static state holding a flattened state's scale and counters (no configuration)."""
+_UNVALIDATED = (
+    "A tree restored without a target (Orbax, flax) has lost the state's configuration and "
+    "was never validated: restore into a target (`StandardCheckpointer().restore(path, "
+    "target)`) and pass the result through jamp.check_restored"
+)
+
+
+def _field(path: tuple, key: str, value: Any, kind: str, arg: str = "opt_state") -> jax.Array:
+    """A flattened state's field as a typed device array, validated: ``kind`` is
+    ``"scale"`` (positive and finite), ``"count"`` (an integer in [0, 2**31 - 1]) or
+    ``"flag"`` (a bool). A traced value (``nnx.state`` under ``jit``) is checked by its
+    dtype and shape only."""
+    name = f"{arg}{jax.tree_util.keystr((*path, jax.tree_util.DictKey(key)))}"
+    if isinstance(value, jax.core.Tracer) or (
+        isinstance(value, jax.Array) and not value.is_fully_addressable
+    ):
+        dtype, shape = np.dtype(value.dtype), tuple(value.shape)
+        want = {"scale": np.floating, "count": np.integer, "flag": np.bool_}[kind]
+        if shape != () or not np.issubdtype(dtype, want):
+            raise TypeError(
+                f"Expected `{name}` to be a {want.__name__} scalar, got an array of dtype "
+                f"{dtype} and shape {shape} instead. {_UNVALIDATED}."
+            )
+        return value.astype({"scale": jnp.float32, "count": jnp.int32, "flag": jnp.bool_}[kind])
+    try:
+        if kind == "scale":
+            return jnp.asarray(checked_scale(name, value), jnp.float32)
+        if kind == "count":
+            return jnp.asarray(checked_counter(name, value), jnp.int32)
+        return jnp.asarray(check_bool_scalar(value, name, "as jamp.loss_scaling saved it"))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{e} {_UNVALIDATED}.") from None
+
+
+def _snapshot(path: tuple, fields: dict[str, Any], arg: str = "opt_state") -> LossScaleState:
+    """A static state holding a flattened state's scale and counters (no configuration),
+    validated (:func:`_field`)."""
     return LossScaleState(
-        scale=jnp.asarray(fields["scale"], jnp.float32),
-        growth_tracker=jnp.asarray(fields["growth_tracker"], jnp.int32),
-        overflow_streak=jnp.asarray(fields["overflow_streak"], jnp.int32),
+        scale=_field(path, "scale", fields["scale"], "scale", arg),
+        growth_tracker=_field(path, "growth_tracker", fields["growth_tracker"], "count", arg),
+        overflow_streak=_field(path, "overflow_streak", fields["overflow_streak"], "count", arg),
         kind=STATIC,
     )
 
 
 def _find_flattened(tree: Any) -> list[tuple[Any, Any]]:
     return [
-        (path, _snapshot(fields))
+        (path, fields)
         for path, fields in _flattened(tree).items()
         if all(f in fields for f in _FIELDS)
     ]
@@ -122,7 +161,10 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
       >>> float(jamp.get_loss_scale(tx.init({"w": jnp.ones(2)})).scale)
       65536.0
     """
-    found = _find(opt_state, LossScaleState) or _find_flattened(opt_state)
+    found = _find(opt_state, LossScaleState)
+    flattened = not found
+    if flattened:
+        found = _find_flattened(opt_state)
     if not found:
         raise ValueError(
             "Expected `opt_state` to contain a jamp loss-scale state, found none in "
@@ -134,7 +176,10 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
             f"Expected exactly one loss-scale state in `opt_state`, found {len(found)} at "
             f"{paths}; pass the sub-state that holds the one you want."
         )
-    return _unwrapped(found[0][1])
+    path, state = found[0]
+    if flattened:
+        return _snapshot(path, state)
+    return _unwrapped(state)
 
 
 def check_restored(tree: Any) -> Any:
@@ -147,16 +192,26 @@ def check_restored(tree: Any) -> Any:
     naming where it is, a scale outside ``[min_scale, max_scale]`` is clamped
     into them, a growth tracker at or past ``growth_interval`` is held one
     short of it, and Python or NumPy numbers become float32/int32 device
-    arrays. Everything else in ``tree`` is returned as it is.
+    arrays. A disabled target (``jamp.no_loss_scale()``) keeps its scale of 1.
+    The counters of a :func:`jamp.loss_scaling` state are checked too
+    (``skipped_steps`` an integer in ``[0, 2**31 - 1]``, ``last_finite`` a
+    bool), and so is every :class:`jamp.Float8State`: its amaxes >= 0, its
+    scales finite, >= 0 and the ones its amax history gives
+    (``finfo.max / amax / 2**margin``). Arrays that pass keep their
+    placement (a step resumed from Orbax compiles no more often than
+    without this); everything else in ``tree`` is returned as it is.
 
     Args:
       tree: a restored optimizer state, Flax ``TrainState``, or any pytree.
 
     Returns:
-      ``tree`` with its :class:`jamp.LossScaleState` leaves validated.
+      ``tree`` with its :class:`jamp.LossScaleState` leaves, its
+      :func:`jamp.loss_scaling` counters and its :class:`jamp.Float8State`
+      leaves validated.
 
     Raises:
-      ValueError: a scale that is not positive and finite, or a negative counter.
+      ValueError: a scale that is not positive and finite, a counter out of
+        range, a float8 scale its amax history does not give.
       TypeError: a value of the wrong type (a traced value: call it outside ``jit``).
 
     Examples:
@@ -168,16 +223,41 @@ def check_restored(tree: Any) -> Any:
       1999
     """
 
-    def one(path: Any, x: Any) -> Any:
-        if not isinstance(x, LossScaleState):
-            return x
+    def prefix(path: Any) -> str:
         where = jax.tree_util.keystr(path, simple=True, separator="/")
-        return restore(
-            x, x.scale, x.growth_tracker, x.overflow_streak, where=f"{where}/" if where else ""
+        return f"{where}/" if where else ""
+
+    def counters(path: Any, x: Any) -> Any:
+        if not isinstance(x, ScaledOptimizerState):
+            return x
+        where = prefix(path)
+        skipped = checked_counter(f"{where}skipped_steps", x.skipped_steps)
+        if isinstance(x.last_finite, jax.core.Tracer):
+            raise TypeError(
+                f"Expected `{where}last_finite` to be a concrete bool, got a traced value "
+                "instead; call jamp.check_restored outside `jit`."
+            )
+        last = check_bool_scalar(
+            x.last_finite, f"{where}last_finite", "as jamp.loss_scaling saved it"
+        )
+        return x._replace(
+            last_finite=placed_like(jnp.asarray(bool(np.asarray(last))), x.last_finite),
+            skipped_steps=placed_like(jnp.asarray(skipped, jnp.int32), x.skipped_steps),
         )
 
+    def one(path: Any, x: Any) -> Any:
+        if isinstance(x, Float8State):
+            check_values(x, prefix(path).rstrip("/") or "the float8 state")
+            return x
+        if not isinstance(x, LossScaleState):
+            return x
+        return restore(x, x.scale, x.growth_tracker, x.overflow_streak, where=prefix(path))
+
+    tree = jax.tree_util.tree_map_with_path(
+        counters, tree, is_leaf=lambda x: isinstance(x, ScaledOptimizerState)
+    )
     return jax.tree_util.tree_map_with_path(
-        one, tree, is_leaf=lambda x: isinstance(x, LossScaleState)
+        one, tree, is_leaf=lambda x: isinstance(x, (LossScaleState, Float8State))
     )
 
 
@@ -221,13 +301,16 @@ def metrics(state: Any) -> dict[str, jax.Array]:
         }
     flat = _flattened(state)
     for path, fields in flat.items():  # nnx.state(optimizer): loss_scaling's fields
-        inner = flat.get((*path, jax.tree_util.DictKey("loss_scale")), {})
+        inner_path = (*path, jax.tree_util.DictKey("loss_scale"))
+        inner = flat.get(inner_path, {})
         if all(f in inner for f in _FIELDS) and {"last_finite", "skipped_steps"} <= set(fields):
+            snapshot = _snapshot(inner_path, inner, "state")
+            last, skipped = fields["last_finite"], fields["skipped_steps"]
             return {
-                "loss_scale": jnp.asarray(inner["scale"], jnp.float32),
-                "growth_tracker": jnp.asarray(inner["growth_tracker"], jnp.int32),
-                "last_finite": jnp.asarray(fields["last_finite"]),
-                "skipped_steps": jnp.asarray(fields["skipped_steps"], jnp.int32),
+                "loss_scale": snapshot.scale,
+                "growth_tracker": snapshot.growth_tracker,
+                "last_finite": _field(path, "last_finite", last, "flag", "state"),
+                "skipped_steps": _field(path, "skipped_steps", skipped, "count", "state"),
             }
     ls_state = get_loss_scale(state)  # a clear error for none, or several
     return {"loss_scale": ls_state.scale, "growth_tracker": ls_state.growth_tracker}

@@ -13,6 +13,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jamp._src.config import INT32_MAX, MAX_SCALE, MIN_SCALE, NO_SCALE, Config, check_config
 from jamp._src.leaves import (
@@ -130,7 +131,12 @@ def restore(
     past ``growth_interval`` is held one short of it, so the scale grows on
     the next finite step (it would never grow again otherwise); an overflow
     streak past ``hysteresis`` is held at it. Python numbers and NumPy values
-    become float32/int32 device arrays.
+    become float32/int32 device arrays; a JAX array already holding the
+    validated value is kept as it is (with its placement), and a new value
+    is put where the restored one was. A disabled target
+    (:func:`no_loss_scale`) keeps its scale of 1 and counters of 0: a
+    dynamic checkpoint resumed without loss scaling is not scaled by what
+    it saved.
 
     Args:
       target: the state restored into; its configuration is kept.
@@ -142,6 +148,12 @@ def restore(
     """
     check_state(target, "restore")
     names = {f: f"{where}{f}" for f in ("scale", "growth_tracker", "overflow_streak")}
+    for name, value in (("growth_tracker", growth_tracker), ("overflow_streak", overflow_streak)):
+        if value is None:  # check_config reads None as "not given"
+            raise TypeError(
+                f"Expected `{names[name]}` to be an integer >= 0, got None instead; restore it "
+                "from the checkpoint that saved it, or start from a fresh state."
+            )
     config = check_config(
         **config_of(target, scale),
         scale_name=names["scale"],
@@ -150,14 +162,43 @@ def restore(
         restore=True,
         names=names,
     )
-    fresh_values = from_config(target.kind, config)
-    # The target's own type and fields (a GradScalerState's stage) are kept.
+    if target.kind == NONE:
+        # A disabled target's scale is 1 whatever was saved (a dynamic checkpoint resumed
+        # without loss scaling): its configuration, like every other, is the target's.
+        config = config._replace(scale=1.0, growth_tracker=0, overflow_streak=0)
+    values = from_config(target.kind, config)
+    # The target's own type and fields (a GradScalerState's stage) are kept, and so is the
+    # placement of what was restored: a step resumed with arrays placed (committed) as
+    # Orbax placed them compiles no more often than one resumed from Orbax directly.
     return dataclasses.replace(
         target,
-        scale=fresh_values.scale,
-        growth_tracker=fresh_values.growth_tracker,
-        overflow_streak=fresh_values.overflow_streak,
+        scale=placed_like(values.scale, scale),
+        growth_tracker=placed_like(values.growth_tracker, growth_tracker),
+        overflow_streak=placed_like(values.overflow_streak, overflow_streak),
     )
+
+
+def placed_like(value: jax.Array, restored: Any) -> jax.Array:
+    """``value``, or ``restored`` itself when it is a JAX array holding the same bits; else
+    ``value`` put where ``restored`` is, when ``restored`` is a committed JAX array.
+
+    A restored array's placement is part of what a jitted step is compiled for:
+    mixing committed arrays (Orbax's) with uncommitted ones (new ones) would
+    compile the step once more.
+    """
+    if not isinstance(restored, jax.Array) or isinstance(restored, jax.core.Tracer):
+        return value
+    if not restored.is_fully_addressable:
+        return value
+    if (
+        restored.dtype == value.dtype
+        and restored.shape == value.shape
+        and np.asarray(restored).tobytes() == np.asarray(value).tobytes()
+    ):
+        return restored
+    if getattr(restored, "committed", False):
+        return jax.device_put(value, restored.sharding)
+    return value
 
 
 def fresh(state: LossScaleState) -> LossScaleState:

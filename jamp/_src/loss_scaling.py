@@ -12,9 +12,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
+from jamp._src.config import INT32_MAX
 from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
 from jamp._src.float8 import refuse_in
 from jamp._src.loss_scale import (
@@ -29,7 +31,10 @@ from jamp._src.report import log_counts
 from jamp._src.skip import (
     by_platform,
     check_skip,
+    check_state_matches,
+    check_updates,
     cond_or_keep,
+    first_mismatch,
     keep_nothing,
     match_varying,
     no_updates,
@@ -88,6 +93,17 @@ def loss_scaling(
     leaves ``inner``'s state exactly as it was (Adam's count, schedules and
     moments do not advance). Then it updates the loss scale. Everything runs
     on device, under ``jit``, with no host sync.
+
+    The zero updates of a skipped step are ``-0.0``, so ``optax.apply_updates``
+    leaves every parameter bit-identical: ``p + -0.0`` is ``p`` for every
+    ``p``, ``-0.0`` included, where ``+0.0`` would turn a ``-0.0`` parameter
+    into ``+0.0``. One exception is XLA:CPU's: it flushes float32 subnormal
+    numbers (below ``2**-126`` in magnitude) to zero in arithmetic, so on a
+    CPU a subnormal parameter can come back ``0.0`` from ``p + update``,
+    skipped step or not (it keeps its bits only where XLA fuses the add with
+    the select that made the update). :meth:`jamp.GradScaler.step` and
+    :func:`jamp.step_if_finite` hand back the old parameters themselves on a
+    skipped step, so they keep those bits too.
 
     Gradient clipping placed inside ``inner`` sees unscaled gradients, like
     ``scaler.unscale_(opt)`` before ``clip_grad_norm_`` in PyTorch.
@@ -167,7 +183,26 @@ def loss_scaling(
             )
         refuse_axis_name(extra_args, "`update`", "the inner transformation", "jamp.loss_scaling")
         refuse_in(updates, "the gradients given to jamp.loss_scaling's update")
-        finite = check_unscaled(state.loss_scale, updates, axis_name=axis_name)
+        check_counters(state)
+        check_updates(updates, params, _UPDATE)
+        reference = updates if params is None else params
+        check_state_matches(
+            state.inner_state, inner.init, reference, "state.inner_state", _UPDATE, strict=False
+        )
+        try:
+            return run(updates, state, params, **extra_args)
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+            # The inner transformation failed: a state of another optimizer says so.
+            check_state_matches(
+                state.inner_state, inner.init, reference, "state.inner_state", _UPDATE, strict=True
+            )
+            check_updates(updates, params, _UPDATE, strict=True)
+            raise
+
+    def run(
+        updates: Any, state: ScaledOptimizerState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, ScaledOptimizerState]:
+        finite = check_unscaled(state.loss_scale, updates, axis_name=axis_name, fn=_UPDATE)
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
         def apply() -> tuple[Any, Any]:
@@ -214,6 +249,47 @@ def loss_scaling(
         return new_updates, counters._replace(inner_state=new_inner)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+_UPDATE = "jamp.loss_scaling(...).update"
+
+
+def check_counters(state: ScaledOptimizerState) -> None:
+    """A clear error for counters no update made: ``skipped_steps`` an integer scalar (when
+    concrete, in [0, 2**31 - 1]), ``last_finite`` a bool scalar. A checkpoint restored
+    without validation is where such counters come from."""
+    fix = "pass a restored state through jamp.check_restored, or start from tx.init(params)"
+    if not isinstance(state.loss_scale, LossScaleState):
+        raise TypeError(
+            "Expected `state.loss_scale` to be a jamp.LossScaleState, got "
+            f"{type(state.loss_scale).__name__} instead; {fix}."
+        )
+    for name, value, want in (
+        ("skipped_steps", state.skipped_steps, np.integer),
+        ("last_finite", state.last_finite, np.bool_),
+    ):
+        if isinstance(value, bool):
+            dtype = np.dtype(np.bool_)
+        elif isinstance(value, int):
+            dtype = np.dtype(np.int32)
+        else:
+            dtype = getattr(value, "dtype", None)
+        if dtype is None or np.shape(value) != () or not np.issubdtype(dtype, want):
+            described = type(value).__name__
+            if dtype is not None:
+                described += f" of dtype {dtype} and shape {np.shape(value)}"
+            raise TypeError(
+                f"Expected `state.{name}` to be {'a bool' if want is np.bool_ else 'an integer'} "
+                f"scalar, got {described} instead; {fix}."
+            )
+    skipped = state.skipped_steps
+    if not isinstance(skipped, jax.core.Tracer) and getattr(skipped, "is_fully_addressable", True):
+        v = int(np.asarray(skipped))
+        if not 0 <= v <= INT32_MAX:
+            raise ValueError(
+                f"Expected `state.skipped_steps` to be an integer in [0, 2**31 - 1], got {v} "
+                f"instead; {fix}."
+            )
 
 
 class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
@@ -278,8 +354,35 @@ def multi_steps(
             "Expected `every_k_schedule` to be an int >= 1 or a schedule (a function of the "
             f"step count), got {k!r} instead."
         )
-    if not callable(k) and k < 1:
-        raise ValueError(f"Expected `every_k_schedule` >= 1, got every_k_schedule={k} instead.")
+    if not callable(k) and not 1 <= k <= INT32_MAX:
+        raise ValueError(
+            f"Expected `every_k_schedule` in [1, 2**31 - 1] (the micro-step count is an int32), "
+            f"got every_k_schedule={k if abs(k) < 10**20 else '<an integer of 20 digits or more>'} "
+            "instead."
+        )
+    if not isinstance(use_grad_mean, bool):
+        raise TypeError(
+            f"Expected `use_grad_mean` to be a bool, got {use_grad_mean!r:.60} instead."
+        )
+    if should_skip_update_fn is not None and not callable(should_skip_update_fn):
+        raise TypeError(
+            "Expected `should_skip_update_fn` to be None or a function "
+            "(updates, gradient_step, params) -> (skip, skip_state), got "
+            f"{should_skip_update_fn!r:.60} instead."
+        )
+    if accumulator_dtype is not None:
+        dtype = None
+        if not isinstance(accumulator_dtype, (bool, np.ndarray, np.generic, jax.Array)):
+            try:
+                dtype = jnp.dtype(accumulator_dtype)
+            except Exception:  # a string or an object naming no dtype
+                dtype = None
+        if dtype is None or not jnp.issubdtype(dtype, jnp.inexact):
+            raise TypeError(
+                "Expected `accumulator_dtype` to be None or a floating dtype such as "
+                f"jnp.float32, got {accumulator_dtype!r:.60} instead: an integer or boolean "
+                "accumulator rounds every gradient it sums (optax.MultiSteps does too)."
+            )
     reference = optax.MultiSteps(
         inner,
         every_k_schedule,
@@ -293,6 +396,7 @@ def multi_steps(
     def accumulate(grad: Any, acc: Any, n: jax.Array) -> Any:
         # optax.MultiSteps's rules: Welford's running mean, or a sum, with the
         # casts standard promotion makes written out (strict promotion passes).
+        grad, acc = jnp.asarray(grad), jnp.asarray(acc)  # Python numbers, as optax takes them
         with jax.numpy_dtype_promotion("standard"):
             dtype = jnp.promote_types(grad.dtype, acc.dtype)
         grad, acc = grad.astype(dtype), acc.astype(dtype)
@@ -307,6 +411,37 @@ def multi_steps(
         return should_skip_update_fn(updates, step, params)
 
     def update_fn(
+        updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, optax.MultiStepsState]:
+        if not isinstance(state, optax.MultiStepsState):
+            raise TypeError(
+                "Expected `state` to be the optax.MultiStepsState from this transformation's "
+                f"init, got {type(state).__name__} instead."
+            )
+        fn = "jamp.multi_steps(...).update"
+        check_updates(updates, params, fn)
+        where = first_mismatch(updates, state.acc_grads)
+        if where is not None:
+            raise ValueError(
+                f"`{fn}` expected the gradients to match `state.acc_grads` (made by init for "
+                "the parameters) leaf for leaf, got "
+                f"{'another tree structure' if where == 'structure' else where}: pass the state "
+                "from `tx.init(params)` for these parameters."
+            )
+        reference = updates if params is None else params
+        check_state_matches(
+            state.inner_opt_state, inner.init, reference, "state.inner_opt_state", fn, False
+        )
+        try:
+            return run(updates, state, params, **extra_args)
+        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+            check_state_matches(
+                state.inner_opt_state, inner.init, reference, "state.inner_opt_state", fn, True
+            )
+            check_updates(updates, params, fn, strict=True)
+            raise
+
+    def run(
         updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, optax.MultiStepsState]:
         k_steps = schedule(state.gradient_step)

@@ -81,7 +81,9 @@ def half_dtype() -> np.dtype:
 
 
 def _describe(value: Any) -> str:
-    return repr(value) if isinstance(value, str) else f"{value!r} (type {type(value).__name__})"
+    if isinstance(value, str):
+        return f"{value!r:.80}"
+    return f"{value!r:.80} (type {type(value).__name__})"
 
 
 # The dtypes a policy may hold. float8 and narrower formats need per-tensor
@@ -106,7 +108,7 @@ def _named(text: str) -> np.dtype | None:
         with warnings.catch_warnings():  # NumPy deprecates some one-letter aliases
             warnings.simplefilter("ignore")
             dtype = np.dtype(key)
-    except TypeError:
+    except Exception:  # NumPy parses some strings as code: "," is a SyntaxError
         return None
     return dtype if dtype.name == key else None
 
@@ -125,12 +127,21 @@ def check_dtype(value: Any, what: str) -> np.dtype:
         if dtype is None:
             raise ValueError(
                 f"Expected a dtype name for {what}, one of {sorted(_DTYPE_NAMES)} (or a dtype "
-                f"such as jnp.bfloat16), got {value!r} instead."
+                f"such as jnp.bfloat16), got {value!r:.80} instead."
             )
+    elif isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        # np.dtype reads an array's `dtype` attribute: an array is not a dtype.
+        raise TypeError(
+            f"Expected a floating dtype for {what} (such as jnp.bfloat16), got an array of "
+            f"dtype {np.dtype(value.dtype).name} and shape {np.shape(value)} instead; pass "
+            "its dtype, `x.dtype`, if that is what you mean."
+        )
     elif not (isinstance(value, bool) or value is None):
         try:
-            dtype = np.dtype(value)
-        except TypeError:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dtype = np.dtype(value)
+        except Exception:  # a dict or a list is parsed as a structured dtype
             dtype = None
     if dtype is None:
         raise TypeError(
@@ -292,12 +303,17 @@ def get_policy(spec: str | Policy) -> Policy:
       >>> print(jamp.get_policy("mixed_bfloat16"))
       p=float32,c=bfloat16,o=float32
     """
+    return parse_policy(spec, "spec")
+
+
+def parse_policy(spec: str | Policy, argname: str) -> Policy:
+    """:func:`get_policy`, naming the argument ``argname`` in its messages."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):
         raise TypeError(
             "Expected a policy string such as 'p=f32,c=bf16,o=f32' or a jamp.Policy for "
-            f"`spec`, got {_describe(spec)} instead."
+            f"`{argname}`, got {_describe(spec)} instead."
         )
     text = spec.replace(" ", "").lower()
     text = _NAMED_POLICIES.get(text, text)
@@ -305,18 +321,19 @@ def get_policy(spec: str | Policy) -> Policy:
     valid_policies = sorted(_NAMED_POLICIES)
 
     def dtype_of(name: str, what: str) -> np.dtype:
-        return check_dtype(name, f"{what} in policy {spec!r}")
+        return check_dtype(name, f"{what} in policy {spec!r:.80}")
 
     if not text:
         raise ValueError(
-            "Expected a non-empty policy string such as 'p=f32,c=bf16,o=f32', one of "
-            f"{valid_policies}, or a dtype name in {valid_dtypes}, got {spec!r} instead."
+            f"Expected a non-empty policy string for `{argname}` such as 'p=f32,c=bf16,o=f32', "
+            f"one of {valid_policies}, or a dtype name in {valid_dtypes}, got {spec!r} instead."
         )
     if "=" not in text and "," not in text:
         if _named(text) is None:
             raise ValueError(
-                f"Expected a policy string such as 'p=f32,c=bf16,o=f32', a named policy in "
-                f"{valid_policies} or a dtype name in {valid_dtypes}, got {spec!r} instead."
+                f"Expected a policy string for `{argname}` such as 'p=f32,c=bf16,o=f32', a named "
+                f"policy in {valid_policies} or a dtype name in {valid_dtypes}, got {spec!r:.80} "
+                "instead."
             )
         dtype = dtype_of(text, "the dtype")
         return Policy(dtype, dtype, dtype)
@@ -326,19 +343,21 @@ def get_policy(spec: str | Policy) -> Policy:
         key, sep, value = part.partition("=")
         if not sep:
             raise ValueError(
-                f"Expected 'key=dtype' parts (keys {sorted(_KEYS)}) in policy {spec!r}, got "
+                f"Expected 'key=dtype' parts (keys {sorted(_KEYS)}) in policy {spec!r:.80} "
+                f"(`{argname}`), got "
                 f"{part!r} instead. A bare dtype is only allowed on its own, e.g. 'bf16'."
             )
         if key not in _KEYS:
             raise ValueError(
-                f"Expected a policy key, one of {sorted(_KEYS)}, in policy {spec!r}, got "
+                f"Expected a policy key, one of {sorted(_KEYS)}, in policy {spec!r:.80} "
+                f"(`{argname}`), got "
                 f"{key!r} instead."
             )
         field = _KEYS[key]
         if field in found:
             raise ValueError(
                 f"Expected each of params, compute and output at most once in policy "
-                f"{spec!r}, got {field.removesuffix('_dtype')} twice instead."
+                f"{spec!r:.80} (`{argname}`), got {field.removesuffix('_dtype')} twice instead."
             )
         found[field] = dtype_of(value, field)
     param = found.get("param_dtype", np.dtype(jnp.float32))

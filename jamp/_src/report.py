@@ -211,10 +211,16 @@ def log_nonfinite(
       >>> bool(finite)
       True
     """
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"Expected `every` to be an int >= 1, got every={every!r} instead.")
+    if isinstance(every, bool) or not isinstance(every, int) or not 1 <= every <= 2**31 - 1:
+        shown = every if not isinstance(every, int) or abs(every) < 10**20 else "<20+ digits>"
+        raise ValueError(
+            f"Expected `every` to be an int >= 1, got every={shown!r:.60} instead (at most "
+            "2**31 - 1: it divides an int32 count)."
+        )
     if every > 1 and count is None:
         raise ValueError("Expected `count` (an int scalar numbering overflows) when `every` > 1.")
+    if count is not None:
+        _check_count(count)
     if not isinstance(prefix, str):
         raise TypeError(
             f"Expected `prefix` to be a str, got {type(prefix).__name__} instead; a traced step "
@@ -222,6 +228,27 @@ def log_nonfinite(
         )
     check_filter(filter, "log_nonfinite")
     return log_counts(tree, every=every, count=count, prefix=prefix, filter=filter)
+
+
+def _check_count(count: Any) -> None:
+    """``count`` must be an integer scalar: a Python int or an integer 0-d array."""
+    if isinstance(count, int) and not isinstance(count, bool):
+        if not -(2**31) <= count <= 2**31 - 1:
+            raise ValueError(
+                f"Expected `count` to fit in an int32, got count={count!r:.40} instead."
+            )
+        return
+    dtype = getattr(count, "dtype", None)
+    if dtype is None or not np.issubdtype(np.dtype(dtype), np.integer):
+        raise TypeError(
+            "Expected `count` to be an integer scalar numbering the overflows (such as "
+            f"opt_state.skipped_steps), got {count!r:.60} (type {type(count).__name__}) instead."
+        )
+    if np.shape(count) != ():
+        raise ValueError(
+            "Expected `count` to be a scalar (such as opt_state.skipped_steps), got an array of "
+            f"shape {np.shape(count)} instead."
+        )
 
 
 def log_counts(

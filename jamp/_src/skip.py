@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jamp._src.leaves import (
@@ -31,6 +32,7 @@ from jamp._src.leaves import (
     check_filter,
     combine,
     explicit_sharding,
+    is_numeric_dtype,
     partition,
     selected,
 )
@@ -252,6 +254,14 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
                 f"`jamp.select_tree` cannot select between non-array leaves {a!r:.40} and "
                 f"{b!r:.40} at path {where}."
             )
+        for x in (a, b):
+            if not is_numeric_dtype(x.dtype):
+                raise TypeError(
+                    f"`jamp.select_tree` expected numeric array leaves, got an array of dtype "
+                    f"{np.dtype(x.dtype)} at path {where} instead: strings and Python objects "
+                    "cannot be selected on device. Leave them out with `filter` (they are "
+                    "then returned as they are, if the same object in both trees)."
+                )
         a, b = jnp.asarray(a), jnp.asarray(b)
         if a.shape != b.shape or a.dtype != b.dtype:
             raise TypeError(
@@ -272,7 +282,15 @@ def apply_updates(params: Any, updates: Any) -> Any:
             return None
         if u is None:
             return p
-        return jnp.asarray(p + u).astype(jnp.asarray(p).dtype)
+        p, u = jnp.asarray(p), jnp.asarray(u)
+        # optax's p + u with standard promotion, written out (strict promotion passes); a
+        # float8 update, which no promotion takes, is added in float32.
+        try:
+            with jax.numpy_dtype_promotion("standard"):
+                dtype = jnp.promote_types(p.dtype, u.dtype)
+        except jax.dtypes.TypePromotionError:
+            dtype = jnp.promote_types(jnp.float32, p.dtype)
+        return (p.astype(dtype) + u.astype(dtype)).astype(p.dtype)
 
     return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None)
 
@@ -282,8 +300,15 @@ def check_params(params: Any, fn: str) -> None:
     function, a string), with the fix for an Equinox module."""
 
     def visit(path: Any, leaf: Any) -> None:
+        if isinstance(leaf, int) and not isinstance(leaf, bool) and not -(2**31) <= leaf < 2**31:
+            raise ValueError(
+                f"`jamp.{fn}` expected `params` to hold arrays or numbers JAX can hold, got a "
+                f"Python int of {len(str(abs(leaf)))} digits at path "
+                f"{jax.tree_util.keystr(path) or '<root>'} instead: it does not fit in int32."
+            )
         if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype"):
-            return
+            if not hasattr(leaf, "dtype") or is_numeric_dtype(leaf.dtype):
+                return
         raise TypeError(
             f"`jamp.{fn}` expected `params` to be a pytree of arrays, got a leaf of type "
             f"{type(leaf).__name__} at path {jax.tree_util.keystr(path) or '<root>'} "
@@ -294,6 +319,137 @@ def check_params(params: Any, fn: str) -> None:
         )
 
     jax.tree_util.tree_map_with_path(visit, params)
+
+
+def _leaves_with_paths(tree: Any) -> tuple[list, Any]:
+    """``tree``'s leaves with their paths, ``None`` counted as a leaf (Equinox's gradients
+    of leaves it does not differentiate), and its structure."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+
+
+def first_mismatch(tree: Any, like: Any) -> str | None:
+    """Where ``tree`` and ``like`` differ: a path and two shapes, ``"structure"``, or None.
+
+    ``None`` leaves match anything; leaves without a shape (Python numbers) match
+    any scalar."""
+    leaves, treedef = _leaves_with_paths(tree)
+    like_leaves, like_def = _leaves_with_paths(like)
+    if treedef != like_def:
+        return "structure"
+    for (path, a), (_, b) in zip(leaves, like_leaves, strict=True):
+        if a is None or b is None:
+            continue
+        sa, sb = tuple(np.shape(a)), tuple(np.shape(b))
+        if sa != sb:
+            return f"{jax.tree_util.keystr(path) or '<root>'}: shapes {sa} and {sb}"
+    return None
+
+
+def _unfit_parameter(updates: Any, params: Any) -> str | None:
+    """The path of a floating gradient for an integer or boolean parameter, if any (its
+    update would be cast back to the parameter's dtype: True for a bool), or of an integer
+    or boolean gradient for a floating parameter (never unscaled: not a gradient)."""
+    leaves, treedef = _leaves_with_paths(updates)
+    param_leaves, param_def = _leaves_with_paths(params)
+    if treedef != param_def:
+        return None
+    for (path, g), (_, p) in zip(leaves, param_leaves, strict=True):
+        g_dtype, p_dtype = getattr(g, "dtype", None), getattr(p, "dtype", None)
+        if isinstance(g, (float, complex)):
+            g_dtype = np.dtype(type(g))
+        if g_dtype is None or p_dtype is None or not is_numeric_dtype(p_dtype):
+            continue
+        if not is_numeric_dtype(g_dtype) or g_dtype == jax.dtypes.float0:
+            continue
+        if not (jnp.issubdtype(g_dtype, jnp.inexact) and jnp.issubdtype(p_dtype, jnp.inexact)):
+            return (
+                f"{jax.tree_util.keystr(path) or '<root>'} (a {np.dtype(g_dtype)} gradient for "
+                f"a {np.dtype(p_dtype)} parameter)"
+            )
+    return None
+
+
+def check_updates(updates: Any, params: Any, fn: str, strict: bool = False) -> None:
+    """A ValueError when ``updates`` and ``params`` have one structure but a leaf of
+    another shape, or (``strict``, once the optimizer has failed on them) another
+    structure. A different structure alone may be intended: ``optax.lookahead`` takes
+    the fast parameters' gradients with both parameter sets."""
+    if params is None:
+        return
+    unfit = _unfit_parameter(updates, params)
+    if unfit is not None:
+        raise TypeError(
+            f"`{fn}` expected floating gradients for the floating leaves of `params` only, got "
+            f"one at {unfit}: an update of an integer or boolean parameter is cast back to its "
+            "dtype (a bool becomes True), and an integer gradient is never unscaled. Keep "
+            "such leaves out of the parameters and gradients (filter=eqx.is_inexact_array)."
+        )
+    where = first_mismatch(updates, params)
+    if where is None or (where == "structure" and not strict):
+        return
+    if where == "structure":
+        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (updates, params))
+        detail = f"a tree of structure {str(got_def):.200} for `params` {str(want_def):.200}"
+    else:
+        detail = f"different shapes at {where}"
+    raise ValueError(
+        f"`{fn}` expected the gradients and `params` to match leaf for leaf, got {detail}: "
+        "the gradients come from other parameters than the ones passed. Pass the "
+        "parameters the gradients were taken of."
+    )
+
+
+def check_gradients(grads: Any, fn: str) -> None:
+    """A TypeError naming the first leaf of ``grads`` that is not a gradient: a floating or
+    complex array, ``float0`` (``jax.grad(allow_int=True)``'s), a Python float or ``None``."""
+
+    def visit(path: Any, leaf: Any) -> None:
+        if leaf is None or isinstance(leaf, (float, complex)):
+            return
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and is_numeric_dtype(dtype):
+            if jnp.issubdtype(dtype, jnp.inexact) or dtype == jax.dtypes.float0:
+                return
+        described = type(leaf).__name__ + ("" if dtype is None else f" of dtype {dtype}")
+        raise TypeError(
+            f"`jamp.{fn}` expected the gradients to be floating arrays, got a leaf of type "
+            f"{described} at path {jax.tree_util.keystr(path) or '<root>'} instead: an integer "
+            "or boolean leaf is not a gradient (jax.grad gives float0 for integer inputs), and "
+            "its update would be cast back to the parameter's dtype."
+        )
+
+    jax.tree_util.tree_map_with_path(visit, grads, is_leaf=lambda x: x is None)
+
+
+def expected_state(init: Callable[[Any], Any], params: Any) -> Any:
+    """``init(params)``'s shapes (``jax.eval_shape``), or None when they cannot be had."""
+    try:
+        return jax.eval_shape(init, params)
+    except Exception:  # an init that cannot run on these: nothing to compare with
+        return None
+
+
+def check_state_matches(
+    state: Any, init: Callable[[Any], Any], params: Any, name: str, fn: str, strict: bool
+) -> None:
+    """A ValueError when ``state`` is not shaped as ``init(params)`` is: a leaf of another
+    shape, or (``strict``, once the optimizer has failed on it) another structure."""
+    want = expected_state(init, params)
+    if want is None:
+        return
+    where = first_mismatch(state, want)
+    if where is None or (where == "structure" and not strict):
+        return
+    if where == "structure":
+        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (state, want))
+        detail = f"structure {str(got_def):.300}, where its init gives {str(want_def):.300}"
+    else:
+        detail = f"different shapes at {where} (the state's, then its init's)"
+    raise ValueError(
+        f"`{fn}` expected `{name}` to be the state that the optimizer's init made for these "
+        f"parameters, got {detail}. It was made by another optimizer or for other "
+        "parameters: pass the state from `tx.init(params)` of this optimizer."
+    )
 
 
 def optimizer_step(
@@ -307,6 +463,7 @@ def optimizer_step(
     skip: str = "auto",
     extra_args: dict | None = None,
     fn: str = "step",
+    grads: Any = None,
 ) -> tuple[Any, Any]:
     """``tx``'s step applied to ``params`` where ``pred`` holds, else both kept, by cond or
     select: ``(params, opt_state)``. ``pred=None`` applies it unconditionally.
@@ -316,7 +473,8 @@ def optimizer_step(
     skip see only the leaves of ``params`` it selects (``eqx.filter(params,
     filter)``); the others (an Equinox module's functions and flags) are
     returned untouched. A ``None`` update (a leaf ``eqx.filter_grad`` did not
-    differentiate) leaves its parameter as it is.
+    differentiate) leaves its parameter as it is. ``grads``, when given, are
+    checked against the parameters, and ``opt_state`` against ``tx.init``'s.
     """
     check_filter(filter, fn)
     if filter is None:
@@ -324,15 +482,33 @@ def optimizer_step(
         dynamic, static = params, None
     else:
         dynamic, static = partition(params, filter)
+    if grads is not None:
+        check_gradients(grads, fn)
+        check_updates(grads, dynamic, f"jamp.{fn}")
+        if jax.tree_util.tree_leaves(grads) and not jax.tree_util.tree_leaves(dynamic):
+            raise ValueError(
+                f"`jamp.{fn}` expected `params` to hold the parameters the gradients update, got "
+                f"{type(params).__name__} with no parameter in it instead."
+            )
+    check_state_matches(opt_state, tx.init, dynamic, "opt_state", f"jamp.{fn}", strict=False)
+    try:
+        new_params, new_opt_state = _step(pred, tx, grads_fn, opt_state, dynamic, skip, extra_args)
+    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
+        # The optimizer failed: a state of another optimizer (or other parameters) says so.
+        check_state_matches(opt_state, tx.init, dynamic, "opt_state", f"jamp.{fn}", strict=True)
+        if grads is not None:
+            check_updates(grads, dynamic, f"jamp.{fn}", strict=True)
+        raise
+    return (new_params if filter is None else combine(new_params, static)), new_opt_state
+
+
+def _step(pred, tx, grads_fn, opt_state, dynamic, skip, extra_args):
+    """:func:`optimizer_step` on the leaves it selected."""
 
     def apply() -> tuple[Any, Any]:
         updates, new_opt_state = tx.update(grads_fn(), opt_state, dynamic, **(extra_args or {}))
         return apply_updates(dynamic, updates), new_opt_state
 
     if pred is None:
-        new_params, new_opt_state = apply()
-    else:
-        new_params, new_opt_state = apply_or_keep(
-            pred, apply, lambda _: (dynamic, opt_state), skip=skip
-        )
-    return (new_params if filter is None else combine(new_params, static)), new_opt_state
+        return apply()
+    return apply_or_keep(pred, apply, lambda _: (dynamic, opt_state), skip=skip)

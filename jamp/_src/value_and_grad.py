@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jamp._src.config import INT32_MAX
 from jamp._src.finite import check_axis_name, unscale_and_check
 from jamp._src.leaves import check_bool_scalar, combine, is_inexact_array, partition
 from jamp._src.loss_scale import LossScaleState, backoff, scale, update
@@ -91,14 +92,16 @@ def value_and_grad(
       >>> float(out.value), out.grads, bool(out.finite)
       (5.0, Array([2., 4.], dtype=float32), True)
     """
-    _check_options(fun, axis_name, max_retries)
+    _check_options(fun, axis_name, max_retries, has_aux)
     _check_argnums(argnums)
     scaled = _scaled(fun, has_aux)
 
     @_named_like(fun)
     def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
         _check_loss_scale(loss_scale, "value_and_grad")
-        grad_fn = jax.grad(scaled, argnums=_shift(argnums, len(args)), has_aux=True)
+        shifted = _shift(argnums, len(args))
+        _check_differentiable(args, argnums)
+        grad_fn = jax.grad(scaled, argnums=shifted, has_aux=True)
         return _run(
             lambda state: grad_fn(state, *args, **kwargs), loss_scale, axis_name, max_retries
         )
@@ -152,7 +155,7 @@ def filter_value_and_grad(
       >>> float(out.value), bool(out.finite)
       (18.0, True)
     """
-    _check_options(fun, axis_name, max_retries)
+    _check_options(fun, axis_name, max_retries, has_aux)
 
     @_named_like(fun)
     def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
@@ -242,6 +245,7 @@ def step_if_finite(
         skip=skip,
         extra_args=extra_args,
         fn="step_if_finite",
+        grads=grads,
     )
 
 
@@ -257,13 +261,29 @@ def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
     return decorate
 
 
-def _check_options(fun: Any, axis_name: Any, max_retries: Any) -> None:
+def _check_options(fun: Any, axis_name: Any, max_retries: Any, has_aux: Any) -> None:
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
     check_axis_name(axis_name)
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int) or max_retries < 0:
+    if isinstance(max_retries, bool) or not isinstance(max_retries, int):
+        raise TypeError(
+            f"Expected `max_retries` to be an int >= 0, got max_retries={max_retries!r:.60} "
+            "instead."
+        )
+    shown = max_retries if abs(max_retries) < 10**20 else "<an integer of 20 digits or more>"
+    if max_retries < 0:
         raise ValueError(
-            f"Expected `max_retries` to be an int >= 0, got max_retries={max_retries!r} instead."
+            f"Expected `max_retries` to be an int >= 0, got max_retries={shown} instead."
+        )
+    if max_retries > INT32_MAX:
+        raise ValueError(
+            f"Expected `max_retries` <= 2**31 - 1 (retries are counted in an int32), got "
+            f"max_retries={shown} instead."
+        )
+    if not isinstance(has_aux, bool):
+        raise TypeError(
+            f"Expected `has_aux` to be a bool (True when `fun` returns (loss, aux)), got "
+            f"has_aux={has_aux!r:.60} instead."
         )
 
 
@@ -351,6 +371,28 @@ def _check_argnums(argnums: Any) -> None:
         raise TypeError(
             f"Expected `argnums` to be an int or a sequence of ints, got {argnums!r} instead."
         )
+
+
+def _check_differentiable(args: tuple, argnums: int | Sequence[int]) -> None:
+    """A TypeError naming the leaf of a differentiated argument that is not a floating or
+    complex array (or Python float), which ``jax.grad`` refuses from deep inside."""
+    for i in (argnums,) if isinstance(argnums, int) else tuple(argnums):
+        for path, leaf in jax.tree_util.tree_flatten_with_path(args[i])[0]:
+            if (
+                isinstance(leaf, (float, complex))
+                or is_inexact_array(leaf)
+                or (isinstance(leaf, jax.core.Tracer) and jnp.issubdtype(leaf.dtype, jnp.inexact))
+            ):
+                continue
+            dtype = getattr(leaf, "dtype", None)
+            described = type(leaf).__name__ + ("" if dtype is None else f" of dtype {dtype}")
+            raise TypeError(
+                f"`jamp.value_and_grad` differentiates positional argument {i} of `fun` "
+                f"(argnums={argnums}), got a leaf of type {described} at path "
+                f"{jax.tree_util.keystr(path) or '<root>'} instead: only floating and complex "
+                "arrays can be differentiated. Pass floating arrays there, or use "
+                "jamp.filter_value_and_grad, which differentiates only the floating leaves."
+            )
 
 
 def _shift(argnums: int | Sequence[int], nargs: int) -> int | tuple[int, ...]:

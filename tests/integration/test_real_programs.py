@@ -358,6 +358,59 @@ def test_orbax_restore_then_check_restored(tmp_path):
     assert float(jamp.get_loss_scale(good.opt_state).scale) == 2.0**16
 
 
+def _step_of(tx):
+    """A fresh jitted train step (its own compilation cache, as in a resumed process)."""
+
+    @jax.jit
+    def train_step(params, opt_state):
+        ls = jamp.get_loss_scale(opt_state)
+        loss = lambda p: jnp.sum(p["w"] ** 2) + jnp.sum(p["b"])  # noqa: E731
+        grads = jax.grad(lambda p: jamp.scale(ls, loss(p)))(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return train_step
+
+
+@pytest.mark.parametrize("lowered_interval", [False, True])
+def test_a_step_resumed_from_orbax_through_check_restored_compiles_no_more(
+    tmp_path, lowered_interval
+):
+    """Issue #26: Orbax restores committed arrays; check_restored returned new, uncommitted
+    ones beside them, and the resumed step compiled once more for the mix. It keeps the
+    restored arrays (or puts a changed value, a tracker past a lowered interval, where the
+    restored one was), so one compilation serves Orbax's arrays, the checked ones and the
+    step's own outputs."""
+    import orbax.checkpoint as ocp
+
+    tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(growth_interval=8))
+    params = {"w": jnp.ones(3), "b": jnp.zeros(2)}
+    opt_state = tx.init(params)
+    train_step = _step_of(tx)
+    for _ in range(6):
+        params, opt_state = train_step(params, opt_state)
+    assert int(opt_state.loss_scale.growth_tracker) == 6
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+        ckptr.wait_until_finished()
+    if lowered_interval:  # resumed with growth_interval=4: the tracker of 6 is held at 3
+        tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(growth_interval=4))
+    target = {"params": params, "opt_state": tx.init(params)}
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, target)
+    with ocp.StandardCheckpointer() as ckptr:
+        restored = ckptr.restore(tmp_path / "ckpt", abstract)
+    checked = jamp.check_restored(restored)
+    assert int(checked["opt_state"].loss_scale.growth_tracker) == (3 if lowered_interval else 6)
+    for leaf, orig in zip(jax.tree.leaves(checked), jax.tree.leaves(restored), strict=True):
+        assert leaf.sharding == orig.sharding and leaf.committed == orig.committed
+
+    train_step = _step_of(tx)  # a resumed process
+    train_step(restored["params"], restored["opt_state"])
+    new_params, new_state = train_step(checked["params"], checked["opt_state"])
+    train_step(new_params, new_state)
+    assert train_step._cache_size() == 1, "check_restored's arrays compiled the step again"
+
+
 def test_grad_scaler_loads_a_torch_dict_whose_scale_reached_2_to_127():
     scaler = jamp.GradScaler()
     d = dict(scale=2.0**127, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000)
