@@ -407,9 +407,11 @@ def test_orbax_checkpoint_mid_burst_and_mid_run_resumes_bit_identically(soak, tm
         )
     p_ref, s_ref, _ = soak["faulty"]
     assert H.tree_same_bits((p, s), (p_ref, s_ref)), H.first_difference((p, s), (p_ref, s_ref))
-    # The checkpoints really were taken mid-burst (backed off, streak set) and
-    # mid-interval (tracker part-way), with skips already counted.
-    assert seen[mid_burst][2] == 1 and seen[mid_burst][3] > 0
+    # The checkpoints really were taken mid-burst (57 faults in: backed off to the floor,
+    # skips counted; hysteresis 1 keeps no overflow streak) and mid-interval (tracker
+    # part-way).
+    assert seen[mid_burst][0] == MIN_SCALE and seen[mid_burst][2] == 0
+    assert seen[mid_burst][3] >= 57
     assert 0 < seen[mid_clean][1] < GROWTH_INTERVAL or seen[mid_clean][0] == MAX_SCALE
     report("orbax", checkpoints=len(stops), states_at_stops=seen, resumed_equal_bits=True)
 

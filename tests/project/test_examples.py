@@ -162,8 +162,11 @@ def test_train_digits_demo(tmp_path, capsys):
     # Gradients normalised by 2**22 tokens underflow in float16 without scaling, not with it.
     assert by_mode["float16"].underflow[0] > 0.3
     assert by_mode["float16+scaling"].underflow[0] < 0.01
-    # float8's per-tensor scales keep them without loss scaling, and it trains.
-    assert by_mode["float8"].underflow.max() < 0.01
+    # float8's per-tensor scales keep them without loss scaling, and it trains. What
+    # float8_e5m2 still flushes (entries 2**16 below a tensor's largest) varies with the
+    # batch: 0.08% to 2.6% of the first dense kernel's gradient at initialisation.
+    assert np.mean(by_mode["float8"].underflow) < 0.01
+    assert by_mode["float8"].underflow.max() < 0.05 < 0.3 < by_mode["float16"].underflow.min()
     assert by_mode["float8"].losses[-1] < by_mode["float8"].losses[0]
     scaled = by_mode["float16+scaling"]
     assert scaled.scales[0] == 2.0**17  # 65536, doubled after the first finite step
