@@ -249,6 +249,9 @@ def _check_state_first(fun: Callable, state: Any, args: tuple, kwargs: dict) -> 
     """A clear error when a delayed-scaling function is called without its state."""
     try:
         signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return  # no signature to check the call against: fun reports its own call errors
+    try:
         signature.bind(*args, **kwargs)
     except TypeError:
         try:
@@ -326,7 +329,8 @@ def _autocast(
             check_states(state, found, recipe)
             return run(closed, out_shape, dynamic, delayed_rule(state, found, recipe))
 
-        delayed._jamp_float8 = (fun, recipe)  # for float8_init
+        # for float8_init; functools.wraps's type declares no such attribute
+        delayed._jamp_float8 = (fun, recipe)  # pyright: ignore[reportAttributeAccessIssue]
         return delayed
 
     @functools.wraps(fun)
@@ -548,7 +552,8 @@ def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
     def ignoring(state: Any, *args: Any, **kwargs: Any) -> Any:
         return disabled(*args, **kwargs)
 
-    ignoring._jamp_float8 = (disabled, recipe)  # float8_init finds no product: {}
+    # float8_init finds no product: {}; functools.wraps's type declares no such attribute
+    ignoring._jamp_float8 = (disabled, recipe)  # pyright: ignore[reportAttributeAccessIssue]
     return ignoring
 
 
@@ -712,9 +717,11 @@ def _residuals(wrapped: Callable, args: tuple, kwargs: dict) -> tuple[tuple[Resi
         return (), (str(e).strip().splitlines() or [type(e).__name__])[0]
     groups: dict[tuple[str, tuple[int, ...], str], int] = {}
     for aval, source in saved:
+        # jax types the residuals' avals as AbstractValue, which declares no dtype or shape
+        dtype, shape = getattr(aval, "dtype", None), getattr(aval, "shape", ())
         if source.startswith("from the argument") or not hasattr(aval, "dtype"):
             continue
-        key = (np.dtype(aval.dtype).name, tuple(aval.shape), source)
+        key = (np.dtype(dtype).name, tuple(shape), source)
         groups[key] = groups.get(key, 0) + 1
     rows = [
         Residual(

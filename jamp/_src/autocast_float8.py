@@ -249,5 +249,6 @@ class DelayedRule:
 def delayed_rule(
     state: Mapping[str, Float8State], found: Sequence[Site], recipe: DelayedScaling
 ) -> Callable[..., Any]:
-    states = {s.path: tuple(state[s.key]) for s in found}
+    # check_states made each entry a Float8State
+    states = {s.path: (state[s.key].amax_history, state[s.key].scale) for s in found}
     return DelayedRule(states, recipe)

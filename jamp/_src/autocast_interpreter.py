@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
@@ -118,7 +119,8 @@ def _eval_jaxpr(
         if isinstance(v, jex_core.Literal):
             val = v.val
             if not hasattr(val, "dtype"):
-                val = np.asarray(val, dtype=v.aval.dtype)
+                # a literal's aval is a ShapedArray, which jax types as AbstractValue
+                val = np.asarray(val, dtype=v.aval.dtype)  # pyright: ignore[reportAttributeAccessIssue]
             return val, Info(kind=LITERAL)
         return env[v]
 
@@ -404,6 +406,7 @@ def _eval_eqn(
         target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
+    outs: list[Any] = []  # bound by bind_summing when `wide or up`
     with source(eqn):  # the casts carry the user's source line (autocast_report)
         wide = broadcast_in_float32(eqn, vals, targets, infos)
         up = upcast_in_backward(eqn, vals, targets, infos, wide)
@@ -490,7 +493,7 @@ def _out_infos(
     if kind >= CONST and name in SPAN_PRESERVING and all(is_float(x.dtype) for x in outs):
         spans = [_span(x, i) for x, i in zip(invals, infos, strict=True) if is_float(x.dtype)]
         if spans and all(s is not None for s in spans):
-            span = merge_spans(spans)
+            span = merge_spans([s for s in spans if s is not None])  # none is None here
     lows = [i for x, i in zip(invals, infos, strict=True) if is_float(x.dtype) and i.low]
     statistic = low and (name in REDUCTIONS or bool(lows) and all(i.statistic for i in lows))
     return [

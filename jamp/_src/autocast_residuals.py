@@ -190,15 +190,16 @@ def softmax_keeping_low(
     """
     low, z_dtype, axes = np.dtype(low), np.dtype(z_dtype), tuple(axes)
 
-    @jax.custom_vjp
-    def fun(z: Any) -> tuple[Any, Any]:
+    def primal(z: Any) -> tuple[Any, Any]:
         y = body(z)
         # The barrier makes the rounding explicit: XLA's excess precision would otherwise
         # read the float32 y (and keep exp's float32 output) where y_low is read.
         return y, lax.optimization_barrier(lax.convert_element_type(y, low))
 
+    fun = jax.custom_vjp(primal)
+
     def fwd(z: Any) -> tuple[tuple[Any, Any], Any]:
-        y, y_low = fun.fun(z)
+        y, y_low = primal(z)
         return (y, y_low), y_low
 
     def bwd(y_low: Any, cts: tuple[Any, Any]) -> tuple[Any]:

@@ -97,6 +97,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -258,7 +259,7 @@ def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
 def narrows(src: Any, dst: Any) -> bool:
     """Whether casting floating ``src`` to ``dst`` can overflow to inf."""
     floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
-    return bool(floats) and jnp.finfo(dst).max < jnp.finfo(src).max
+    return bool(floats) and bool(jnp.finfo(dst).max < jnp.finfo(src).max)
 
 
 def saturated(x: Any, dtype: Any) -> Any:

@@ -14,6 +14,7 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import numpy as np
 
 from jamp._src.leaves import is_integer, is_real_number

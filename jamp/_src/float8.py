@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

@@ -25,9 +25,10 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -41,6 +42,10 @@ from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import check_skip, optimizer_step
 from jamp._src.step_records import check_step, record
+
+P = ParamSpec("P")
+R = TypeVar("R")
+StateT = ls.StateT
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -150,7 +155,7 @@ def _found_infs(state: ls.LossScaleState) -> tuple:
 def _checked_by(state: ls.LossScaleState) -> tuple:
     """One record (or ``None``) per recorded check."""
     found_infs = _found_infs(state)
-    records = state.checked_by[: len(found_infs)] if found_infs else ()
+    records = state.checked_by[: len(found_infs)] if isinstance(state, GradScalerState) else ()
     return (*records, *[None] * (len(found_infs) - len(records)))
 
 
@@ -160,15 +165,20 @@ def _as_grad_scaler_state(state: ls.LossScaleState) -> GradScalerState:
     return GradScalerState(**{name: getattr(state, name) for name in _LOSS_SCALE_FIELDS})
 
 
-def _with_stage(
-    state: ls.LossScaleState, found_infs: tuple, stage: str, checked_by: tuple = ()
-) -> ls.LossScaleState:
-    """``state`` at ``stage`` with ``found_infs``; a plain loss-scale state stays one when ready."""
-    if stage == READY and not isinstance(state, GradScalerState):
-        return state
+def _with_checks(
+    state: ls.LossScaleState, found_infs: tuple, stage: str, checked_by: tuple
+) -> GradScalerState:
+    """``state`` at ``stage`` (unscaled or stepped) with ``found_infs``."""
     return dataclasses.replace(
         _as_grad_scaler_state(state), found_infs=found_infs, stage=stage, checked_by=checked_by
     )
+
+
+def _ready(state: StateT) -> StateT:
+    """``state`` ready for the next iteration; a plain loss-scale state stays one."""
+    if not isinstance(state, GradScalerState):
+        return state
+    return dataclasses.replace(state, found_infs=(), stage=READY, checked_by=())
 
 
 def _any(flags: tuple) -> jax.Array:
@@ -257,26 +267,27 @@ def _refuse_found_inf(method: str) -> TypeError:
     )
 
 
-def _takes_state(call: str) -> Callable[[Callable], Callable]:
+def _takes_state(call: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A GradScaler method that says, when called the PyTorch way, to pass the state first."""
 
-    def decorate(method: Callable) -> Callable:
+    def decorate(method: Callable[P, R]) -> Callable[P, R]:
         signature = inspect.signature(method)
+        name = getattr(method, "__name__", "")
 
         @functools.wraps(method)
-        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if "found_inf" in kwargs and method.__name__ in ("step", "update"):
-                raise _refuse_found_inf(method.__name__)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:  # args[0] is the scaler
+            if "found_inf" in kwargs and name in ("step", "update"):
+                raise _refuse_found_inf(name)
             try:
-                signature.bind(self, *args, **kwargs)
+                signature.bind(*args, **kwargs)
             except TypeError as e:
                 raise TypeError(
-                    f"`GradScaler.{method.__name__}`: {e}. Every GradScaler method takes the "
+                    f"`GradScaler.{name}`: {e}. Every GradScaler method takes the "
                     "scaler's state first (PyTorch keeps it inside the scaler; jamp passes it in "
                     f"and returns it): write `{call}`, with `state = scaler.init()` before the "
                     "loop."
                 ) from None
-            return method(self, *args, **kwargs)
+            return method(*args, **kwargs)
 
         return checked
 
@@ -418,9 +429,7 @@ class GradScaler:
     def get_growth_interval(self, state: ls.LossScaleState) -> int:
         return _check_state(state, "get_growth_interval").growth_interval
 
-    def _reconfigure(
-        self, state: ls.LossScaleState, method: str, **changes: Any
-    ) -> ls.LossScaleState:
+    def _reconfigure(self, state: StateT, method: str, **changes: Any) -> StateT:
         _check_state(state, method)
         if not state.is_dynamic:
             return state
@@ -439,16 +448,16 @@ class GradScaler:
         )
 
     @_takes_state("state = scaler.set_growth_factor(state, new_factor)")
-    def set_growth_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
+    def set_growth_factor(self, state: StateT, new_factor: float) -> StateT:
         """A state with a new growth factor (static: changing it recompiles)."""
         return self._reconfigure(state, "set_growth_factor", growth_factor=new_factor)
 
     @_takes_state("state = scaler.set_backoff_factor(state, new_factor)")
-    def set_backoff_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
+    def set_backoff_factor(self, state: StateT, new_factor: float) -> StateT:
         return self._reconfigure(state, "set_backoff_factor", backoff_factor=new_factor)
 
     @_takes_state("state = scaler.set_growth_interval(state, new_interval)")
-    def set_growth_interval(self, state: ls.LossScaleState, new_interval: int) -> ls.LossScaleState:
+    def set_growth_interval(self, state: StateT, new_interval: int) -> StateT:
         """A state with a new growth interval (static: changing it recompiles).
 
         Unlike PyTorch, a growth tracker already at or past the new interval is
@@ -465,8 +474,12 @@ class GradScaler:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
         return ls.scale(_check_state(state, "scale"), outputs)
 
+    @overload
+    def unscale(self, state: GradScalerState, grads: Any) -> tuple[Any, GradScalerState]: ...
+    @overload
+    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]: ...
     @_takes_state(_CALLS["unscale"])
-    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, GradScalerState]:
+    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]:
         """``(unscaled_grads, state)``: torch's ``unscale_(optimizer)``; clip after this.
 
         The returned state records the inf check and that these gradients are
@@ -495,8 +508,32 @@ class GradScaler:
         unscaled, finite = _unscale_and_check(state, grads, axis_name=self.axis_name)
         _passed(state, "unscale", grads)
         found_infs = (*_found_infs(state), jnp.logical_not(finite))
-        return unscaled, _with_stage(state, found_infs, UNSCALED, (*_checked_by(state), None))
+        return unscaled, _with_checks(state, found_infs, UNSCALED, (*_checked_by(state), None))
 
+    @overload
+    def step(
+        self,
+        state: GradScalerState,
+        tx: optax.GradientTransformation,
+        grads: Any,
+        opt_state: Any,
+        params: Any,
+        *,
+        filter: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, Any, GradScalerState]: ...
+    @overload
+    def step(
+        self,
+        state: ls.LossScaleState,
+        tx: optax.GradientTransformation,
+        grads: Any,
+        opt_state: Any,
+        params: Any,
+        *,
+        filter: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, Any, ls.LossScaleState]: ...
     @_takes_state(_CALLS["step"])
     def step(
         self,
@@ -508,7 +545,7 @@ class GradScaler:
         *,
         filter: Any = None,
         **extra_args: Any,
-    ) -> tuple[Any, Any, GradScalerState]:
+    ) -> tuple[Any, Any, ls.LossScaleState]:
         """Apply ``tx`` unless a gradient is inf/NaN: torch's ``scaler.step(optimizer)``.
 
         Unless ``state`` comes from :meth:`unscale` (whose gradients are taken
@@ -593,11 +630,11 @@ class GradScaler:
             found_inf = jnp.logical_not(finite)
         _passed(state, "step", grads)
         checked_by = (*checked_by, record(tx, params, new_params))
-        new_state = _with_stage(state, (*found_infs, found_inf), STEPPED, checked_by)
+        new_state = _with_checks(state, (*found_infs, found_inf), STEPPED, checked_by)
         return new_params, new_opt_state, new_state
 
     @_takes_state(_CALLS["update"])
-    def update(self, state: ls.LossScaleState, new_scale: Any = None) -> GradScalerState:
+    def update(self, state: StateT, new_scale: Any = None) -> StateT:
         """The state for the next iteration: ``scaler.update()``.
 
         Backs the scale off once if any inf check recorded since the last
@@ -621,7 +658,7 @@ class GradScaler:
             ``unscale``, ``step`` or ``update``.
           TypeError: a ``found_inf`` flag was passed: ``step`` records it.
         """
-        state = _check_state(state, "update")
+        _check_state(state, "update")
         if not self.enabled:
             return state
         flags = new_scale if isinstance(new_scale, (list, tuple)) else [new_scale]
@@ -671,7 +708,7 @@ class GradScaler:
             new = ls.update(state, jnp.logical_not(_any(found_infs)))
         if _found_infs(state):  # a ready state (new_scale only) can be reused harmlessly
             _passed(state, "update", _found_infs(state))
-        return _with_stage(new, (), READY)
+        return _ready(new)
 
     @_takes_state("scaler.found_inf(state)")
     def found_inf(self, state: ls.LossScaleState) -> jax.Array:

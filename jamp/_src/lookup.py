@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -55,7 +56,9 @@ def _flattened(tree: Any) -> dict[tuple, dict[str, Any]]:
     """
     groups: dict[tuple, dict[str, Any]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(_unwrapped(tree))[0]:
-        last = path[-1] if path else None
+        if not path:
+            continue
+        last = path[-1]
         if isinstance(last, jax.tree_util.DictKey) and isinstance(last.key, str):
             groups.setdefault(tuple(path[:-1]), {})[last.key] = leaf
     return groups

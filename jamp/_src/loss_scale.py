@@ -9,9 +9,10 @@ imports only jax, numpy and the other ground-floor modules.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -87,6 +88,10 @@ jax.tree_util.register_dataclass(
     data_fields=["scale", "growth_tracker", "overflow_streak"],
     meta_fields=["kind", *CONFIG_FIELDS],
 )
+
+# A loss-scale state or a subclass of it (a GradScalerState): what the update
+# functions take, they return, as ``dataclasses.replace`` keeps the class.
+StateT = TypeVar("StateT", bound=LossScaleState)
 
 
 def saturating_increment(count: jax.Array, where: Any) -> jax.Array:
@@ -427,7 +432,7 @@ def inverse_scale(state: LossScaleState) -> jax.Array:
 # The update rule.
 
 
-def update(state: LossScaleState, finite: Any) -> LossScaleState:
+def update(state: StateT, finite: Any) -> StateT:
     """The loss-scale state after a step whose gradients were ``finite``.
 
     Applies the rule documented in :func:`dynamic_loss_scale`. A static or
@@ -482,7 +487,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     )
 
 
-def backoff(state: LossScaleState) -> LossScaleState:
+def backoff(state: StateT) -> StateT:
     """The state after an unconditional backoff (used to retry at a lower scale).
 
     Unlike ``update(state, False)`` this ignores ``hysteresis``: retrying at the

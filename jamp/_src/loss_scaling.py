@@ -8,13 +8,16 @@ drops into ``optax.chain``, ``optax.MultiSteps``, Flax ``TrainState`` and
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jamp._src.config import INT32_MAX
 from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
@@ -248,7 +251,11 @@ def loss_scaling(
         counters = match_varying(counters, state._replace(inner_state=None))
         return new_updates, counters._replace(inner_state=new_inner)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax types a state as an ArrayTree (nested arrays), which a NamedTuple holding a
+    # LossScaleState dataclass is not to a type checker, though it is a pytree.
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn)
+    )
 
 
 _UPDATE = "jamp.loss_scaling(...).update"
@@ -297,7 +304,7 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
 
     def has_updated(self, state: optax.MultiStepsState) -> jax.Array:
         """Whether the last ``update`` emitted an accumulated step (``optax.MultiSteps``'s)."""
-        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+        return jnp.logical_and(state.mini_step == 0, jnp.greater(state.gradient_step, 0))
 
 
 def multi_steps(
@@ -305,8 +312,8 @@ def multi_steps(
     every_k_schedule: Any,
     *,
     use_grad_mean: bool = True,
-    should_skip_update_fn: Any = None,
-    accumulator_dtype: Any = jnp.float32,
+    should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
+    accumulator_dtype: DTypeLike | None = jnp.float32,
 ) -> MultiStepsTransformation:
     """``optax.MultiSteps(inner, every_k_schedule, ...)`` that survives an overflow.
 
@@ -388,9 +395,10 @@ def multi_steps(
         every_k_schedule,
         use_grad_mean=use_grad_mean,
         should_skip_update_fn=should_skip_update_fn,
-        accumulator_dtype=accumulator_dtype,
+        # optax types it DTypeLike but takes None too (its canonicalize_dtype's default)
+        accumulator_dtype=cast(DTypeLike, accumulator_dtype),
     )
-    schedule = k if callable(k) else (lambda step: k)
+    schedule: Callable[[jax.Array], Any] = k if callable(k) else (lambda step: k)
     acc_dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
     def accumulate(grad: Any, acc: Any, n: jax.Array) -> Any:
@@ -405,7 +413,7 @@ def multi_steps(
         delta = grad - acc
         return acc + delta / (n + 1).astype(delta.dtype)
 
-    def should_skip(updates: Any, step: jax.Array, params: Any) -> tuple[jax.Array, Any]:
+    def should_skip(updates: Any, step: ArrayLike, params: Any) -> tuple[Any, Any]:
         if should_skip_update_fn is None:
             return jnp.asarray(False), ()
         return should_skip_update_fn(updates, step, params)
@@ -444,12 +452,17 @@ def multi_steps(
     def run(
         updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, optax.MultiStepsState]:
-        k_steps = schedule(state.gradient_step)
-        skip, skip_state = should_skip(updates, state.gradient_step, params)
-        acc = jax.tree_util.tree_map(
-            lambda g, a: accumulate(g, a, state.mini_step), updates, state.acc_grads
+        # optax types the counters as ArrayLike: init makes them int32 arrays
+        mini_step, gradient_step = (
+            cast(jax.Array, state.mini_step),
+            cast(jax.Array, state.gradient_step),
         )
-        emit = state.mini_step == k_steps - 1
+        k_steps = schedule(gradient_step)
+        skip, skip_state = should_skip(updates, gradient_step, params)
+        acc = jax.tree_util.tree_map(
+            lambda g, a: accumulate(g, a, mini_step), updates, state.acc_grads
+        )
+        emit = mini_step == k_steps - 1
 
         def apply() -> tuple[Any, Any]:
             final, new_inner = inner.update(
@@ -473,10 +486,9 @@ def multi_steps(
             return out if acc_dtype is None else out.astype(acc_dtype)
 
         advanced = optax.MultiStepsState(
-            mini_step=optax.safe_increment(state.mini_step) % k_steps,
-            gradient_step=jnp.where(
-                emit, optax.safe_increment(state.gradient_step), state.gradient_step
-            ),
+            # optax types safe_increment's result ArrayLike; it is an array like its input
+            mini_step=cast(jax.Array, optax.safe_increment(mini_step)) % k_steps,
+            gradient_step=jnp.where(emit, optax.safe_increment(gradient_step), gradient_step),
             inner_opt_state=new_inner,
             acc_grads=jax.tree_util.tree_map(reset, acc),
             skip_state=skip_state,
@@ -487,4 +499,7 @@ def multi_steps(
         kept = state._replace(skip_state=skip_state)
         return final, jax.tree_util.tree_map(lambda a, b: jnp.where(skip, a, b), kept, advanced)
 
-    return MultiStepsTransformation(reference.init, update_fn)
+    # optax types states as ArrayTrees: an update taking its MultiStepsState is not one.
+    return MultiStepsTransformation(
+        reference.init, cast(optax.TransformUpdateExtraArgsFn, update_fn)
+    )

@@ -18,7 +18,7 @@ state, is faster with it (``benchmarks/RESULTS.md`` measures both).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -232,7 +232,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
             f"{t_true} and {t_false} instead."
         )
 
-    def pick(path: Sequence[Any], a: Any, b: Any) -> Any:
+    def pick(path: jax.tree_util.KeyPath, a: Any, b: Any) -> Any:
         where = jax.tree_util.keystr(path) or "<root>"
         if not selected(filter, a):
             if a is b or (
@@ -307,7 +307,8 @@ def check_params(params: Any, fn: str) -> None:
                 f"{jax.tree_util.keystr(path) or '<root>'} instead: it does not fit in int32."
             )
         if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype"):
-            if not hasattr(leaf, "dtype") or is_numeric_dtype(leaf.dtype):
+            dtype = getattr(leaf, "dtype", None)
+            if not hasattr(leaf, "dtype") or is_numeric_dtype(dtype):
                 return
         raise TypeError(
             f"`jamp.{fn}` expected `params` to be a pytree of arrays, got a leaf of type "

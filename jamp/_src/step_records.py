@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core
 
 _LOOP = (

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax import lax
 
@@ -166,9 +167,9 @@ def filter_value_and_grad(
                 "positional argument (the model), got none: call it as "
                 "f(loss_scale, model, *args)."
             )
-        model, *args = args
+        model, rest = args[0], args[1:]
         diff, static = partition(model, is_inexact_array)
-        scaled = _scaled(lambda d: fun(combine(d, static), *args, **kwargs), has_aux)
+        scaled = _scaled(lambda d: fun(combine(d, static), *rest, **kwargs), has_aux)
         grad_fn = jax.grad(scaled, argnums=1, has_aux=True)
         return _run(lambda state: grad_fn(state, diff), loss_scale, axis_name, max_retries)
 
@@ -255,7 +256,7 @@ def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
 
     def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
         functools.update_wrapper(wrapper, fun)
-        del wrapper.__wrapped__
+        delattr(wrapper, "__wrapped__")  # set by update_wrapper, unknown to a Callable
         return wrapper
 
     return decorate
