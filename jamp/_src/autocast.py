@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +55,9 @@ __all__ = [
     "autocast_report",
     "float8_init",
 ]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _DEFAULT = np.dtype(jnp.bfloat16)  # autocast's dtype when neither dtype nor policy is given
 
@@ -375,12 +378,12 @@ class _Decorator:
         return f"<decorator jamp.{self._transform.__name__}({args})>"
 
 
-def _explains_torch_calls(autocast: Callable) -> Callable:
+def _explains_torch_calls(autocast: Callable[P, R]) -> Callable[P, R]:
     """``autocast``, saying how to write it when called as ``torch.autocast`` is."""
     signature = inspect.signature(autocast)
 
     @functools.wraps(autocast)
-    def checked(*args: Any, **kwargs: Any) -> Any:
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             signature.bind(*args, **kwargs)
         except TypeError as e:  # autocast(device_type="cuda", dtype=...), autocast(dtype=...)

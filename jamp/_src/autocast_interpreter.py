@@ -406,7 +406,7 @@ def _eval_eqn(
         target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
-    outs: list[Any] = []  # bound by bind_summing when `wide or up`
+    outs = []  # bound by bind_summing when `wide or up`
     with source(eqn):  # the casts carry the user's source line (autocast_report)
         wide = broadcast_in_float32(eqn, vals, targets, infos)
         up = upcast_in_backward(eqn, vals, targets, infos, wide)

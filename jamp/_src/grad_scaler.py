@@ -39,13 +39,13 @@ from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
 from jamp._src.finite import unscale_and_check as _unscale_and_check
 from jamp._src.leaves import check_filter, is_real_number
 from jamp._src.lookup import holds_loss_scale
+from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import check_skip, optimizer_step
-from jamp._src.step_records import check_step, record
+from jamp._src.step_records import check_not_swapped, check_step, record
 
 P = ParamSpec("P")
 R = TypeVar("R")
-StateT = ls.StateT
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -292,19 +292,6 @@ def _takes_state(call: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
         return checked
 
     return decorate
-
-
-def _check_not_swapped(grads: Any, opt_state: Any, params: Any) -> None:
-    """A TypeError if ``opt_state`` is shaped like the gradients and ``params`` is not."""
-    structure = jax.tree_util.tree_structure
-    if structure(opt_state) == structure(grads) != structure(params):
-        raise TypeError(
-            "`GradScaler.step(state, tx, grads, opt_state, params)` got an `opt_state` shaped "
-            "like the gradients and `params` shaped otherwise: the parameters and the optimizer "
-            "state look swapped. The optimizer state (from `tx.init(params)`) comes before the "
-            "parameters, as in `tx.update(grads, opt_state, params)`: write "
-            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -590,7 +577,7 @@ class GradScaler:
             )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
         check_filter(filter, "GradScaler.step")
-        _check_not_swapped(grads, opt_state, params)
+        check_not_swapped(grads, opt_state, params)
 
         def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
             return optimizer_step(
