@@ -103,15 +103,15 @@ __all__ = [  # what the other autocast modules import from here
 def _eval_jaxpr(
     jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], infos: Sequence[Info], ctx: Context
 ) -> tuple[list, list]:
-    """Evaluates ``jaxpr`` with the rules; returns outputs and their :class:`Info`.
+    """Evaluates ``jaxpr`` with the rules; returns outputs and their ``Info``.
 
-    Every value carries an :class:`Info`: its *kind* (``TRACED``, ``CONST``
+    Every value carries an ``Info``: its *kind* (``TRACED``, ``CONST``
     or ``LITERAL``: whether it depends on the function's arguments, is known
     when the function is traced, or comes from literals only), whether it is
     derived from autocast's low-precision activations only, how many elements
     it had before broadcasting, and, for a constant, the span of its values.
-    The dtype flow of ``promote`` (:func:`autocast_rules.runs_low`) and the
-    constant rule (:func:`autocast_rules.fits`) decide from these.
+    The dtype flow of ``promote`` (``autocast_rules.runs_low``) and the
+    constant rule (``autocast_rules.fits``) decide from these.
     """
     env: dict[Any, tuple[Any, Info]] = {}
 
@@ -273,7 +273,7 @@ def kept_preferred_type(eqn: Any, float_in: Sequence[int]) -> np.dtype | None:
 
 
 def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[str, Any]:
-    """``preferred_element_type`` in ``dtype``, unless kept (:func:`kept_preferred_type`)."""
+    """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
     params = eqn.params
     pet = params.get("preferred_element_type")
     if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
@@ -313,7 +313,7 @@ def _constants_allow(
 ) -> tuple[bool, bool]:
     """Whether the constants among the inputs may be narrowed to ``dtype``, and with saturation.
 
-    A constant that is not narrowed, or fits (:func:`autocast_rules.fits`),
+    A constant that is not narrowed, or fits (``autocast_rules.fits``),
     is fine. One that does not fit stops the narrowing (the primitive runs
     in the wider dtype) unless the primitive is a select, max, min or clamp
     and the only misfits are +-finfo(float32).max: the mask-fill idiom, which
@@ -448,9 +448,9 @@ def _promote_target(
     """The dtype a ``promote`` primitive runs in; whether a mask fill saturates; whether held.
 
     The widest floating input dtype (literals follow the others), or the low
-    dtype when :func:`autocast_rules.runs_low` says so; float32 for
+    dtype when ``autocast_rules.runs_low`` says so; float32 for
     arithmetic feeding a float32-rule primitive; and no narrowing past a
-    constant that does not fit (:func:`_constants_allow`).
+    constant that does not fit (``_constants_allow``).
     """
     name = eqn.primitive.name
     if not float_in:

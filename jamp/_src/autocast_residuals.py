@@ -7,14 +7,14 @@ half-precision activations, so by default their derivatives read float32
 values, 4 bytes per element, where Flax's ``dtype=`` modules and torch keep 2.
 Two rewrites keep the half-precision values instead.
 
-**Unary float32 primitives of a half-precision input** (:func:`recomputed`):
+**Unary float32 primitives of a half-precision input** (``recomputed``):
 ``f(upcast(x))`` is evaluated under a ``jax.checkpoint`` that saves nothing
 of its own, so the backward pass keeps ``x`` (half precision, often kept
 anyway by its other consumers) and recomputes the upcast and ``f``. The
 values of both passes are unchanged, bit for bit: the float32 input is
 exactly the upcast of ``x``.
 
-**Softmax** (:func:`find_softmax`, :func:`softmax_keeping_low`):
+**Softmax** (``find_softmax``, ``softmax_keeping_low``):
 ``jax.nn.softmax`` is ``e = exp(z); y = e / sum(e)`` with ``z = x -
 stop_gradient(max x)``, computed in float32 (torch's autocast runs softmax in
 float32 too), and JAX's rules keep ``e`` in float32 besides the

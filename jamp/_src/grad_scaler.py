@@ -1,7 +1,7 @@
 """``jamp.GradScaler``: torch.amp.GradScaler's API, made of pure functions.
 
 The scaler is an immutable, hashable configuration; the state is a
-:class:`jamp.GradScalerState` that every method takes and returns. Like
+[`jamp.GradScalerState`][] that every method takes and returns. Like
 torch's scaler, the state records where the iteration stands (unscaled,
 stepped) and the inf checks made so far, so a PyTorch training loop ports
 line by line, and its misuses fail as they do in PyTorch::
@@ -93,28 +93,29 @@ STAGES = (READY, UNSCALED, STEPPED)
 
 @dataclasses.dataclass(frozen=True)
 class GradScalerState(ls.LossScaleState):
-    """The state of a :class:`jamp.GradScaler`: a loss-scale state that knows its stage.
+    """The state of a [`jamp.GradScaler`][]: a loss-scale state that knows its stage.
 
-    A :class:`jamp.LossScaleState` (``jamp.scale``, ``jamp.get_loss_scale``,
+    A [`jamp.LossScaleState`][] (``jamp.scale``, ``jamp.get_loss_scale``,
     ``jamp.metrics`` and checkpoints take it as one), plus what
     ``torch.amp.GradScaler`` keeps per optimizer between ``scale`` and
     ``update``:
 
     Dynamic leaves, besides the loss-scale state's:
       found_infs: a tuple of boolean scalars, one per inf check recorded
-        since the last update (by :meth:`GradScaler.unscale` or
-        :meth:`GradScaler.step`, one per optimizer); :meth:`GradScaler.update`
-        backs off once if any is set, and empties it.
+        since the last update (by [`GradScaler.unscale`][jamp.GradScaler.unscale] or
+        [`GradScaler.step`][jamp.GradScaler.step], one per optimizer);
+        [`GradScaler.update`][jamp.GradScaler.update] backs off once if any is set, and
+        empties it.
 
     Static metadata, besides the loss-scale state's:
       stage: ``"ready"`` (nothing recorded: the start of an iteration),
-        ``"unscaled"`` (the last check is :meth:`GradScaler.unscale`'s, and
-        :meth:`GradScaler.step` will take its gradients as unscaled) or
+        ``"unscaled"`` (the last check is [`GradScaler.unscale`][jamp.GradScaler.unscale]'s, and
+        [`GradScaler.step`][jamp.GradScaler.step] will take its gradients as unscaled) or
         ``"stepped"``.
       checked_by: one entry per check in ``found_infs``: which optimizer
         step recorded it (its transformation, the structure of its
         parameters and the arrays it returned), or ``None`` for a check of
-        :meth:`GradScaler.unscale` that no step has taken yet. It tells a
+        [`GradScaler.unscale`][jamp.GradScaler.unscale] that no step has taken yet. It tells a
         second step of the same optimizer (refused, as torch refuses it)
         from the next optimizer's step.
 
@@ -305,7 +306,7 @@ class GradScaler:
     (dicts included), and the scale never leaves ``[2**-126, 2**126]``, so it
     cannot collapse to 0 as torch's does.
 
-    The state (a :class:`jamp.GradScalerState`) records, as torch's scaler
+    The state (a [`jamp.GradScalerState`][]) records, as torch's scaler
     does per optimizer, whether the gradients were unscaled and which inf
     checks were made since the last ``update``. So ``step`` after ``unscale``
     does not unscale again, ``update`` takes no flag, and what PyTorch
@@ -320,14 +321,15 @@ class GradScaler:
       growth_interval: finite steps in a row before the scale grows; >= 1.
       enabled: ``False`` makes every method the identity / a plain step, as
         in PyTorch (and skips validation, as PyTorch does).
-      skip: how :meth:`step` drops a non-finite step (not in PyTorch):
+      skip: how [`step`][jamp.GradScaler.step] drops a non-finite step (not in PyTorch):
         ``"auto"`` (default: ``"select"`` on GPUs and TPUs, ``"cond"`` on
-        CPUs), ``"cond"`` or ``"select"``; see :func:`jamp.loss_scaling`.
+        CPUs), ``"cond"`` or ``"select"``; see [`jamp.loss_scaling`][].
       axis_name: a ``shard_map``/``pmap`` axis name (or tuple of them) over
-        which :meth:`unscale` and :meth:`step` agree on ``found_inf``, so every
-        replica skips together (not in PyTorch, whose DDP all-reduces the
-        gradients first). It does not average the gradients: do that yourself
-        (``lax.pmean``) before :meth:`unscale`/:meth:`step`, as flax's
+        which [`unscale`][jamp.GradScaler.unscale] and [`step`][jamp.GradScaler.step] agree
+        on ``found_inf``, so every replica skips together (not in PyTorch, whose
+        DDP all-reduces the gradients first). It does not average the gradients:
+        do that yourself (``lax.pmean``) before
+        [`unscale`][jamp.GradScaler.unscale]/[`step`][jamp.GradScaler.step], as flax's
         ``DynamicScale(axis_name=...)`` did for you. Not needed under plain
         ``jit`` with sharded arrays.
 
@@ -470,8 +472,8 @@ class GradScaler:
         """``(unscaled_grads, state)``: torch's ``unscale_(optimizer)``; clip after this.
 
         The returned state records the inf check and that these gradients are
-        unscaled, so :meth:`step` given it takes them as they are (it does not
-        unscale again) and :meth:`update` sees the check. Unscale each
+        unscaled, so [`step`][jamp.GradScaler.step] given it takes them as they are (it does not
+        unscale again) and [`update`][jamp.GradScaler.update] sees the check. Unscale each
         optimizer's gradients at most once per iteration, and step them
         before unscaling the next optimizer's. When disabled, returns
         ``(grads, state)`` unchanged, as PyTorch does nothing.
@@ -535,7 +537,7 @@ class GradScaler:
     ) -> tuple[Any, Any, ls.LossScaleState]:
         """Apply ``tx`` unless a gradient is inf/NaN: torch's ``scaler.step(optimizer)``.
 
-        Unless ``state`` comes from :meth:`unscale` (whose gradients are taken
+        Unless ``state`` comes from [`unscale`][jamp.GradScaler.unscale] (whose gradients are taken
         as they are), ``grads`` are unscaled and checked first. The update is
         applied or dropped as ``skip`` says (a select on GPUs, ``lax.cond`` on CPUs):
         on a skipped step the parameters and ``opt_state`` come back unchanged
@@ -553,8 +555,8 @@ class GradScaler:
         Returns:
           ``(params, opt_state, state)``: ``state`` records this step's inf
           check; pass it to the next optimizer's ``step`` or to
-          :meth:`update`. :meth:`found_inf` tells whether the step was
-          skipped.
+          [`update`][jamp.GradScaler.update]. [`found_inf`][jamp.GradScaler.found_inf] tells
+          whether the step was skipped.
 
         Raises:
           RuntimeError: ``state`` was already passed to ``unscale`` (its
@@ -625,12 +627,14 @@ class GradScaler:
         """The state for the next iteration: ``scaler.update()``.
 
         Backs the scale off once if any inf check recorded since the last
-        update (one per optimizer, by :meth:`unscale` or :meth:`step`) found
-        an inf/NaN, else counts a finite step, and returns a state that is
-        ready for the next iteration, with no check recorded.
+        update (one per optimizer, by [`unscale`][jamp.GradScaler.unscale] or
+        [`step`][jamp.GradScaler.step]) found an inf/NaN, else counts a finite step,
+        and returns a state that is ready for the next iteration, with no check
+        recorded.
 
         Args:
-          state: the state :meth:`step` (or :meth:`unscale`) returned.
+          state: the state [`step`][jamp.GradScaler.step] (or
+            [`unscale`][jamp.GradScaler.unscale]) returned.
           new_scale: set the scale to this value instead (a float or a
             scalar array); like PyTorch, the growth tracker is left unchanged
             and no inf check is needed. A value that is not positive and
@@ -701,10 +705,11 @@ class GradScaler:
     def found_inf(self, state: ls.LossScaleState) -> jax.Array:
         """Whether an inf/NaN was found since the last update (not in PyTorch): a skipped step.
 
-        The OR of the checks recorded by :meth:`unscale` and :meth:`step`
-        (one per optimizer; each is also in ``state.found_infs``), which is
-        what :meth:`update` acts on. Read it before ``update``, which clears
-        them; ``False`` when nothing is recorded. A device array: no sync.
+        The OR of the checks recorded by [`unscale`][jamp.GradScaler.unscale] and
+        [`step`][jamp.GradScaler.step] (one per optimizer; each is also in
+        ``state.found_infs``), which is what [`update`][jamp.GradScaler.update] acts
+        on. Read it before ``update``, which clears them; ``False`` when nothing
+        is recorded. A device array: no sync.
         """
         found_infs = _found_infs(_check_state(state, "found_inf"))
         return _any(found_infs) if found_infs else jnp.asarray(False)
@@ -712,7 +717,7 @@ class GradScaler:
     def as_optax(
         self, inner: optax.GradientTransformation
     ) -> optax.GradientTransformationExtraArgs:
-        """The same scaler as an Optax transformation: :func:`jamp.loss_scaling`.
+        """The same scaler as an Optax transformation: [`jamp.loss_scaling`][].
 
         When disabled, the transformation scales by 1 but still skips
         non-finite steps (PyTorch would apply them).
@@ -740,10 +745,10 @@ class GradScaler:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> GradScalerState:
-        """A state from a dict saved by :meth:`state_dict` or by PyTorch.
+        """A state from a dict saved by [`state_dict`][jamp.GradScaler.state_dict] or by PyTorch.
 
         The dict's growth/backoff configuration is carried in the returned
-        state. When disabled, returns :meth:`init`'s state, as PyTorch ignores
+        state. When disabled, returns [`init`][jamp.GradScaler.init]'s state, as PyTorch ignores
         the dict.
         """
         if not self.enabled:

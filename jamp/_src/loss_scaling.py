@@ -47,14 +47,14 @@ from jamp._src.skip import (
 
 
 class ScaledOptimizerState(NamedTuple):
-    """The state of an optimizer that takes scaled gradients: :func:`loss_scaling`'s.
+    """The state of an optimizer that takes scaled gradients: [`loss_scaling`][jamp.loss_scaling]'s.
 
     Field names are unique, for ``optax.tree.get``. Not to be confused with
-    :class:`jamp.LossScaleState`, the scale itself, which is its
+    [`jamp.LossScaleState`][], the scale itself, which is its
     ``loss_scale`` field.
 
     Attributes:
-      loss_scale: the :class:`jamp.LossScaleState` used to scale the next loss.
+      loss_scale: the [`jamp.LossScaleState`][] used to scale the next loss.
       inner_state: the wrapped transformation's state; frozen on skipped steps.
       last_finite: bool scalar, whether the last step's gradients were finite
         (``False`` means the step was skipped).
@@ -104,8 +104,8 @@ def loss_scaling(
     numbers (below ``2**-126`` in magnitude) to zero in arithmetic, so on a
     CPU a subnormal parameter can come back ``0.0`` from ``p + update``,
     skipped step or not (it keeps its bits only where XLA fuses the add with
-    the select that made the update). :meth:`jamp.GradScaler.step` and
-    :func:`jamp.step_if_finite` hand back the old parameters themselves on a
+    the select that made the update). [`jamp.GradScaler.step`][] and
+    [`jamp.step_if_finite`][] hand back the old parameters themselves on a
     skipped step, so they keep those bits too.
 
     Gradient clipping placed inside ``inner`` sees unscaled gradients, like
@@ -113,7 +113,7 @@ def loss_scaling(
 
     Args:
       inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
-      loss_scale: the initial :class:`jamp.LossScaleState`; defaults to
+      loss_scale: the initial [`jamp.LossScaleState`][]; defaults to
         ``jamp.dynamic_loss_scale()`` (PyTorch's defaults).
       axis_name: a ``pmap``/``shard_map`` axis name (or tuple) over which all
         replicas agree on skipping. It does not average the gradients:
@@ -121,7 +121,7 @@ def loss_scaling(
         (flax's ``DynamicScale(axis_name=...)`` did it for you). Not needed
         under ``jit`` with sharded arrays. See ``docs/data-parallel.md``.
       report_nonfinite: on skipped steps only, log which gradient leaves held
-        inf/NaN (see :func:`jamp.log_nonfinite`). Clean steps never call the
+        inf/NaN (see [`jamp.log_nonfinite`][]). Clean steps never call the
         host, but pay a small fixed dispatch cost (``benchmarks/RESULTS.md``).
       skip: how a non-finite step is dropped; every form gives the same
         results. ``"auto"`` (default) chooses by the platform the step is
@@ -300,7 +300,7 @@ def check_counters(state: ScaledOptimizerState) -> None:
 
 
 class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
-    """What :func:`multi_steps` returns: a transformation with ``has_updated``."""
+    """What [`multi_steps`][jamp.multi_steps] returns: a transformation with ``has_updated``."""
 
     def has_updated(self, state: optax.MultiStepsState) -> jax.Array:
         """Whether the last ``update`` emitted an accumulated step (``optax.MultiSteps``'s)."""

@@ -5,9 +5,9 @@ second ``scaler.step(optimizer)`` before ``scaler.update()`` raises "step()
 has already been called since the last update()". An Optax transformation is
 stateless and may serve several models, so here one optimizer is a
 transformation *and* the parameters it steps: each check ``GradScaler.step``
-records carries a :class:`StepRecord` (static metadata) naming the
+records carries a ``StepRecord`` (static metadata) naming the
 transformation, the structure of the parameters and the arrays the step
-returned. :func:`check_step` refuses, while the step is traced:
+returned. ``check_step`` refuses, while the step is traced:
 
 - the same transformation stepping the parameters its recorded step returned
   (a loop that forgot ``scaler.update``, or one model stepped twice); and
