@@ -2,7 +2,7 @@
 
 ``autocast(fun)`` traces ``fun`` to a jaxpr and evaluates that jaxpr with an
 interpreter that decides, primitive by primitive, in which dtype it runs. The
-decision comes from one table, :data:`RULES` (``jamp/_src/autocast_rules.py``,
+decision comes from one table, ``RULES`` (``jamp/_src/autocast_rules.py``,
 whose docstring states every rule), the JAX analogue of torch.autocast's op
 lists: matrix products and convolutions in the low dtype; exp, log, pow,
 rsqrt, sums and divisions (so softmax, norm statistics and losses) in
@@ -10,7 +10,7 @@ float32; every other primitive in its input's dtype, with float32 parameters
 and constants following a low activation down (a bias, a scale), while a
 float32 residual stream or a norm statistic keeps it in float32. Constants
 that do not fit the low dtype are never narrowed, except the mask fill
-``finfo(float32).min``, which saturates. :func:`autocast_report` shows what
+``finfo(float32).min``, which saturates. [`autocast_report`][jamp.autocast_report] shows what
 ran in which dtype and what the backward pass saves.
 """
 
@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,9 @@ __all__ = [
     "float8_init",
 ]
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
 _DEFAULT = np.dtype(jnp.bfloat16)  # autocast's dtype when neither dtype nor policy is given
 
 
@@ -90,7 +93,7 @@ class AutocastReport:
         input after casting, else its first output's dtype).
       unknown: the primitives the table does not know; they ran as traced.
       residuals: what the backward pass of the autocast function saves (the
-        arguments excluded), as :class:`Residual` rows, largest first; ``()``
+        arguments excluded), as ``Residual`` rows, largest first; ``()``
         when the function cannot be differentiated with respect to its array
         arguments (``residuals_note`` says why).
       residuals_note: why ``residuals`` is empty, or ``""``.
@@ -249,6 +252,9 @@ def _check_state_first(fun: Callable, state: Any, args: tuple, kwargs: dict) -> 
     """A clear error when a delayed-scaling function is called without its state."""
     try:
         signature = inspect.signature(fun)
+    except (TypeError, ValueError):
+        return  # no signature to check the call against: fun reports its own call errors
+    try:
         signature.bind(*args, **kwargs)
     except TypeError:
         try:
@@ -289,7 +295,7 @@ def _flat(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
 
 
 def _trace(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
-    """``fun``'s closed jaxpr, output shapes and dynamic arguments (see :func:`_flat`)."""
+    """``fun``'s closed jaxpr, output shapes and dynamic arguments (see ``_flat``)."""
     flat_fun, dynamic = _flat(fun, args, kwargs, shapes)
     closed, out_shape = jax.make_jaxpr(flat_fun, return_shape=True)(*dynamic)
     return closed, out_shape, dynamic
@@ -326,7 +332,8 @@ def _autocast(
             check_states(state, found, recipe)
             return run(closed, out_shape, dynamic, delayed_rule(state, found, recipe))
 
-        delayed._jamp_float8 = (fun, recipe)  # for float8_init
+        # for float8_init; functools.wraps's type declares no such attribute
+        delayed._jamp_float8 = (fun, recipe)  # pyright: ignore[reportAttributeAccessIssue]
         return delayed
 
     @functools.wraps(fun)
@@ -371,12 +378,12 @@ class _Decorator:
         return f"<decorator jamp.{self._transform.__name__}({args})>"
 
 
-def _explains_torch_calls(autocast: Callable) -> Callable:
+def _explains_torch_calls(autocast: Callable[P, R]) -> Callable[P, R]:
     """``autocast``, saying how to write it when called as ``torch.autocast`` is."""
     signature = inspect.signature(autocast)
 
     @functools.wraps(autocast)
-    def checked(*args: Any, **kwargs: Any) -> Any:
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R:
         try:
             signature.bind(*args, **kwargs)
         except TypeError as e:  # autocast(device_type="cuda", dtype=...), autocast(dtype=...)
@@ -440,7 +447,7 @@ def autocast(
       arguments are cast as they are, so their overflow reaches loss scaling;
       integers are never touched;
     * primitives the table does not know run as traced (float32 for a float32
-      program); :func:`autocast_report` lists them.
+      program); [`autocast_report`][jamp.autocast_report] lists them.
 
     The backward pass keeps half-precision values where JAX's rules would keep
     float32 ones: a unary float32 primitive of a ``dtype`` activation (``x**3``
@@ -474,16 +481,16 @@ def autocast(
     are computed from each tensor in the same step (current scaling), or,
     with ``recipe=jamp.DelayedScaling(...)``, come from an amax history kept
     in a state: the returned function then takes that state first,
-    ``f(state, *args)``, :func:`float8_init` creates it, and ``jax.grad``
+    ``f(state, *args)``, [`float8_init`][jamp.float8_init] creates it, and ``jax.grad``
     with respect to it returns the next state (``docs/float8.md``).
 
     Args:
       fun: the function to transform; left out, a decorator is returned.
       dtype: the low-precision dtype: ``jnp.bfloat16`` (the default) or
-        ``jnp.float16``; the short names of :func:`jamp.get_policy`
+        ``jnp.float16``; the short names of [`jamp.get_policy`][]
         (``"bf16"``, ``"f16"``, ``"half"``) work too; or ``"float8"``. Left
         out (``None``) it is bfloat16, or the policy's compute dtype.
-      policy: optional :class:`jamp.Policy` or policy string. Its
+      policy: optional [`jamp.Policy`][] or policy string. Its
         ``compute_dtype`` (float16 or bfloat16) is the low-precision dtype
         (``dtype`` must then be left out or agree) and its ``output_dtype``
         the dtype of the floating outputs.
@@ -491,11 +498,11 @@ def autocast(
         written, even inside another autocast function (with a ``recipe``,
         it still takes a state first, and ignores it).
       recipe: with ``dtype="float8"``: ``None`` (current scaling) or a
-        :class:`jamp.DelayedScaling`.
+        [`jamp.DelayedScaling`][].
 
     Returns:
       A function with the signature of ``fun``; with a ``recipe``, one that
-      takes the float8 state (a dict of :class:`jamp.Float8State`) first.
+      takes the float8 state (a dict of [`jamp.Float8State`][]) first.
       Without ``fun``, a decorator that returns that function.
 
     Raises:
@@ -548,12 +555,13 @@ def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
     def ignoring(state: Any, *args: Any, **kwargs: Any) -> Any:
         return disabled(*args, **kwargs)
 
-    ignoring._jamp_float8 = (disabled, recipe)  # float8_init finds no product: {}
+    # float8_init finds no product: {}; functools.wraps's type declares no such attribute
+    ignoring._jamp_float8 = (disabled, recipe)  # pyright: ignore[reportAttributeAccessIssue]
     return ignoring
 
 
 def autocast_disabled(fun: Callable | None = None) -> Callable:
-    """Marks ``fun`` as a region that an enclosing :func:`autocast` leaves alone.
+    """Marks ``fun`` as a region that an enclosing [`autocast`][jamp.autocast] leaves alone.
 
     Inside the region every primitive runs in the dtypes it was traced with
     (float32 for a float32 function): arguments arriving in low precision are
@@ -653,21 +661,21 @@ def autocast_report(
     report's keyword is given, a ``TypeError`` says so.
 
     Args:
-      fun: the function, as it would be passed to :func:`autocast`.
+      fun: the function, as it would be passed to [`autocast`][jamp.autocast].
       *args: its positional arguments (arrays or ``jax.ShapeDtypeStruct``).
-      dtype: the low-precision dtype, as in :func:`autocast`; ``"float8"``
+      dtype: the low-precision dtype, as in [`autocast`][jamp.autocast]; ``"float8"``
         reports float8 products as ``dot_general`` in ``float8_e4m3fn``
         (with current scaling; delayed scaling runs the same dtypes).
-      policy: optional policy, as in :func:`autocast`.
+      policy: optional policy, as in [`autocast`][jamp.autocast].
       **kwargs: its other keyword arguments.
 
     Returns:
-      An :class:`AutocastReport`; ``print`` it for a table.
+      An [`AutocastReport`][jamp.AutocastReport]; ``print`` it for a table.
 
     Raises:
-      TypeError: as :func:`autocast`, or ``fun`` requires an argument named
+      TypeError: as [`autocast`][jamp.autocast], or ``fun`` requires an argument named
         ``dtype`` or ``policy`` that only the report's own keyword supplies.
-      ValueError: as :func:`autocast`.
+      ValueError: as [`autocast`][jamp.autocast].
 
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
@@ -712,9 +720,11 @@ def _residuals(wrapped: Callable, args: tuple, kwargs: dict) -> tuple[tuple[Resi
         return (), (str(e).strip().splitlines() or [type(e).__name__])[0]
     groups: dict[tuple[str, tuple[int, ...], str], int] = {}
     for aval, source in saved:
+        # jax types the residuals' avals as AbstractValue, which declares no dtype or shape
+        dtype, shape = getattr(aval, "dtype", None), getattr(aval, "shape", ())
         if source.startswith("from the argument") or not hasattr(aval, "dtype"):
             continue
-        key = (np.dtype(aval.dtype).name, tuple(aval.shape), source)
+        key = (np.dtype(dtype).name, tuple(shape), source)
         groups[key] = groups.get(key, 0) + 1
     rows = [
         Residual(
@@ -736,19 +746,19 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
     ``fun`` is what ``jamp.autocast(f, "float8", recipe=jamp.DelayedScaling(...))``
     returned; ``args`` and ``kwargs`` are ``f``'s arguments (arrays or
     ``jax.ShapeDtypeStruct``), without the state. ``f`` is traced, not run.
-    The state holds one :class:`jamp.Float8State` per float8 matrix product,
+    The state holds one [`jamp.Float8State`][] per float8 matrix product,
     keyed ``"<i>:<scope>"`` in program order (``scope`` is the product's name
     stack, e.g. a Flax module path, with ``.`` for ``/``: ``"0:MLP.Dense_0"``;
     ``"<i>:dot_general"`` without one), with an empty amax history and scales
     of 1, as Transformer Engine starts (0, "not measured yet", so that the
     first step uses current scales, with ``unmeasured="current"``: see
-    :class:`jamp.DelayedScaling`). A product inside a ``lax.scan`` of
+    [`jamp.DelayedScaling`][]). A product inside a ``lax.scan`` of
     length ``n`` has ``n`` states, stacked along a leading axis; products
     inside ``while_loop``, ``cond`` and custom-derivative bodies use current
     scaling and have none.
 
     Args:
-      fun: a function returned by :func:`autocast` with ``dtype="float8"`` and
+      fun: a function returned by [`autocast`][jamp.autocast] with ``dtype="float8"`` and
         a ``recipe``.
       *args: ``f``'s positional arguments after the state.
       **kwargs: ``f``'s keyword arguments.

@@ -7,10 +7,10 @@ of ``autocast_rules`` with the autocast dtype (bfloat16 unless a policy says
 float16), which is also the dtype of the products' outputs. Convolutions stay
 in that dtype: XLA has no float8 convolution that jamp can rely on.
 
-With :class:`~jamp._src.float8.DelayedScaling`, each such product owns a
-:class:`~jamp._src.float8.Float8State`, kept in a dict keyed ``"<i>:<scope>"``
+With [`DelayedScaling`][jamp.DelayedScaling], each such product owns a
+[`Float8State`][jamp.Float8State], kept in a dict keyed ``"<i>:<scope>"``
 (``i`` counts the products in program order, ``scope`` is their name stack
-with ``/`` written ``.``, e.g. ``"0:MLP.Dense_0"``). :func:`sites` finds them,
+with ``/`` written ``.``, e.g. ``"0:MLP.Dense_0"``). ``sites`` finds them,
 statically, in the traced jaxpr, following the interpreter: into ``jit``, ``closed_call`` and
 ``checkpoint``; into ``scan`` bodies, where a product gets one state per
 iteration (stacked along leading axes); not into ``while``, ``cond``,
@@ -63,7 +63,7 @@ def eligible(eqn: Any) -> bool:
     """Whether ``eqn`` runs in float8: a ``dot_general`` of float16/bfloat16/float32 operands.
 
     Decided from the traced dtypes, which autocast never moves in or out of
-    that set, so :func:`sites` and the interpreter agree.
+    that set, so ``sites`` and the interpreter agree.
     """
     if eqn.primitive.name not in FLOAT8_PRIMITIVES:
         return False
@@ -249,5 +249,6 @@ class DelayedRule:
 def delayed_rule(
     state: Mapping[str, Float8State], found: Sequence[Site], recipe: DelayedScaling
 ) -> Callable[..., Any]:
-    states = {s.path: tuple(state[s.key]) for s in found}
+    # check_states made each entry a Float8State
+    states = {s.path: (state[s.key].amax_history, state[s.key].scale) for s in found}
     return DelayedRule(states, recipe)

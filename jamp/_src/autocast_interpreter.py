@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.core
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
@@ -102,15 +103,15 @@ __all__ = [  # what the other autocast modules import from here
 def _eval_jaxpr(
     jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], infos: Sequence[Info], ctx: Context
 ) -> tuple[list, list]:
-    """Evaluates ``jaxpr`` with the rules; returns outputs and their :class:`Info`.
+    """Evaluates ``jaxpr`` with the rules; returns outputs and their ``Info``.
 
-    Every value carries an :class:`Info`: its *kind* (``TRACED``, ``CONST``
+    Every value carries an ``Info``: its *kind* (``TRACED``, ``CONST``
     or ``LITERAL``: whether it depends on the function's arguments, is known
     when the function is traced, or comes from literals only), whether it is
     derived from autocast's low-precision activations only, how many elements
     it had before broadcasting, and, for a constant, the span of its values.
-    The dtype flow of ``promote`` (:func:`autocast_rules.runs_low`) and the
-    constant rule (:func:`autocast_rules.fits`) decide from these.
+    The dtype flow of ``promote`` (``autocast_rules.runs_low``) and the
+    constant rule (``autocast_rules.fits``) decide from these.
     """
     env: dict[Any, tuple[Any, Info]] = {}
 
@@ -118,7 +119,8 @@ def _eval_jaxpr(
         if isinstance(v, jex_core.Literal):
             val = v.val
             if not hasattr(val, "dtype"):
-                val = np.asarray(val, dtype=v.aval.dtype)
+                # a literal's aval is a ShapedArray, which jax types as AbstractValue
+                val = np.asarray(val, dtype=v.aval.dtype)  # pyright: ignore[reportAttributeAccessIssue]
             return val, Info(kind=LITERAL)
         return env[v]
 
@@ -271,7 +273,7 @@ def kept_preferred_type(eqn: Any, float_in: Sequence[int]) -> np.dtype | None:
 
 
 def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[str, Any]:
-    """``preferred_element_type`` in ``dtype``, unless kept (:func:`kept_preferred_type`)."""
+    """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
     params = eqn.params
     pet = params.get("preferred_element_type")
     if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
@@ -311,7 +313,7 @@ def _constants_allow(
 ) -> tuple[bool, bool]:
     """Whether the constants among the inputs may be narrowed to ``dtype``, and with saturation.
 
-    A constant that is not narrowed, or fits (:func:`autocast_rules.fits`),
+    A constant that is not narrowed, or fits (``autocast_rules.fits``),
     is fine. One that does not fit stops the narrowing (the primitive runs
     in the wider dtype) unless the primitive is a select, max, min or clamp
     and the only misfits are +-finfo(float32).max: the mask-fill idiom, which
@@ -404,6 +406,7 @@ def _eval_eqn(
         target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
+    outs = []  # bound by bind_summing when `wide or up`
     with source(eqn):  # the casts carry the user's source line (autocast_report)
         wide = broadcast_in_float32(eqn, vals, targets, infos)
         up = upcast_in_backward(eqn, vals, targets, infos, wide)
@@ -445,9 +448,9 @@ def _promote_target(
     """The dtype a ``promote`` primitive runs in; whether a mask fill saturates; whether held.
 
     The widest floating input dtype (literals follow the others), or the low
-    dtype when :func:`autocast_rules.runs_low` says so; float32 for
+    dtype when ``autocast_rules.runs_low`` says so; float32 for
     arithmetic feeding a float32-rule primitive; and no narrowing past a
-    constant that does not fit (:func:`_constants_allow`).
+    constant that does not fit (``_constants_allow``).
     """
     name = eqn.primitive.name
     if not float_in:
@@ -490,7 +493,7 @@ def _out_infos(
     if kind >= CONST and name in SPAN_PRESERVING and all(is_float(x.dtype) for x in outs):
         spans = [_span(x, i) for x, i in zip(invals, infos, strict=True) if is_float(x.dtype)]
         if spans and all(s is not None for s in spans):
-            span = merge_spans(spans)
+            span = merge_spans([s for s in spans if s is not None])  # none is None here
     lows = [i for x, i in zip(invals, infos, strict=True) if is_float(x.dtype) and i.low]
     statistic = low and (name in REDUCTIONS or bool(lows) and all(i.statistic for i in lows))
     return [

@@ -7,14 +7,14 @@ half-precision activations, so by default their derivatives read float32
 values, 4 bytes per element, where Flax's ``dtype=`` modules and torch keep 2.
 Two rewrites keep the half-precision values instead.
 
-**Unary float32 primitives of a half-precision input** (:func:`recomputed`):
+**Unary float32 primitives of a half-precision input** (``recomputed``):
 ``f(upcast(x))`` is evaluated under a ``jax.checkpoint`` that saves nothing
 of its own, so the backward pass keeps ``x`` (half precision, often kept
 anyway by its other consumers) and recomputes the upcast and ``f``. The
 values of both passes are unchanged, bit for bit: the float32 input is
 exactly the upcast of ``x``.
 
-**Softmax** (:func:`find_softmax`, :func:`softmax_keeping_low`):
+**Softmax** (``find_softmax``, ``softmax_keeping_low``):
 ``jax.nn.softmax`` is ``e = exp(z); y = e / sum(e)`` with ``z = x -
 stop_gradient(max x)``, computed in float32 (torch's autocast runs softmax in
 float32 too), and JAX's rules keep ``e`` in float32 besides the
@@ -190,15 +190,16 @@ def softmax_keeping_low(
     """
     low, z_dtype, axes = np.dtype(low), np.dtype(z_dtype), tuple(axes)
 
-    @jax.custom_vjp
-    def fun(z: Any) -> tuple[Any, Any]:
+    def primal(z: Any) -> tuple[Any, Any]:
         y = body(z)
         # The barrier makes the rounding explicit: XLA's excess precision would otherwise
         # read the float32 y (and keep exp's float32 output) where y_low is read.
         return y, lax.optimization_barrier(lax.convert_element_type(y, low))
 
+    fun = jax.custom_vjp(primal)
+
     def fwd(z: Any) -> tuple[tuple[Any, Any], Any]:
-        y, y_low = fun.fun(z)
+        y, y_low = primal(z)
         return (y, y_low), y_low
 
     def bwd(y_low: Any, cts: tuple[Any, Any]) -> tuple[Any]:

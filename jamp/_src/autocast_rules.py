@@ -2,9 +2,9 @@
 
 ``autocast(fun)`` traces ``fun`` to a jaxpr and evaluates that jaxpr with an
 interpreter that decides, primitive by primitive, in which dtype it runs. The
-decision comes from one table, :data:`RULES`, the JAX analogue of
+decision comes from one table, ``RULES``, the JAX analogue of
 torch.autocast's op lists, and, for ``promote``, from what each input is
-(:func:`category`, :func:`runs_low`):
+(``category``, ``runs_low``):
 
 ================  ==========================================================
 rule              what happens to the floating inputs of the primitive
@@ -56,7 +56,7 @@ norms of it compute and return float32, which the next matmul casts down.
 Integer, boolean, complex and key inputs are never touched. A constant (a
 value known when ``fun`` is traced; small computations on constants are done
 then, so ``jnp.sqrt(d)`` is one) is narrowed only if every value fits the low
-dtype (:func:`fits`: no overflow, no flush below its smallest normal);
+dtype (``fits``: no overflow, no flush below its smallest normal);
 otherwise the primitive runs in the wider dtype, so no constant silently
 changes a value. The one exception is the mask fill: a select, max, min or
 clamp against ``+-finfo(float32).max`` saturates it to the low dtype's finite
@@ -73,7 +73,7 @@ honoured; a no-op conversion in the traced program stays a no-op.
 
 ================  ==========================================================
 ``float8``        ``dot_general`` of float16, bfloat16 or float32 operands
-                  (:data:`FLOAT8_PRIMITIVES`): operands quantised to
+                  (``FLOAT8_PRIMITIVES``): operands quantised to
                   ``float8_e4m3fn`` with a per-tensor scale, accumulated in
                   float32, the output rescaled and cast to the autocast
                   dtype (bfloat16, or the policy's float16), so the rest of
@@ -83,7 +83,7 @@ honoured; a no-op conversion in the traced program stays a no-op.
                   Convolutions and ``ragged_dot_general`` stay ``lower``.
 ================  ==========================================================
 
-Regions that must not be autocast are marked with :func:`autocast_disabled`
+Regions that must not be autocast are marked with [`autocast_disabled`][jamp.autocast_disabled]
 (a ``jax.named_scope`` the interpreter recognises); inside them every
 primitive runs as traced. An inner ``autocast`` inside an outer one marks its
 region the same way, so the innermost setting wins, as with nested
@@ -97,6 +97,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -224,7 +225,7 @@ RULES: Mapping[str, str] = types.MappingProxyType(
     }
 )
 """Primitive name -> rule. Primitives not in the table run as traced and are
-reported as unknown by :func:`autocast_report`."""
+reported as unknown by [`autocast_report`][jamp.autocast_report]."""
 
 _INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote (rule_of)
 
@@ -258,7 +259,7 @@ def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
 def narrows(src: Any, dst: Any) -> bool:
     """Whether casting floating ``src`` to ``dst`` can overflow to inf."""
     floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
-    return bool(floats) and jnp.finfo(dst).max < jnp.finfo(src).max
+    return bool(floats) and bool(jnp.finfo(dst).max < jnp.finfo(src).max)
 
 
 def saturated(x: Any, dtype: Any) -> Any:
@@ -288,7 +289,7 @@ def rule_of(eqn: Any) -> str | None:
     would make the gradient NaN), and computed from the half input in float32
     and recomputed in the backward pass (``autocast_residuals``) it keeps
     nothing but that input, which gelu keeps anyway. ``div`` is ``float32``
-    here; dividing by a constant or a parameter promotes (:func:`div_rule`).
+    here; dividing by a constant or a parameter promotes (``div_rule``).
     """
     name = eqn.primitive.name
     if name == "integer_pow":
@@ -380,7 +381,7 @@ def div_rule(divisor: str) -> str:
 
 
 def output_is_low(categories: Sequence[str]) -> bool:
-    """Whether an output is derived from low activations only (see :func:`category`)."""
+    """Whether an output is derived from low activations only (see ``category``)."""
     kinds = set(categories)
     return bool(kinds & {LOW_ACTIVATION, DERIVED, STATISTIC}) and FULL not in kinds
 

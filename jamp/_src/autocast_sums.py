@@ -90,7 +90,7 @@ def bind_summing(
     up: Collection[int] = (),
 ) -> list:
     """``bind(vals)`` with the operands in ``wide`` broadcast in float32 and cast to their
-    ``targets`` dtype first (:func:`summed_in_float32`).
+    ``targets`` dtype first (``summed_in_float32``).
 
     For a primitive whose derivative reads its operands (``x * scale``), the
     broadcast is recomputed in the backward pass (a checkpoint without an
@@ -131,7 +131,7 @@ def broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> di
 def upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: dict) -> set:
     """The half-precision traced operands that ``eqn`` upcasts to float32 when its derivative
     reads them (``x * rsqrt(var)``, ``square(x)`` in a norm of half ``x``): the backward
-    pass keeps them in the half dtype and upcasts again (:func:`autocast_sums.bind_summing`)."""
+    pass keeps them in the half dtype and upcasts again (``autocast_sums.bind_summing``)."""
     if eqn.primitive.name not in SAVES_OPERANDS:
         return set()
     return {

@@ -1,8 +1,8 @@
 """The values autocast's interpreter evaluates: what it knows of each, and its casts.
 
-Every value carries an :class:`Info` (where it comes from, whether it is a
+Every value carries an ``Info`` (where it comes from, whether it is a
 low activation, its size before broadcasting, a constant's span); the
-:class:`Casts` cache makes one cast per value and dtype; :func:`bind`
+``Casts`` cache makes one cast per value and dtype; ``bind``
 re-binds a traced equation with the user's source information.
 """
 
@@ -16,6 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

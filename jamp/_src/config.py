@@ -2,7 +2,7 @@
 
 Every entry point that takes a loss-scale configuration (the constructors,
 ``GradScaler``'s constructor, setters, ``update(new_scale=...)`` and
-``load_state_dict``) calls :func:`check_config`, so a value is accepted or
+``load_state_dict``) calls ``check_config``, so a value is accepted or
 refused the same way everywhere: ``TypeError`` for a wrong type, ``ValueError``
 for a wrong value, each naming the argument and showing the value. It runs on
 the host, at construction, never inside a trace. Imports only jax and numpy.
@@ -14,6 +14,7 @@ import math
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import numpy as np
 
 from jamp._src.leaves import is_integer, is_real_number
@@ -194,7 +195,7 @@ def check_config(
     """Checks a loss-scale configuration (and a scale, when given) and normalises it.
 
     Args:
-      scale: a scale to check against the bounds (:data:`NO_SCALE`: none to check).
+      scale: a scale to check against the bounds (``NO_SCALE``: none to check).
       scale_name: the argument name ``scale`` came from, for messages.
       growth_factor: > 1 and finite, far enough from 1 to move a float32
         scale (more than 1 + 2**-24), and at most ``max_scale / min_scale``
@@ -221,7 +222,7 @@ def check_config(
         ``overflow_streak`` may be renamed.
 
     Returns:
-      A :class:`Config` of Python numbers.
+      A ``Config`` of Python numbers.
 
     Raises:
       TypeError: a value of the wrong type (a string, a bool, a float

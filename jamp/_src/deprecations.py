@@ -5,13 +5,13 @@ for at least one minor release. Using it emits a ``DeprecationWarning`` that
 names the version it was deprecated in, the version that removes it, and
 what to write instead; ``CHANGELOG.md`` lists it under "Deprecated".
 
-- A module attribute (a class, a function): :func:`module_getattr` makes a
+- A module attribute (a class, a function): ``module_getattr`` makes a
   module ``__getattr__`` that serves the old name, so ``jamp.OldName`` and
   ``from jamp import OldName`` still work::
 
       __getattr__ = module_getattr("jamp", {"OldName": Rename("NewName", NewName, "0.2.0")})
 
-- A keyword argument: :func:`renamed_arguments` wraps a function so that
+- A keyword argument: ``renamed_arguments`` wraps a function so that
   ``fn(old=...)`` is passed on as ``fn(new=...)``::
 
       @renamed_arguments(since="0.2.0", old="new")

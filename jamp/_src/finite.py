@@ -141,7 +141,7 @@ def unscale_and_check(
 ) -> tuple[Any, jax.Array]:
     """Unscale ``grads`` and check whether the *unscaled* values are all finite.
 
-    The check reads the scaled gradients once (see :func:`all_finite`); with
+    The check reads the scaled gradients once (see [`all_finite`][jamp.all_finite]); with
     a scale >= 1 a finite scaled gradient stays finite once unscaled, and
     otherwise the unscaled values themselves are checked. So an overflow that
     unscaling creates (a scale below 1) is caught, which torch's kernel,
@@ -149,10 +149,10 @@ def unscale_and_check(
     non-finite steps can be skipped.
 
     Args:
-      state: a :class:`LossScaleState`.
+      state: a [`LossScaleState`][jamp.LossScaleState].
       grads: the gradients of a scaled loss.
-      axis_name: as in :func:`all_finite`.
-      filter: as in :func:`all_finite`; the leaves it is False for are
+      axis_name: as in [`all_finite`][jamp.all_finite].
+      filter: as in [`all_finite`][jamp.all_finite]; the leaves it is False for are
         neither unscaled nor checked, and come back untouched.
 
     Returns:

@@ -4,7 +4,7 @@ This docstring is the one description of the CPU check; the rest of the
 library and the docs only state what it guarantees (exact for every input,
 one read of each gradient on a clean step).
 
-How it works. Leaves are sorted by size, dtype and shape (:func:`kind`):
+How it works. Leaves are sorted by size, dtype and shape (``kind``):
 
 - ``"small"``: fewer than 2**14 elements, of float32, bfloat16, float16 or
   complex64. They are gathered into one vector per dtype (a complex one as its
@@ -12,7 +12,7 @@ How it works. Leaves are sorted by size, dtype and shape (:func:`kind`):
   factor, so they overflow as float32 values would).
 - ``"rows"``: float32 leaves of at least 2**14 elements whose last dimension
   holds 32 to 2**23 elements. Each is reduced to one float32 per row by a
-  matrix-vector product with a vector of ``2**-40`` (:func:`rows`). Finite
+  matrix-vector product with a vector of ``2**-40`` (``rows``). Finite
   float32 values times ``2**-40`` cannot overflow a row's sum of at most
   2**23 of them, whatever the order of the additions, so a row's sum is
   non-finite exactly when the row holds an inf or NaN. The weight is a power
@@ -42,7 +42,7 @@ of its own. XLA:CPU compiles every kernel at a near-fixed cost (several ms
 each), so the check's kernels are few: a product per large leaf, one
 reduction over the vector, one per float16 or other leaf. A boolean ``all``
 is reduced through tiled kernels, hence the ``uint8`` max of the flags
-(:func:`finite_default.exact`). The check waits for every gradient
+(``finite_default.exact``). The check waits for every gradient
 (an ``optimization_barrier``): otherwise XLA:CPU starts each reduction beside
 the backward pass's matrix products, which then lose a core. For float16,
 ``max(|x|)`` would write ``|x|`` first, so a float16 leaf's extremes are its

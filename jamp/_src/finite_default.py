@@ -25,7 +25,7 @@ per part). Measured on the H200 compile: the 24-leaf optimizer step launches
 45 kernels where jmp's launches 65, at the same bytes; the GPT step 343 where
 the unscaled step launches 319 (``benchmarks/RESULTS.md``).
 
-:func:`exact`, :func:`sum32` and :func:`replicated` are shared with the CPU
+``exact``, ``sum32`` and ``replicated`` are shared with the CPU
 branch (``finite_cpu``).
 """
 
@@ -110,7 +110,7 @@ def default_finite(*leaves: jax.Array, inv: Any = None) -> jax.Array:
     Args:
       *leaves: floating arrays.
       inv: ``1/scale`` (a float32 scalar), or ``None`` to check the leaves as they are.
-        The leaves are unscaled as :func:`jamp.unscale` does (in their own dtype),
+        The leaves are unscaled as [`jamp.unscale`][] does (in their own dtype),
         so an overflow that unscaling creates is found.
 
     Returns:

@@ -1,9 +1,9 @@
-"""Flax: checkpoints of :class:`jamp.LossScaleState`, and flax's ``DynamicScale`` converted.
+"""Flax: checkpoints of [`jamp.LossScaleState`][], and flax's ``DynamicScale`` converted.
 
 ``flax.serialization.to_bytes`` / ``to_state_dict`` handle only types they
 know (NamedTuples, dicts, flax dataclasses, registered types), so without this
 a ``TrainState`` whose optimizer is ``jamp.loss_scaling(...)`` cannot be saved
-with them. :func:`register` runs when jamp is imported, and only if flax is
+with them. ``register`` runs when jamp is imported, and only if flax is
 installed; jamp itself never needs flax.
 
 The state dict holds the dynamic leaves (``scale``, ``growth_tracker``,
@@ -57,7 +57,7 @@ def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, Any]) -> l
 
 
 def register() -> None:
-    """Register :class:`jamp.LossScaleState` and its subclasses with ``flax.serialization``.
+    """Register [`jamp.LossScaleState`][] and its subclasses with ``flax.serialization``.
 
     Does nothing without flax. Called by ``jamp/__init__.py`` once every
     module, ``grad_scaler`` included, is imported.
@@ -87,7 +87,7 @@ def from_flax_dynamic_scale(
     growth_interval: int | None = None,
     minimum_scale: float | None = None,
 ) -> ls.LossScaleState:
-    """A :class:`jamp.LossScaleState` from a flax ``DynamicScale`` or its checkpoint.
+    """A [`jamp.LossScaleState`][] from a flax ``DynamicScale`` or its checkpoint.
 
     Accepts a ``flax.training.dynamic_scale.DynamicScale`` (its configuration
     is read from it) or the state dict of one, ``{"fin_steps": ..., "scale":
@@ -116,7 +116,7 @@ def from_flax_dynamic_scale(
         jamp's 2**-126.
 
     Returns:
-      A dynamic :class:`jamp.LossScaleState` with torch's update rule.
+      A dynamic [`jamp.LossScaleState`][] with torch's update rule.
 
     Examples:
       >>> import jamp

@@ -15,13 +15,13 @@ cuBLASLt float8 GEMM (``__cublas$lt$matmul$f8``): float8 operands, a float32
 
 Two ways to choose the scales, both Transformer Engine's:
 
-*current scaling* (:func:`current_dot`)
+*current scaling* (``current_dot``)
     ``scale = finfo(float8).max / amax`` of the tensor itself, computed in the
     same step. Stateless and exact to the tensor, at the cost of one more
     pass over the tensor before it is quantised.
-*delayed scaling* (:func:`delayed_dot`, recipe :class:`DelayedScaling`)
+*delayed scaling* (``delayed_dot``, recipe [`DelayedScaling`][jamp.DelayedScaling])
     the scale of step ``t`` comes from the amaxes of earlier steps, kept in an
-    immutable :class:`Float8State` (an amax history and a scale per operand
+    immutable [`Float8State`][jamp.Float8State] (an amax history and a scale per operand
     and for the gradient). Nothing waits for the amax of step ``t``, so XLA
     may compute it in the pass that quantises; it is recorded, and the next
     state is computed in the backward pass and returned as the *cotangent of
@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -118,7 +119,7 @@ class DelayedScaling:
     ``finfo.max * 2**-128``; TE has no such guard).
 
     ``unmeasured`` says what a tensor without a measured scale is quantised
-    with: a fresh state's (:func:`jamp.float8_init`), and one whose next
+    with: a fresh state's ([`jamp.float8_init`][]), and one whose next
     state came back zero (a product that the backward pass did not reach,
     such as one under ``stop_gradient``: its cotangent is zero):
 
@@ -217,7 +218,7 @@ _TOLERANCE = 2.0**-8
 
 def _scales_from(amax: np.ndarray, margin: int, history: bool = False) -> np.ndarray:
     """The recipe's scale for each row's ``amax`` (``(..., 3)``, or a history ``(..., 3,
-    steps)``), as :func:`next_state` computes it in float32; inf where it would not be a
+    steps)``), as ``next_state`` computes it in float32; inf where it would not be a
     finite float32 number."""
     row_max = ROW_MAX[:, None] if history else ROW_MAX
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
@@ -231,7 +232,7 @@ def _matches(scale: np.ndarray, want: np.ndarray) -> np.ndarray:
 
 
 def check_values(state: Any, where: str, recipe: DelayedScaling | None = None) -> None:
-    """A ``ValueError`` naming ``where`` unless ``state`` (a :class:`Float8State`) holds
+    """A ``ValueError`` naming ``where`` unless ``state`` (a [`jamp.Float8State`][]) holds
     values the recipe can have produced: the scale the next product quantises with.
 
     An amax history with a negative entry, or a scale that is negative or not
@@ -444,7 +445,7 @@ def _sharding_as(own: jax.Array, order: Sequence[int]) -> Any:
 
 def _forward(spec: Spec, lhs, rhs, s_lhs, s_rhs):
     """The product of the operands quantised with ``s_lhs``, ``s_rhs``; and what the
-    backward pass needs of them (:func:`_backward`)."""
+    backward pass needs of them (``_backward``)."""
     q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
     inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
     out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
@@ -491,7 +492,7 @@ def delayed_dot(
     """``dot_general`` in float8 with delayed scaling: the state's scales, amaxes recorded.
 
     The cotangent of ``(amax_history, scale)`` is the next state
-    (:func:`next_state` with this step's three amaxes), whatever the
+    (``next_state`` with this step's three amaxes), whatever the
     cotangent of the output is.
     """
     return _delayed_fwd(lhs, rhs, amax_history, scale, spec)[0]
@@ -517,7 +518,7 @@ delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 def refuse_in(tree: Any, what: str) -> None:
-    """A ``TypeError`` when ``tree`` holds a :class:`Float8State`: it is not a parameter."""
+    """A ``TypeError`` when ``tree`` holds a [`jamp.Float8State`][]: it is not a parameter."""
     found = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, Float8State)
     )[0]

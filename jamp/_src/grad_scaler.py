@@ -1,7 +1,7 @@
 """``jamp.GradScaler``: torch.amp.GradScaler's API, made of pure functions.
 
 The scaler is an immutable, hashable configuration; the state is a
-:class:`jamp.GradScalerState` that every method takes and returns. Like
+[`jamp.GradScalerState`][] that every method takes and returns. Like
 torch's scaler, the state records where the iteration stands (unscaled,
 stepped) and the inf checks made so far, so a PyTorch training loop ports
 line by line, and its misuses fail as they do in PyTorch::
@@ -25,9 +25,10 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -38,9 +39,13 @@ from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
 from jamp._src.finite import unscale_and_check as _unscale_and_check
 from jamp._src.leaves import check_filter, is_real_number
 from jamp._src.lookup import holds_loss_scale
+from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import check_skip, optimizer_step
-from jamp._src.step_records import check_step, record
+from jamp._src.step_records import check_not_swapped, check_step, record
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
@@ -88,28 +93,29 @@ STAGES = (READY, UNSCALED, STEPPED)
 
 @dataclasses.dataclass(frozen=True)
 class GradScalerState(ls.LossScaleState):
-    """The state of a :class:`jamp.GradScaler`: a loss-scale state that knows its stage.
+    """The state of a [`jamp.GradScaler`][]: a loss-scale state that knows its stage.
 
-    A :class:`jamp.LossScaleState` (``jamp.scale``, ``jamp.get_loss_scale``,
+    A [`jamp.LossScaleState`][] (``jamp.scale``, ``jamp.get_loss_scale``,
     ``jamp.metrics`` and checkpoints take it as one), plus what
     ``torch.amp.GradScaler`` keeps per optimizer between ``scale`` and
     ``update``:
 
     Dynamic leaves, besides the loss-scale state's:
       found_infs: a tuple of boolean scalars, one per inf check recorded
-        since the last update (by :meth:`GradScaler.unscale` or
-        :meth:`GradScaler.step`, one per optimizer); :meth:`GradScaler.update`
-        backs off once if any is set, and empties it.
+        since the last update (by [`GradScaler.unscale`][jamp.GradScaler.unscale] or
+        [`GradScaler.step`][jamp.GradScaler.step], one per optimizer);
+        [`GradScaler.update`][jamp.GradScaler.update] backs off once if any is set, and
+        empties it.
 
     Static metadata, besides the loss-scale state's:
       stage: ``"ready"`` (nothing recorded: the start of an iteration),
-        ``"unscaled"`` (the last check is :meth:`GradScaler.unscale`'s, and
-        :meth:`GradScaler.step` will take its gradients as unscaled) or
+        ``"unscaled"`` (the last check is [`GradScaler.unscale`][jamp.GradScaler.unscale]'s, and
+        [`GradScaler.step`][jamp.GradScaler.step] will take its gradients as unscaled) or
         ``"stepped"``.
       checked_by: one entry per check in ``found_infs``: which optimizer
         step recorded it (its transformation, the structure of its
         parameters and the arrays it returned), or ``None`` for a check of
-        :meth:`GradScaler.unscale` that no step has taken yet. It tells a
+        [`GradScaler.unscale`][jamp.GradScaler.unscale] that no step has taken yet. It tells a
         second step of the same optimizer (refused, as torch refuses it)
         from the next optimizer's step.
 
@@ -150,7 +156,7 @@ def _found_infs(state: ls.LossScaleState) -> tuple:
 def _checked_by(state: ls.LossScaleState) -> tuple:
     """One record (or ``None``) per recorded check."""
     found_infs = _found_infs(state)
-    records = state.checked_by[: len(found_infs)] if found_infs else ()
+    records = state.checked_by[: len(found_infs)] if isinstance(state, GradScalerState) else ()
     return (*records, *[None] * (len(found_infs) - len(records)))
 
 
@@ -160,15 +166,20 @@ def _as_grad_scaler_state(state: ls.LossScaleState) -> GradScalerState:
     return GradScalerState(**{name: getattr(state, name) for name in _LOSS_SCALE_FIELDS})
 
 
-def _with_stage(
-    state: ls.LossScaleState, found_infs: tuple, stage: str, checked_by: tuple = ()
-) -> ls.LossScaleState:
-    """``state`` at ``stage`` with ``found_infs``; a plain loss-scale state stays one when ready."""
-    if stage == READY and not isinstance(state, GradScalerState):
-        return state
+def _with_checks(
+    state: ls.LossScaleState, found_infs: tuple, stage: str, checked_by: tuple
+) -> GradScalerState:
+    """``state`` at ``stage`` (unscaled or stepped) with ``found_infs``."""
     return dataclasses.replace(
         _as_grad_scaler_state(state), found_infs=found_infs, stage=stage, checked_by=checked_by
     )
+
+
+def _ready(state: StateT) -> StateT:
+    """``state`` ready for the next iteration; a plain loss-scale state stays one."""
+    if not isinstance(state, GradScalerState):
+        return state
+    return dataclasses.replace(state, found_infs=(), stage=READY, checked_by=())
 
 
 def _any(flags: tuple) -> jax.Array:
@@ -257,43 +268,31 @@ def _refuse_found_inf(method: str) -> TypeError:
     )
 
 
-def _takes_state(call: str) -> Callable[[Callable], Callable]:
+def _takes_state(call: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
     """A GradScaler method that says, when called the PyTorch way, to pass the state first."""
 
-    def decorate(method: Callable) -> Callable:
+    def decorate(method: Callable[P, R]) -> Callable[P, R]:
         signature = inspect.signature(method)
+        name = getattr(method, "__name__", "")
 
         @functools.wraps(method)
-        def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if "found_inf" in kwargs and method.__name__ in ("step", "update"):
-                raise _refuse_found_inf(method.__name__)
+        def checked(*args: P.args, **kwargs: P.kwargs) -> R:  # args[0] is the scaler
+            if "found_inf" in kwargs and name in ("step", "update"):
+                raise _refuse_found_inf(name)
             try:
-                signature.bind(self, *args, **kwargs)
+                signature.bind(*args, **kwargs)
             except TypeError as e:
                 raise TypeError(
-                    f"`GradScaler.{method.__name__}`: {e}. Every GradScaler method takes the "
+                    f"`GradScaler.{name}`: {e}. Every GradScaler method takes the "
                     "scaler's state first (PyTorch keeps it inside the scaler; jamp passes it in "
                     f"and returns it): write `{call}`, with `state = scaler.init()` before the "
                     "loop."
                 ) from None
-            return method(self, *args, **kwargs)
+            return method(*args, **kwargs)
 
         return checked
 
     return decorate
-
-
-def _check_not_swapped(grads: Any, opt_state: Any, params: Any) -> None:
-    """A TypeError if ``opt_state`` is shaped like the gradients and ``params`` is not."""
-    structure = jax.tree_util.tree_structure
-    if structure(opt_state) == structure(grads) != structure(params):
-        raise TypeError(
-            "`GradScaler.step(state, tx, grads, opt_state, params)` got an `opt_state` shaped "
-            "like the gradients and `params` shaped otherwise: the parameters and the optimizer "
-            "state look swapped. The optimizer state (from `tx.init(params)`) comes before the "
-            "parameters, as in `tx.update(grads, opt_state, params)`: write "
-            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +306,7 @@ class GradScaler:
     (dicts included), and the scale never leaves ``[2**-126, 2**126]``, so it
     cannot collapse to 0 as torch's does.
 
-    The state (a :class:`jamp.GradScalerState`) records, as torch's scaler
+    The state (a [`jamp.GradScalerState`][]) records, as torch's scaler
     does per optimizer, whether the gradients were unscaled and which inf
     checks were made since the last ``update``. So ``step`` after ``unscale``
     does not unscale again, ``update`` takes no flag, and what PyTorch
@@ -322,14 +321,15 @@ class GradScaler:
       growth_interval: finite steps in a row before the scale grows; >= 1.
       enabled: ``False`` makes every method the identity / a plain step, as
         in PyTorch (and skips validation, as PyTorch does).
-      skip: how :meth:`step` drops a non-finite step (not in PyTorch):
+      skip: how [`step`][jamp.GradScaler.step] drops a non-finite step (not in PyTorch):
         ``"auto"`` (default: ``"select"`` on GPUs and TPUs, ``"cond"`` on
-        CPUs), ``"cond"`` or ``"select"``; see :func:`jamp.loss_scaling`.
+        CPUs), ``"cond"`` or ``"select"``; see [`jamp.loss_scaling`][].
       axis_name: a ``shard_map``/``pmap`` axis name (or tuple of them) over
-        which :meth:`unscale` and :meth:`step` agree on ``found_inf``, so every
-        replica skips together (not in PyTorch, whose DDP all-reduces the
-        gradients first). It does not average the gradients: do that yourself
-        (``lax.pmean``) before :meth:`unscale`/:meth:`step`, as flax's
+        which [`unscale`][jamp.GradScaler.unscale] and [`step`][jamp.GradScaler.step] agree
+        on ``found_inf``, so every replica skips together (not in PyTorch, whose
+        DDP all-reduces the gradients first). It does not average the gradients:
+        do that yourself (``lax.pmean``) before
+        [`unscale`][jamp.GradScaler.unscale]/[`step`][jamp.GradScaler.step], as flax's
         ``DynamicScale(axis_name=...)`` did for you. Not needed under plain
         ``jit`` with sharded arrays.
 
@@ -418,9 +418,7 @@ class GradScaler:
     def get_growth_interval(self, state: ls.LossScaleState) -> int:
         return _check_state(state, "get_growth_interval").growth_interval
 
-    def _reconfigure(
-        self, state: ls.LossScaleState, method: str, **changes: Any
-    ) -> ls.LossScaleState:
+    def _reconfigure(self, state: StateT, method: str, **changes: Any) -> StateT:
         _check_state(state, method)
         if not state.is_dynamic:
             return state
@@ -439,16 +437,16 @@ class GradScaler:
         )
 
     @_takes_state("state = scaler.set_growth_factor(state, new_factor)")
-    def set_growth_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
+    def set_growth_factor(self, state: StateT, new_factor: float) -> StateT:
         """A state with a new growth factor (static: changing it recompiles)."""
         return self._reconfigure(state, "set_growth_factor", growth_factor=new_factor)
 
     @_takes_state("state = scaler.set_backoff_factor(state, new_factor)")
-    def set_backoff_factor(self, state: ls.LossScaleState, new_factor: float) -> ls.LossScaleState:
+    def set_backoff_factor(self, state: StateT, new_factor: float) -> StateT:
         return self._reconfigure(state, "set_backoff_factor", backoff_factor=new_factor)
 
     @_takes_state("state = scaler.set_growth_interval(state, new_interval)")
-    def set_growth_interval(self, state: ls.LossScaleState, new_interval: int) -> ls.LossScaleState:
+    def set_growth_interval(self, state: StateT, new_interval: int) -> StateT:
         """A state with a new growth interval (static: changing it recompiles).
 
         Unlike PyTorch, a growth tracker already at or past the new interval is
@@ -465,13 +463,17 @@ class GradScaler:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
         return ls.scale(_check_state(state, "scale"), outputs)
 
+    @overload
+    def unscale(self, state: GradScalerState, grads: Any) -> tuple[Any, GradScalerState]: ...
+    @overload
+    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]: ...
     @_takes_state(_CALLS["unscale"])
-    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, GradScalerState]:
+    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]:
         """``(unscaled_grads, state)``: torch's ``unscale_(optimizer)``; clip after this.
 
         The returned state records the inf check and that these gradients are
-        unscaled, so :meth:`step` given it takes them as they are (it does not
-        unscale again) and :meth:`update` sees the check. Unscale each
+        unscaled, so [`step`][jamp.GradScaler.step] given it takes them as they are (it does not
+        unscale again) and [`update`][jamp.GradScaler.update] sees the check. Unscale each
         optimizer's gradients at most once per iteration, and step them
         before unscaling the next optimizer's. When disabled, returns
         ``(grads, state)`` unchanged, as PyTorch does nothing.
@@ -495,8 +497,32 @@ class GradScaler:
         unscaled, finite = _unscale_and_check(state, grads, axis_name=self.axis_name)
         _passed(state, "unscale", grads)
         found_infs = (*_found_infs(state), jnp.logical_not(finite))
-        return unscaled, _with_stage(state, found_infs, UNSCALED, (*_checked_by(state), None))
+        return unscaled, _with_checks(state, found_infs, UNSCALED, (*_checked_by(state), None))
 
+    @overload
+    def step(
+        self,
+        state: GradScalerState,
+        tx: optax.GradientTransformation,
+        grads: Any,
+        opt_state: Any,
+        params: Any,
+        *,
+        filter: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, Any, GradScalerState]: ...
+    @overload
+    def step(
+        self,
+        state: ls.LossScaleState,
+        tx: optax.GradientTransformation,
+        grads: Any,
+        opt_state: Any,
+        params: Any,
+        *,
+        filter: Any = None,
+        **extra_args: Any,
+    ) -> tuple[Any, Any, ls.LossScaleState]: ...
     @_takes_state(_CALLS["step"])
     def step(
         self,
@@ -508,10 +534,10 @@ class GradScaler:
         *,
         filter: Any = None,
         **extra_args: Any,
-    ) -> tuple[Any, Any, GradScalerState]:
+    ) -> tuple[Any, Any, ls.LossScaleState]:
         """Apply ``tx`` unless a gradient is inf/NaN: torch's ``scaler.step(optimizer)``.
 
-        Unless ``state`` comes from :meth:`unscale` (whose gradients are taken
+        Unless ``state`` comes from [`unscale`][jamp.GradScaler.unscale] (whose gradients are taken
         as they are), ``grads`` are unscaled and checked first. The update is
         applied or dropped as ``skip`` says (a select on GPUs, ``lax.cond`` on CPUs):
         on a skipped step the parameters and ``opt_state`` come back unchanged
@@ -529,8 +555,8 @@ class GradScaler:
         Returns:
           ``(params, opt_state, state)``: ``state`` records this step's inf
           check; pass it to the next optimizer's ``step`` or to
-          :meth:`update`. :meth:`found_inf` tells whether the step was
-          skipped.
+          [`update`][jamp.GradScaler.update]. [`found_inf`][jamp.GradScaler.found_inf] tells
+          whether the step was skipped.
 
         Raises:
           RuntimeError: ``state`` was already passed to ``unscale`` (its
@@ -553,7 +579,7 @@ class GradScaler:
             )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
         check_filter(filter, "GradScaler.step")
-        _check_not_swapped(grads, opt_state, params)
+        check_not_swapped(grads, opt_state, params)
 
         def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
             return optimizer_step(
@@ -593,20 +619,22 @@ class GradScaler:
             found_inf = jnp.logical_not(finite)
         _passed(state, "step", grads)
         checked_by = (*checked_by, record(tx, params, new_params))
-        new_state = _with_stage(state, (*found_infs, found_inf), STEPPED, checked_by)
+        new_state = _with_checks(state, (*found_infs, found_inf), STEPPED, checked_by)
         return new_params, new_opt_state, new_state
 
     @_takes_state(_CALLS["update"])
-    def update(self, state: ls.LossScaleState, new_scale: Any = None) -> GradScalerState:
+    def update(self, state: StateT, new_scale: Any = None) -> StateT:
         """The state for the next iteration: ``scaler.update()``.
 
         Backs the scale off once if any inf check recorded since the last
-        update (one per optimizer, by :meth:`unscale` or :meth:`step`) found
-        an inf/NaN, else counts a finite step, and returns a state that is
-        ready for the next iteration, with no check recorded.
+        update (one per optimizer, by [`unscale`][jamp.GradScaler.unscale] or
+        [`step`][jamp.GradScaler.step]) found an inf/NaN, else counts a finite step,
+        and returns a state that is ready for the next iteration, with no check
+        recorded.
 
         Args:
-          state: the state :meth:`step` (or :meth:`unscale`) returned.
+          state: the state [`step`][jamp.GradScaler.step] (or
+            [`unscale`][jamp.GradScaler.unscale]) returned.
           new_scale: set the scale to this value instead (a float or a
             scalar array); like PyTorch, the growth tracker is left unchanged
             and no inf check is needed. A value that is not positive and
@@ -621,7 +649,7 @@ class GradScaler:
             ``unscale``, ``step`` or ``update``.
           TypeError: a ``found_inf`` flag was passed: ``step`` records it.
         """
-        state = _check_state(state, "update")
+        _check_state(state, "update")
         if not self.enabled:
             return state
         flags = new_scale if isinstance(new_scale, (list, tuple)) else [new_scale]
@@ -671,16 +699,17 @@ class GradScaler:
             new = ls.update(state, jnp.logical_not(_any(found_infs)))
         if _found_infs(state):  # a ready state (new_scale only) can be reused harmlessly
             _passed(state, "update", _found_infs(state))
-        return _with_stage(new, (), READY)
+        return _ready(new)
 
     @_takes_state("scaler.found_inf(state)")
     def found_inf(self, state: ls.LossScaleState) -> jax.Array:
         """Whether an inf/NaN was found since the last update (not in PyTorch): a skipped step.
 
-        The OR of the checks recorded by :meth:`unscale` and :meth:`step`
-        (one per optimizer; each is also in ``state.found_infs``), which is
-        what :meth:`update` acts on. Read it before ``update``, which clears
-        them; ``False`` when nothing is recorded. A device array: no sync.
+        The OR of the checks recorded by [`unscale`][jamp.GradScaler.unscale] and
+        [`step`][jamp.GradScaler.step] (one per optimizer; each is also in
+        ``state.found_infs``), which is what [`update`][jamp.GradScaler.update] acts
+        on. Read it before ``update``, which clears them; ``False`` when nothing
+        is recorded. A device array: no sync.
         """
         found_infs = _found_infs(_check_state(state, "found_inf"))
         return _any(found_infs) if found_infs else jnp.asarray(False)
@@ -688,7 +717,7 @@ class GradScaler:
     def as_optax(
         self, inner: optax.GradientTransformation
     ) -> optax.GradientTransformationExtraArgs:
-        """The same scaler as an Optax transformation: :func:`jamp.loss_scaling`.
+        """The same scaler as an Optax transformation: [`jamp.loss_scaling`][].
 
         When disabled, the transformation scales by 1 but still skips
         non-finite steps (PyTorch would apply them).
@@ -716,10 +745,10 @@ class GradScaler:
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> GradScalerState:
-        """A state from a dict saved by :meth:`state_dict` or by PyTorch.
+        """A state from a dict saved by [`state_dict`][jamp.GradScaler.state_dict] or by PyTorch.
 
         The dict's growth/backoff configuration is carried in the returned
-        state. When disabled, returns :meth:`init`'s state, as PyTorch ignores
+        state. When disabled, returns [`init`][jamp.GradScaler.init]'s state, as PyTorch ignores
         the dict.
         """
         if not self.enabled:

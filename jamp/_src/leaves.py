@@ -90,7 +90,7 @@ def _shape_of(x: Any) -> str:
 
 
 def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
-    """Classify a leaf: :data:`FLOAT` (scaled, checked) or :data:`PASS` (returned as is).
+    """Classify a leaf: ``FLOAT`` (scaled, checked) or ``PASS`` (returned as is).
 
     Raises a TypeError naming the path and the public function ``fn`` for
     anything that is not an array or a number.
@@ -199,7 +199,7 @@ def partition(tree: Any, filter: Callable[[Any], Any]) -> tuple[Any, Any]:
 
 
 def combine(chosen: Any, rest: Any) -> Any:
-    """The tree :func:`partition` split: each leaf from ``chosen``, else from ``rest``."""
+    """The tree ``partition`` split: each leaf from ``chosen``, else from ``rest``."""
     return jax.tree_util.tree_map(
         lambda a, b: b if a is None else a, chosen, rest, is_leaf=lambda x: x is None
     )

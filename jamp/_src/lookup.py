@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -48,14 +49,16 @@ def _flattened(tree: Any) -> dict[tuple, dict[str, Any]]:
     """Mappings of ``tree`` holding a loss-scale state's fields: ``{path: {field: array}}``.
 
     ``nnx.state(optimizer)`` (and a checkpoint restored without a target)
-    turns every pytree node into a mapping, so a :class:`LossScaleState`
+    turns every pytree node into a mapping, so a [`LossScaleState`][jamp.LossScaleState]
     becomes ``{"scale": ..., "growth_tracker": ..., "overflow_streak": ...}``
     beside ``last_finite`` and ``skipped_steps``. A real state's fields are
     attributes, not mapping keys, so it is never found here.
     """
     groups: dict[tuple, dict[str, Any]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(_unwrapped(tree))[0]:
-        last = path[-1] if path else None
+        if not path:
+            continue
+        last = path[-1]
         if isinstance(last, jax.tree_util.DictKey) and isinstance(last.key, str):
             groups.setdefault(tuple(path[:-1]), {})[last.key] = leaf
     return groups
@@ -97,7 +100,7 @@ def _field(path: tuple, key: str, value: Any, kind: str, arg: str = "opt_state")
 
 def _snapshot(path: tuple, fields: dict[str, Any], arg: str = "opt_state") -> LossScaleState:
     """A static state holding a flattened state's scale and counters (no configuration),
-    validated (:func:`_field`)."""
+    validated (``_field``)."""
     return LossScaleState(
         scale=_field(path, "scale", fields["scale"], "scale", arg),
         growth_tracker=_field(path, "growth_tracker", fields["growth_tracker"], "count", arg),
@@ -126,24 +129,24 @@ def _find(tree: Any, kind: type) -> list[tuple[Any, Any]]:
 
 
 def holds_loss_scale(tree: Any) -> bool:
-    """Whether ``tree`` holds a loss-scale state anywhere :func:`get_loss_scale` looks."""
+    """Whether ``tree`` holds a loss-scale state anywhere [`jamp.get_loss_scale`][] looks."""
     return bool(_find(tree, LossScaleState) or _find_flattened(tree))
 
 
 def get_loss_scale(opt_state: Any) -> LossScaleState:
-    """The :class:`jamp.LossScaleState` inside any optimizer state.
+    """The [`jamp.LossScaleState`][] inside any optimizer state.
 
     Looks through any nesting of Optax states (``chain``, ``named_chain``,
     ``MultiSteps``, ``inject_hyperparams``, ...), a Flax ``TrainState`` (its
     ``opt_state``, else its other fields, such as a ``loss_scale`` field kept
-    beside :func:`value_and_grad`) and an ``nnx.Optimizer`` (or its
+    beside [`value_and_grad`][jamp.value_and_grad]) and an ``nnx.Optimizer`` (or its
     ``opt_state``, whose NNX variables are unwrapped).
 
     ``nnx.state(optimizer)`` (and a checkpoint restored without a target)
     keeps the state's arrays in mappings but drops its configuration (the
     growth factor, interval and bounds are static pytree metadata). There the
     state comes back as a *static* snapshot of the scale and counters: right
-    for scaling a loss and for logging, not for :func:`jamp.update` (pass the
+    for scaling a loss and for logging, not for [`jamp.update`][] (pass the
     optimizer itself, or the state from ``nnx.split``'s graph, for that).
 
     Args:
@@ -185,7 +188,7 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
 def check_restored(tree: Any) -> Any:
     """``tree`` with every loss-scale state in it validated as a restored one.
 
-    ``flax.serialization`` and :meth:`jamp.GradScaler.load_state_dict` validate
+    ``flax.serialization`` and [`jamp.GradScaler.load_state_dict`][] validate
     what they restore; a checkpointer that rebuilds the pytree itself (Orbax's
     ``StandardCheckpointer.restore(path, target)``) cannot call jamp. Pass its
     result through this: a NaN or non-positive scale raises a ``ValueError``
@@ -193,9 +196,9 @@ def check_restored(tree: Any) -> Any:
     into them, a growth tracker at or past ``growth_interval`` is held one
     short of it, and Python or NumPy numbers become float32/int32 device
     arrays. A disabled target (``jamp.no_loss_scale()``) keeps its scale of 1.
-    The counters of a :func:`jamp.loss_scaling` state are checked too
+    The counters of a [`jamp.loss_scaling`][] state are checked too
     (``skipped_steps`` an integer in ``[0, 2**31 - 1]``, ``last_finite`` a
-    bool), and so is every :class:`jamp.Float8State`: its amaxes >= 0, its
+    bool), and so is every [`jamp.Float8State`][]: its amaxes >= 0, its
     scales finite, >= 0 and the ones its amax history gives
     (``finfo.max / amax / 2**margin``). Arrays that pass keep their
     placement (a step resumed from Orbax compiles no more often than
@@ -205,8 +208,8 @@ def check_restored(tree: Any) -> Any:
       tree: a restored optimizer state, Flax ``TrainState``, or any pytree.
 
     Returns:
-      ``tree`` with its :class:`jamp.LossScaleState` leaves, its
-      :func:`jamp.loss_scaling` counters and its :class:`jamp.Float8State`
+      ``tree`` with its [`jamp.LossScaleState`][] leaves, its
+      [`jamp.loss_scaling`][] counters and its [`jamp.Float8State`][]
       leaves validated.
 
     Raises:
@@ -264,16 +267,16 @@ def check_restored(tree: Any) -> Any:
 def metrics(state: Any) -> dict[str, jax.Array]:
     """Loss-scaling metrics as a dict of device scalars, ready for any logger.
 
-    Accepts an optimizer state holding a :func:`loss_scaling` state (in any
+    Accepts an optimizer state holding a [`loss_scaling`][jamp.loss_scaling] state (in any
     nesting, a Flax ``TrainState`` or an ``nnx.Optimizer``), a bare
-    :class:`jamp.LossScaleState`, or the result of :func:`value_and_grad`.
+    [`jamp.LossScaleState`][], or the result of [`value_and_grad`][jamp.value_and_grad].
     Nothing is read back to the host: convert with ``float()``/``int()`` (or
     ``jax.device_get``) when you log.
 
     Returns:
       ``loss_scale`` and ``growth_tracker``, plus ``last_finite`` and
       ``skipped_steps`` for an optimizer state, or ``last_finite`` and
-      ``retries`` for a :func:`value_and_grad` result.
+      ``retries`` for a [`value_and_grad`][jamp.value_and_grad] result.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jamp

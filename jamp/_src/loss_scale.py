@@ -9,9 +9,10 @@ imports only jax, numpy and the other ground-floor modules.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,8 +59,9 @@ class LossScaleState:
     ``"none"``), ``growth_factor``, ``backoff_factor``, ``growth_interval``,
     ``min_scale``, ``max_scale``, ``hysteresis``.
 
-    Build one with :func:`dynamic_loss_scale`, :func:`static_loss_scale` or
-    :func:`no_loss_scale`; they validate their arguments.
+    Build one with [`dynamic_loss_scale`][jamp.dynamic_loss_scale],
+    [`static_loss_scale`][jamp.static_loss_scale] or [`no_loss_scale`][jamp.no_loss_scale];
+    they validate their arguments.
     """
 
     scale: jax.Array
@@ -88,6 +90,10 @@ jax.tree_util.register_dataclass(
     meta_fields=["kind", *CONFIG_FIELDS],
 )
 
+# A loss-scale state or a subclass of it (a GradScalerState): what the update
+# functions take, they return, as ``dataclasses.replace`` keeps the class.
+StateT = TypeVar("StateT", bound=LossScaleState)
+
 
 def saturating_increment(count: jax.Array, where: Any) -> jax.Array:
     """``count + where`` for an int32 counter, held at 2**31 - 1 instead of wrapping."""
@@ -111,7 +117,7 @@ def from_config(kind: str, config: Config) -> LossScaleState:
 
 
 def config_of(state: LossScaleState, scale: Any = NO_SCALE) -> dict[str, Any]:
-    """``state``'s configuration as keyword arguments of :func:`check_config`."""
+    """``state``'s configuration as keyword arguments of ``check_config``."""
     return dict(scale=scale, **{f: getattr(state, f) for f in CONFIG_FIELDS})
 
 
@@ -134,7 +140,7 @@ def restore(
     become float32/int32 device arrays; a JAX array already holding the
     validated value is kept as it is (with its placement), and a new value
     is put where the restored one was. A disabled target
-    (:func:`no_loss_scale`) keeps its scale of 1 and counters of 0: a
+    ([`no_loss_scale`][jamp.no_loss_scale]) keeps its scale of 1 and counters of 0: a
     dynamic checkpoint resumed without loss scaling is not scaled by what
     it saved.
 
@@ -144,7 +150,7 @@ def restore(
       where: a prefix naming the values in messages (e.g. a checkpoint path).
 
     Returns:
-      A new :class:`LossScaleState`.
+      A new [`LossScaleState`][jamp.LossScaleState].
     """
     check_state(target, "restore")
     names = {f: f"{where}{f}" for f in ("scale", "growth_tracker", "overflow_streak")}
@@ -214,7 +220,7 @@ def _holds_state(tree: Any) -> bool:
 
 
 def check_state(state: Any, fn: str) -> LossScaleState:
-    """``state`` if it is a :class:`LossScaleState`, else a TypeError naming ``jamp.{fn}``."""
+    """``state`` if it is a [`jamp.LossScaleState`][], else a TypeError naming ``jamp.{fn}``."""
     if not isinstance(state, LossScaleState):
         hint = ""
         if _holds_state(state):
@@ -246,7 +252,7 @@ def dynamic_loss_scale(
 ) -> LossScaleState:
     """A dynamic loss scale with ``torch.amp.GradScaler``'s update rule.
 
-    The defaults are PyTorch's. After every step, :func:`update` applies::
+    The defaults are PyTorch's. After every step, [`update`][jamp.update] applies::
 
         if not finite:
             overflow_streak = min(overflow_streak + 1, hysteresis)
@@ -285,7 +291,7 @@ def dynamic_loss_scale(
         skipped. 1 is torch's rule.
 
     Returns:
-      A :class:`LossScaleState`.
+      A [`LossScaleState`][jamp.LossScaleState].
 
     Raises:
       ValueError: an argument is out of range; the message names it.
@@ -316,7 +322,7 @@ def static_loss_scale(scale: float) -> LossScaleState:
       scale: positive and finite, within [2**-126, 2**126].
 
     Returns:
-      A :class:`LossScaleState` whose :func:`update` returns it unchanged.
+      A [`LossScaleState`][jamp.LossScaleState] whose [`update`][jamp.update] returns it unchanged.
 
     Examples:
       >>> import jamp
@@ -348,10 +354,10 @@ def scale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     Each array leaf keeps its dtype, except that a 0-d float16/bfloat16 leaf
     (a loss) comes back float32, as in torch, so the scaled loss itself cannot
     overflow. Integer, boolean and ``float0`` leaves and ``None`` pass through.
-    With a disabled state (:func:`no_loss_scale`) ``tree`` is returned as is.
+    With a disabled state ([`no_loss_scale`][jamp.no_loss_scale]) ``tree`` is returned as is.
 
     Args:
-      state: a :class:`LossScaleState`.
+      state: a [`LossScaleState`][jamp.LossScaleState].
       tree: a loss, or any pytree of losses/outputs.
       filter: a predicate on leaves, such as ``eqx.is_inexact_array``: the
         leaves it is False for are returned untouched, whatever they are (an
@@ -386,10 +392,10 @@ def unscale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     exactly as torch's unscale kernel does.
 
     Args:
-      state: a :class:`LossScaleState`.
+      state: a [`LossScaleState`][jamp.LossScaleState].
       tree: any pytree, usually gradients.
       filter: a predicate on leaves, such as ``eqx.is_inexact_array``: the
-        leaves it is False for are returned untouched (see :func:`scale`).
+        leaves it is False for are returned untouched (see [`scale`][jamp.scale]).
 
     Returns:
       The unscaled tree, every leaf in its own dtype.
@@ -427,16 +433,16 @@ def inverse_scale(state: LossScaleState) -> jax.Array:
 # The update rule.
 
 
-def update(state: LossScaleState, finite: Any) -> LossScaleState:
+def update(state: StateT, finite: Any) -> StateT:
     """The loss-scale state after a step whose gradients were ``finite``.
 
-    Applies the rule documented in :func:`dynamic_loss_scale`. A static or
+    Applies the rule documented in [`dynamic_loss_scale`][jamp.dynamic_loss_scale]. A static or
     disabled state is returned unchanged.
 
     Args:
-      state: a :class:`LossScaleState`.
+      state: a [`LossScaleState`][jamp.LossScaleState].
       finite: a boolean scalar, ``True`` when the step's gradients were all
-        finite (from :func:`jamp.all_finite` or :func:`jamp.unscale_and_check`).
+        finite (from [`jamp.all_finite`][] or [`jamp.unscale_and_check`][]).
 
     Returns:
       The new state, with the same static configuration.
@@ -482,7 +488,7 @@ def update(state: LossScaleState, finite: Any) -> LossScaleState:
     )
 
 
-def backoff(state: LossScaleState) -> LossScaleState:
+def backoff(state: StateT) -> StateT:
     """The state after an unconditional backoff (used to retry at a lower scale).
 
     Unlike ``update(state, False)`` this ignores ``hysteresis``: retrying at the

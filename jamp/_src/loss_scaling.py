@@ -8,13 +8,16 @@ drops into ``optax.chain``, ``optax.MultiSteps``, Flax ``TrainState`` and
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple, cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jamp._src.config import INT32_MAX
 from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
@@ -44,14 +47,14 @@ from jamp._src.skip import (
 
 
 class ScaledOptimizerState(NamedTuple):
-    """The state of an optimizer that takes scaled gradients: :func:`loss_scaling`'s.
+    """The state of an optimizer that takes scaled gradients: [`loss_scaling`][jamp.loss_scaling]'s.
 
     Field names are unique, for ``optax.tree.get``. Not to be confused with
-    :class:`jamp.LossScaleState`, the scale itself, which is its
+    [`jamp.LossScaleState`][], the scale itself, which is its
     ``loss_scale`` field.
 
     Attributes:
-      loss_scale: the :class:`jamp.LossScaleState` used to scale the next loss.
+      loss_scale: the [`jamp.LossScaleState`][] used to scale the next loss.
       inner_state: the wrapped transformation's state; frozen on skipped steps.
       last_finite: bool scalar, whether the last step's gradients were finite
         (``False`` means the step was skipped).
@@ -101,8 +104,8 @@ def loss_scaling(
     numbers (below ``2**-126`` in magnitude) to zero in arithmetic, so on a
     CPU a subnormal parameter can come back ``0.0`` from ``p + update``,
     skipped step or not (it keeps its bits only where XLA fuses the add with
-    the select that made the update). :meth:`jamp.GradScaler.step` and
-    :func:`jamp.step_if_finite` hand back the old parameters themselves on a
+    the select that made the update). [`jamp.GradScaler.step`][] and
+    [`jamp.step_if_finite`][] hand back the old parameters themselves on a
     skipped step, so they keep those bits too.
 
     Gradient clipping placed inside ``inner`` sees unscaled gradients, like
@@ -110,7 +113,7 @@ def loss_scaling(
 
     Args:
       inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
-      loss_scale: the initial :class:`jamp.LossScaleState`; defaults to
+      loss_scale: the initial [`jamp.LossScaleState`][]; defaults to
         ``jamp.dynamic_loss_scale()`` (PyTorch's defaults).
       axis_name: a ``pmap``/``shard_map`` axis name (or tuple) over which all
         replicas agree on skipping. It does not average the gradients:
@@ -118,7 +121,7 @@ def loss_scaling(
         (flax's ``DynamicScale(axis_name=...)`` did it for you). Not needed
         under ``jit`` with sharded arrays. See ``docs/data-parallel.md``.
       report_nonfinite: on skipped steps only, log which gradient leaves held
-        inf/NaN (see :func:`jamp.log_nonfinite`). Clean steps never call the
+        inf/NaN (see [`jamp.log_nonfinite`][]). Clean steps never call the
         host, but pay a small fixed dispatch cost (``benchmarks/RESULTS.md``).
       skip: how a non-finite step is dropped; every form gives the same
         results. ``"auto"`` (default) chooses by the platform the step is
@@ -248,7 +251,11 @@ def loss_scaling(
         counters = match_varying(counters, state._replace(inner_state=None))
         return new_updates, counters._replace(inner_state=new_inner)
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    # optax types a state as an ArrayTree (nested arrays), which a NamedTuple holding a
+    # LossScaleState dataclass is not to a type checker, though it is a pytree.
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn)
+    )
 
 
 _UPDATE = "jamp.loss_scaling(...).update"
@@ -293,11 +300,11 @@ def check_counters(state: ScaledOptimizerState) -> None:
 
 
 class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
-    """What :func:`multi_steps` returns: a transformation with ``has_updated``."""
+    """What [`multi_steps`][jamp.multi_steps] returns: a transformation with ``has_updated``."""
 
     def has_updated(self, state: optax.MultiStepsState) -> jax.Array:
         """Whether the last ``update`` emitted an accumulated step (``optax.MultiSteps``'s)."""
-        return jnp.logical_and(state.mini_step == 0, state.gradient_step > 0)
+        return jnp.logical_and(state.mini_step == 0, jnp.greater(state.gradient_step, 0))
 
 
 def multi_steps(
@@ -305,8 +312,8 @@ def multi_steps(
     every_k_schedule: Any,
     *,
     use_grad_mean: bool = True,
-    should_skip_update_fn: Any = None,
-    accumulator_dtype: Any = jnp.float32,
+    should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
+    accumulator_dtype: DTypeLike | None = jnp.float32,
 ) -> MultiStepsTransformation:
     """``optax.MultiSteps(inner, every_k_schedule, ...)`` that survives an overflow.
 
@@ -388,9 +395,10 @@ def multi_steps(
         every_k_schedule,
         use_grad_mean=use_grad_mean,
         should_skip_update_fn=should_skip_update_fn,
-        accumulator_dtype=accumulator_dtype,
+        # optax types it DTypeLike but takes None too (its canonicalize_dtype's default)
+        accumulator_dtype=cast(DTypeLike, accumulator_dtype),
     )
-    schedule = k if callable(k) else (lambda step: k)
+    schedule: Callable[[jax.Array], Any] = k if callable(k) else (lambda step: k)
     acc_dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
     def accumulate(grad: Any, acc: Any, n: jax.Array) -> Any:
@@ -405,7 +413,7 @@ def multi_steps(
         delta = grad - acc
         return acc + delta / (n + 1).astype(delta.dtype)
 
-    def should_skip(updates: Any, step: jax.Array, params: Any) -> tuple[jax.Array, Any]:
+    def should_skip(updates: Any, step: ArrayLike, params: Any) -> tuple[Any, Any]:
         if should_skip_update_fn is None:
             return jnp.asarray(False), ()
         return should_skip_update_fn(updates, step, params)
@@ -444,12 +452,17 @@ def multi_steps(
     def run(
         updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, optax.MultiStepsState]:
-        k_steps = schedule(state.gradient_step)
-        skip, skip_state = should_skip(updates, state.gradient_step, params)
-        acc = jax.tree_util.tree_map(
-            lambda g, a: accumulate(g, a, state.mini_step), updates, state.acc_grads
+        # optax types the counters as ArrayLike: init makes them int32 arrays
+        mini_step, gradient_step = (
+            cast(jax.Array, state.mini_step),
+            cast(jax.Array, state.gradient_step),
         )
-        emit = state.mini_step == k_steps - 1
+        k_steps = schedule(gradient_step)
+        skip, skip_state = should_skip(updates, gradient_step, params)
+        acc = jax.tree_util.tree_map(
+            lambda g, a: accumulate(g, a, mini_step), updates, state.acc_grads
+        )
+        emit = mini_step == k_steps - 1
 
         def apply() -> tuple[Any, Any]:
             final, new_inner = inner.update(
@@ -473,10 +486,9 @@ def multi_steps(
             return out if acc_dtype is None else out.astype(acc_dtype)
 
         advanced = optax.MultiStepsState(
-            mini_step=optax.safe_increment(state.mini_step) % k_steps,
-            gradient_step=jnp.where(
-                emit, optax.safe_increment(state.gradient_step), state.gradient_step
-            ),
+            # optax types safe_increment's result ArrayLike; it is an array like its input
+            mini_step=cast(jax.Array, optax.safe_increment(mini_step)) % k_steps,
+            gradient_step=jnp.where(emit, optax.safe_increment(gradient_step), gradient_step),
             inner_opt_state=new_inner,
             acc_grads=jax.tree_util.tree_map(reset, acc),
             skip_state=skip_state,
@@ -487,4 +499,7 @@ def multi_steps(
         kept = state._replace(skip_state=skip_state)
         return final, jax.tree_util.tree_map(lambda a, b: jnp.where(skip, a, b), kept, advanced)
 
-    return MultiStepsTransformation(reference.init, update_fn)
+    # optax types states as ArrayTrees: an update taking its MultiStepsState is not one.
+    return MultiStepsTransformation(
+        reference.init, cast(optax.TransformUpdateExtraArgsFn, update_fn)
+    )

@@ -1,9 +1,9 @@
 """Mixed-precision policies: which dtype parameters, computation and outputs use.
 
-A :class:`Policy` is three dtypes and three cast helpers. It is a frozen,
+A [`Policy`][jamp.Policy] is three dtypes and three cast helpers. It is a frozen,
 hashable dataclass (so it can be a static argument of ``jax.jit`` or a field
 of a Flax module) and is built either directly or from a short string with
-:func:`get_policy`, using jmp's grammar::
+[`get_policy`][jamp.get_policy], using jmp's grammar::
 
     "params=float32,compute=bfloat16,output=float32"
     "p=f32,c=bf16,o=f32"          # short keys and dtype names
@@ -214,7 +214,7 @@ class Policy:
 
     A frozen, hashable dataclass: use it as a static argument or a module
     field. The constructor validates and normalises its arguments to
-    ``np.dtype``; :func:`get_policy` builds one from a string.
+    ``np.dtype``; [`get_policy`][jamp.get_policy] builds one from a string.
 
     The cast helpers act on every floating array leaf of a pytree (``float16``,
     ``bfloat16``, ``float32``, ``float64``, ...). Integer, boolean and complex
@@ -224,7 +224,7 @@ class Policy:
     Attributes:
       param_dtype: the dtype parameters are stored in.
       compute_dtype: the dtype computation runs in (the low-precision dtype of
-        :func:`jamp.autocast`).
+        [`jamp.autocast`][]).
       output_dtype: the dtype of a function's floating outputs.
 
     Examples:
@@ -267,7 +267,7 @@ class Policy:
 
 
 def get_policy(spec: str | Policy) -> Policy:
-    """Builds a :class:`Policy` from a string such as ``"p=f32,c=bf16,o=f32"``.
+    """Builds a [`Policy`][jamp.Policy] from a string such as ``"p=f32,c=bf16,o=f32"``.
 
     The grammar is jmp's. The string is a comma-separated list of
     ``key=dtype`` parts with keys ``params``/``param``/``p``,
@@ -281,14 +281,14 @@ def get_policy(spec: str | Policy) -> Policy:
     ignored.
 
     Args:
-      spec: the policy string, or a :class:`Policy` (returned unchanged).
+      spec: the policy string, or a [`Policy`][jamp.Policy] (returned unchanged).
 
     Returns:
-      The :class:`Policy`.
+      The [`Policy`][jamp.Policy].
 
     Raises:
       TypeError: ``spec`` is neither a string nor a ``Policy``, or it names a
-        non-floating dtype (``"c=int32"``), as :func:`jamp.parse_dtype` does.
+        non-floating dtype (``"c=int32"``), as [`jamp.parse_dtype`][] does.
       ValueError: an unknown key or dtype name (``"c=fp8"``), a floating dtype
         other than float16, bfloat16, float32 and float64
         (``"c=float8_e5m2"``), a repeated key, or an empty string; the
@@ -307,7 +307,7 @@ def get_policy(spec: str | Policy) -> Policy:
 
 
 def parse_policy(spec: str | Policy, argname: str) -> Policy:
-    """:func:`get_policy`, naming the argument ``argname`` in its messages."""
+    """[`get_policy`][jamp.get_policy], naming the argument ``argname`` in its messages."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):

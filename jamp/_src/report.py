@@ -87,7 +87,7 @@ def nonfinite_report(tree: Any, *, filter: Filter = None) -> Any:
     """Per leaf of ``tree``, how many entries are inf and how many are NaN.
 
     Computed on device (no host sync); use it in a jitted step and log it, or
-    let :func:`log_nonfinite` do that only on the steps that overflow.
+    let [`log_nonfinite`][jamp.log_nonfinite] do that only on the steps that overflow.
 
     Args:
       tree: any pytree of arrays.
@@ -98,7 +98,7 @@ def nonfinite_report(tree: Any, *, filter: Filter = None) -> Any:
         a number.
 
     Returns:
-      A pytree of the same structure with a :class:`NonfiniteCount` (int32
+      A pytree of the same structure with a [`NonfiniteCount`][jamp.NonfiniteCount] (int32
       scalars ``inf`` and ``nan``) in place of each array leaf; non-floating
       leaves count 0, ``None`` stays ``None``.
 
@@ -200,7 +200,7 @@ def log_nonfinite(
       prefix: text put in front of the message (a model name, ``"grads: "``);
         a str, fixed when the function is traced.
       filter: a predicate on leaves, such as ``eqx.is_inexact_array``: only
-        the leaves it selects are counted (see :func:`nonfinite_report`).
+        the leaves it selects are counted (see [`nonfinite_report`][jamp.nonfinite_report]).
 
     Returns:
       A bool scalar: whether the tree was all finite.
@@ -260,7 +260,7 @@ def log_counts(
     transform: Transform = None,
     filter: Filter = None,
 ) -> jax.Array:
-    """:func:`log_nonfinite` of ``transform`` applied to each leaf, chunk by chunk."""
+    """[`jamp.log_nonfinite`][] of ``transform`` applied to each leaf, chunk by chunk."""
     report = _report(tree, transform, filter, "log_nonfinite")
     flat, _ = jax.tree_util.tree_flatten_with_path(
         report, is_leaf=lambda x: isinstance(x, NonfiniteCount)

@@ -18,7 +18,7 @@ state, is faster with it (``benchmarks/RESULTS.md`` measures both).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -91,7 +91,7 @@ def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any]
     """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
 
     ``keep`` is called with ``apply``'s output shapes (``jax.eval_shape(apply)``);
-    its outputs are cast to ``apply``'s dtypes (:func:`typed_like`).
+    its outputs are cast to ``apply``'s dtypes (``typed_like``).
     """
     shapes = jax.eval_shape(apply)
     return lax.cond(pred, apply, lambda: match_varying(typed_like(keep(shapes), shapes), shapes))
@@ -123,7 +123,7 @@ def select_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[An
 
     Both are computed; a non-finite value in the dropped one never reaches
     the result (a select, unlike ``a * pred``, does not propagate it). The
-    kept values are typed like the applied ones (:func:`typed_like`).
+    kept values are typed like the applied ones (``typed_like``).
     """
     new = apply()
     old = match_varying(typed_like(keep(new), new), new)
@@ -139,10 +139,10 @@ def apply_or_keep(
 ) -> Any:
     """``apply()`` where ``pred`` holds, else ``keep(shapes of apply())``, by cond or select.
 
-    ``"cond"`` runs only the chosen branch (:func:`cond_or_keep`); ``"select"``
-    runs both and picks leaf by leaf (:func:`select_or_keep`); ``"auto"``
-    chooses by platform (:func:`by_platform`). Either way the kept values are
-    typed like the applied ones (:func:`typed_like`).
+    ``"cond"`` runs only the chosen branch (``cond_or_keep``); ``"select"``
+    runs both and picks leaf by leaf (``select_or_keep``); ``"auto"``
+    chooses by platform (``by_platform``). Either way the kept values are
+    typed like the applied ones (``typed_like``).
     """
     return by_platform(
         skip,
@@ -169,7 +169,7 @@ def nothing(dtype: Any) -> jax.Array:
 
 
 def no_updates(shapes: Any) -> Any:
-    """Updates that leave every parameter bit-identical once added (:func:`nothing`),
+    """Updates that leave every parameter bit-identical once added (``nothing``),
     shaped like ``shapes``; under the explicit sharding mode they carry its shardings."""
     return jax.tree_util.tree_map(
         lambda s: jnp.full(s.shape, nothing(s.dtype), out_sharding=explicit_sharding(s)), shapes
@@ -177,7 +177,7 @@ def no_updates(shapes: Any) -> Any:
 
 
 def keep_nothing(pred: jax.Array, updates: Any) -> Any:
-    """``updates`` where ``pred`` holds, else updates that change nothing (:func:`nothing`)."""
+    """``updates`` where ``pred`` holds, else updates that change nothing (``nothing``)."""
     return jax.tree_util.tree_map(lambda u: jnp.where(pred, u, nothing(u.dtype)), updates)
 
 
@@ -197,7 +197,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
     Both trees must have the same structure, and matching leaves the same
     shape and dtype; identical non-array leaves (``None``, a string, the
     activation function of an Equinox module) pass through. Prefer
-    :func:`jamp.loss_scaling` for skipping optimizer steps: it skips with
+    [`jamp.loss_scaling`][] for skipping optimizer steps: it skips with
     ``lax.cond`` and avoids a select over every parameter.
 
     Args:
@@ -232,7 +232,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
             f"{t_true} and {t_false} instead."
         )
 
-    def pick(path: Sequence[Any], a: Any, b: Any) -> Any:
+    def pick(path: jax.tree_util.KeyPath, a: Any, b: Any) -> Any:
         where = jax.tree_util.keystr(path) or "<root>"
         if not selected(filter, a):
             if a is b or (
@@ -307,7 +307,8 @@ def check_params(params: Any, fn: str) -> None:
                 f"{jax.tree_util.keystr(path) or '<root>'} instead: it does not fit in int32."
             )
         if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype"):
-            if not hasattr(leaf, "dtype") or is_numeric_dtype(leaf.dtype):
+            dtype = getattr(leaf, "dtype", None)
+            if not hasattr(leaf, "dtype") or is_numeric_dtype(dtype):
                 return
         raise TypeError(
             f"`jamp.{fn}` expected `params` to be a pytree of arrays, got a leaf of type "
@@ -503,7 +504,7 @@ def optimizer_step(
 
 
 def _step(pred, tx, grads_fn, opt_state, dynamic, skip, extra_args):
-    """:func:`optimizer_step` on the leaves it selected."""
+    """``optimizer_step`` on the leaves it selected."""
 
     def apply() -> tuple[Any, Any]:
         updates, new_opt_state = tx.update(grads_fn(), opt_state, dynamic, **(extra_args or {}))

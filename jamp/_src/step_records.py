@@ -5,9 +5,9 @@ second ``scaler.step(optimizer)`` before ``scaler.update()`` raises "step()
 has already been called since the last update()". An Optax transformation is
 stateless and may serve several models, so here one optimizer is a
 transformation *and* the parameters it steps: each check ``GradScaler.step``
-records carries a :class:`StepRecord` (static metadata) naming the
+records carries a ``StepRecord`` (static metadata) naming the
 transformation, the structure of the parameters and the arrays the step
-returned. :func:`check_step` refuses, while the step is traced:
+returned. ``check_step`` refuses, while the step is traced:
 
 - the same transformation stepping the parameters its recorded step returned
   (a loop that forgot ``scaler.update``, or one model stepped twice); and
@@ -27,6 +27,7 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.core
 import jax.extend.core
 
 _LOOP = (
@@ -133,3 +134,16 @@ def check_step(records: tuple, tx: Any, params: Any) -> None:
                 "function. (Two models of the same structure stepped in separately jitted "
                 "functions meet this too: step both in one, then update.)"
             )
+
+
+def check_not_swapped(grads: Any, opt_state: Any, params: Any) -> None:
+    """A TypeError if ``opt_state`` is shaped like the gradients and ``params`` is not."""
+    structure = jax.tree_util.tree_structure
+    if structure(opt_state) == structure(grads) != structure(params):
+        raise TypeError(
+            "`GradScaler.step(state, tx, grads, opt_state, params)` got an `opt_state` shaped "
+            "like the gradients and `params` shaped otherwise: the parameters and the optimizer "
+            "state look swapped. The optimizer state (from `tx.init(params)`) comes before the "
+            "parameters, as in `tx.update(grads, opt_state, params)`: write "
+            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
+        )

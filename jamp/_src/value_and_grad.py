@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.core
 import jax.numpy as jnp
 from jax import lax
 
@@ -24,7 +25,7 @@ from jamp._src.skip import check_skip, optimizer_step
 
 
 class ScaledValueAndGrad(NamedTuple):
-    """What :func:`value_and_grad`'s function returns.
+    """What [`value_and_grad`][jamp.value_and_grad]'s function returns.
 
     Attributes:
       value: the unscaled loss, in the dtype ``fun`` returned.
@@ -60,7 +61,7 @@ def value_and_grad(
     gradients, checks them, and updates the scale: flax's
     ``DynamicScale.value_and_grad``, with growth on the ``growth_interval``-th
     finite step (torch's rule, not one step later) and gradients kept in their
-    own dtypes. For an Equinox module, use :func:`filter_value_and_grad`.
+    own dtypes. For an Equinox module, use [`filter_value_and_grad`][jamp.filter_value_and_grad].
 
     Args:
       fun: returns a scalar loss (and auxiliary data with ``has_aux=True``).
@@ -116,7 +117,7 @@ def filter_value_and_grad(
     axis_name: Any = None,
     max_retries: int = 0,
 ) -> Callable[..., ScaledValueAndGrad]:
-    """:func:`value_and_grad` with Equinox's convention: an ``eqx.Module`` goes in as it is.
+    """[`jamp.value_and_grad`][] with Equinox's convention: an ``eqx.Module`` goes in as it is.
 
     ``eqx.filter_value_and_grad`` of a scaled loss, unscaled and checked in
     one call. The gradients are taken with respect to the floating (and
@@ -131,16 +132,16 @@ def filter_value_and_grad(
     the structure of ``model``, with ``None`` in place of the leaves that
     are not differentiated, as ``eqx.filter_grad`` gives them, so they go to
     ``optimizer.update`` and ``eqx.apply_updates`` (or
-    :func:`step_if_finite`) unchanged. Everything else is as in
-    :func:`value_and_grad`: the value is unscaled, the gradients are
+    [`step_if_finite`][jamp.step_if_finite]) unchanged. Everything else is as in
+    [`value_and_grad`][jamp.value_and_grad]: the value is unscaled, the gradients are
     unscaled in their own dtypes and checked, the scale is updated.
 
     Args:
       fun: ``fun(model, *args, **kwargs)`` returns a scalar loss (and
         auxiliary data, such as an ``eqx.nn.State``, with ``has_aux=True``).
       has_aux: whether ``fun`` returns ``(loss, aux)``.
-      axis_name: as in :func:`value_and_grad`.
-      max_retries: as in :func:`value_and_grad`.
+      axis_name: as in [`value_and_grad`][jamp.value_and_grad].
+      max_retries: as in [`value_and_grad`][jamp.value_and_grad].
 
     Returns:
       A function ``(loss_scale, model, *args, **kwargs) -> ScaledValueAndGrad``.
@@ -166,9 +167,9 @@ def filter_value_and_grad(
                 "positional argument (the model), got none: call it as "
                 "f(loss_scale, model, *args)."
             )
-        model, *args = args
+        model, rest = args[0], args[1:]
         diff, static = partition(model, is_inexact_array)
-        scaled = _scaled(lambda d: fun(combine(d, static), *args, **kwargs), has_aux)
+        scaled = _scaled(lambda d: fun(combine(d, static), *rest, **kwargs), has_aux)
         grad_fn = jax.grad(scaled, argnums=1, has_aux=True)
         return _run(lambda state: grad_fn(state, diff), loss_scale, axis_name, max_retries)
 
@@ -188,15 +189,15 @@ def step_if_finite(
 ) -> tuple[Any, Any]:
     """Apply the optimizer step where ``finite`` holds; else keep parameters and state.
 
-    The skip for :func:`value_and_grad` and :func:`filter_value_and_grad`,
-    whose gradients are already unscaled and checked: ``tx.update``, then
-    ``optax.apply_updates``, inside a ``lax.cond`` (or selected, with
-    ``skip="select"``; see :func:`jamp.loss_scaling`), so on a skipped step
-    the parameters and ``opt_state`` come back unchanged (Adam's count does
-    not advance). MPX's ``optimizer_update``.
+    The skip for [`value_and_grad`][jamp.value_and_grad] and
+    [`filter_value_and_grad`][jamp.filter_value_and_grad], whose gradients are already
+    unscaled and checked: ``tx.update``, then ``optax.apply_updates``, inside a
+    ``lax.cond`` (or selected, with ``skip="select"``; see [`jamp.loss_scaling`][]),
+    so on a skipped step the parameters and ``opt_state`` come back unchanged
+    (Adam's count does not advance). MPX's ``optimizer_update``.
 
     Args:
-      finite: a boolean scalar, the ``finite`` of a :class:`ScaledValueAndGrad`.
+      finite: a boolean scalar, the ``finite`` of a [`ScaledValueAndGrad`][jamp.ScaledValueAndGrad].
       tx: an Optax transformation.
       grads: unscaled gradients; ``None`` leaves (``eqx.filter_grad``'s) leave
         their parameter as it is.
@@ -209,7 +210,7 @@ def step_if_finite(
         returned untouched. By default every leaf of ``params`` is a
         parameter.
       skip: ``"auto"`` (default: ``"select"`` on GPUs and TPUs, ``"cond"`` on
-        CPUs), ``"cond"`` or ``"select"``; see :func:`jamp.loss_scaling`.
+        CPUs), ``"cond"`` or ``"select"``; see [`jamp.loss_scaling`][].
       **extra_args: passed on to ``tx.update``.
 
     Returns:
@@ -255,7 +256,7 @@ def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
 
     def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
         functools.update_wrapper(wrapper, fun)
-        del wrapper.__wrapped__
+        delattr(wrapper, "__wrapped__")  # set by update_wrapper, unknown to a Callable
         return wrapper
 
     return decorate

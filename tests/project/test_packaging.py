@@ -91,3 +91,11 @@ def test_ci_runs_the_readme_command_first_then_the_floors():
     manifest = (ROOT / "MANIFEST.in").read_text()
     for folder in ("tests", "docs", "examples", "benchmarks"):
         assert f"graft {folder}" in manifest
+
+
+def test_the_wheel_ships_py_typed():
+    # PEP 561: the marker is package data of jamp (.ci/floors builds the wheel from this).
+    assert PYPROJECT["tool"]["setuptools"]["package-data"]["jamp"] == ["py.typed"]
+    assert (ROOT / "jamp" / "py.typed").is_file()
+    assert "pyright[nodejs]==" in " ".join(PROJECT["optional-dependencies"]["test"])
+    assert PYPROJECT["tool"]["pyright"]["include"] == ["jamp"]
