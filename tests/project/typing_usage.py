@@ -40,23 +40,24 @@ assert_type(jamp.get_loss_scale(opt_state), jamp.LossScaleState)
 updates, opt_state = tx.update(grads, opt_state, params)
 new_params = optax.apply_updates(params, updates)  # optax types it as its ArrayTree
 
-# The GradScaler mirror: its state keeps its class through the loop.
+# The GradScaler mirror: its state keeps its class through the loop (a name per stage,
+# so each method's return type is checked, not a narrowed variable's).
 scaler = jamp.GradScaler(init_scale=1024.0)
-state = scaler.init()
-assert_type(state, jamp.GradScalerState)
+state0 = scaler.init()
+assert_type(state0, jamp.GradScalerState)
 sgd = optax.sgd(0.1)
 sgd_state = sgd.init(params)
-grads = jax.grad(lambda p: scaler.scale(state, loss(p, x)))(params)
-grads, state = scaler.unscale(state, grads)
-assert_type(state, jamp.GradScalerState)
-params, sgd_state, state = scaler.step(state, sgd, grads, sgd_state, params)
-assert_type(state, jamp.GradScalerState)
-assert_type(scaler.found_inf(state), jax.Array)
-state = scaler.update(state)
-assert_type(state, jamp.GradScalerState)
-assert_type(state.stage, str)
-assert_type(scaler.set_growth_interval(state, 100), jamp.GradScalerState)
-assert_type(scaler.get_scale(state), jax.Array)
+scaled_grads = jax.grad(lambda p: scaler.scale(state0, loss(p, x)))(params)
+unscaled, state1 = scaler.unscale(state0, scaled_grads)
+assert_type(state1, jamp.GradScalerState)
+params2, sgd_state2, state2 = scaler.step(state1, sgd, unscaled, sgd_state, params)
+assert_type(state2, jamp.GradScalerState)
+assert_type(scaler.found_inf(state2), jax.Array)
+state3 = scaler.update(state2)
+assert_type(state3, jamp.GradScalerState)
+assert_type(state3.stage, str)
+assert_type(scaler.set_growth_interval(state3, 100), jamp.GradScalerState)
+assert_type(scaler.get_scale(state3), jax.Array)
 
 # A plain loss-scale state: a disabled scaler hands it back as it came.
 _, plain = scaler.unscale(scale_state, grads)
