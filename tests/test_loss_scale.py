@@ -149,19 +149,55 @@ def test_unit_update_scale_golden_bit_for_bit():
     cases = _in_bounds_cases()
     assert len(cases) == 365
     assert sum(not c["float32_only_arithmetic_matches"] for c in cases) == 18
-    jitted = jax.jit(jamp.update)
+    # One batched update per configuration (32 of them; padded to one length, so eager
+    # dispatch reuses its kernels): the same elementwise arithmetic as a scalar update,
+    # vmapped, eagerly and in one jitted program.
+    groups = {}
     for c in cases:
-        s = float(_golden.array(c["scale_in"]))
-        found = float(_golden.array(c["found_inf"]))
-        state = jamp.dynamic_loss_scale(
-            s, c["growth_factor"], c["backoff_factor"], c["growth_interval"]
-        )
-        state = with_tracker(state, c["growth_tracker_in"])
-        expected = _golden.array(c["scale_out"]).reshape(())
+        groups.setdefault(
+            (c["growth_factor"], c["backoff_factor"], c["growth_interval"]), []
+        ).append(c)
+    width = max(len(g) for g in groups.values())
+    states, finites, wants = [], [], []
+    for (growth, backoff, interval), group in groups.items():
+        group = group + [group[0]] * (width - len(group))
+        scales = np.stack([_golden.array(c["scale_in"]).reshape(()) for c in group])
+        state = jamp.dynamic_loss_scale(float(scales[0]), growth, backoff, interval)
+        states.append(dataclasses.replace(
+            state,
+            scale=jnp.asarray(scales, jnp.float32),
+            growth_tracker=jnp.asarray([c["growth_tracker_in"] for c in group], jnp.int32),
+            overflow_streak=jnp.zeros(width, jnp.int32),
+        ))  # fmt: skip
+        # torch: any non-zero found_inf is "found"
+        finites.append(jnp.asarray([float(_golden.array(c["found_inf"])) == 0 for c in group]))
+        expected = np.stack([_golden.array(c["scale_out"]).reshape(()) for c in group])
         # jamp holds the scale in [min_scale, max_scale] where torch leaves it.
         expected = np.clip(expected, np.float32(ls.MIN_SCALE), np.float32(ls.MAX_SCALE))
+        wants.append((expected, np.asarray([c["growth_tracker_out"] for c in group]), group))
+
+    def every_group(states, finites):
+        return [jax.vmap(jamp.update)(s, f) for s, f in zip(states, finites, strict=True)]
+
+    checked = 0
+    for outs in (every_group(states, finites), jax.jit(every_group)(states, finites)):
+        for out, (expected, trackers, group) in zip(outs, wants, strict=True):
+            assert _golden.bits_equal(np.asarray(out.scale), expected), group
+            np.testing.assert_array_equal(np.asarray(out.growth_tracker), trackers)
+            checked += len({id(c) for c in group})
+    assert checked == 2 * 365
+    # And the scalar call a user writes, eagerly and under jit, on a case of each kind.
+    jitted = jax.jit(jamp.update)
+    for c in (cases[0], next(c for c in cases if not c["float32_only_arithmetic_matches"])):
+        state = jamp.dynamic_loss_scale(
+            float(_golden.array(c["scale_in"])), c["growth_factor"], c["backoff_factor"],
+            c["growth_interval"],
+        )  # fmt: skip
+        state = with_tracker(state, c["growth_tracker_in"])
+        expected = np.clip(_golden.array(c["scale_out"]).reshape(()), np.float32(ls.MIN_SCALE),
+                           np.float32(ls.MAX_SCALE))  # fmt: skip
         for fn in (jamp.update, jitted):
-            out = fn(state, jnp.asarray(found == 0))  # torch: any non-zero found_inf is "found"
+            out = fn(state, jnp.asarray(float(_golden.array(c["found_inf"])) == 0))
             assert _golden.bits_equal(np.asarray(out.scale), expected), c
             assert int(out.growth_tracker) == c["growth_tracker_out"], c
 
