@@ -8,7 +8,9 @@ lists: matrix products and convolutions in the low dtype; exp, log, pow,
 rsqrt, sums and divisions (so softmax, norm statistics and losses) in
 float32; every other primitive in its input's dtype, with float32 parameters
 and constants following a low activation down (a bias, a scale), while a
-float32 residual stream or a norm statistic keeps it in float32. Constants
+float32 residual stream or a norm statistic keeps it in float32 (and the
+scale and bias ending a norm of low activations apply in float32, as Flax's
+norms do, the next primitive reading the result in the low dtype). Constants
 that do not fit the low dtype are never narrowed, except the mask fill
 ``finfo(float32).min``, which saturates. [`autocast_report`][jamp.autocast_report] shows what
 ran in which dtype and what the backward pass saves.
@@ -437,8 +439,11 @@ def autocast(
       scale, a gate), constants and float32 values computed from such
       activations are cast down, as torch casts a Linear's bias; a float32
       norm statistic or a full-size float32 value that does not come from
-      ``dtype`` activations (a residual stream) keeps it in float32; a norm of
-      ``dtype`` activations returns to ``dtype`` at its scale and bias;
+      ``dtype`` activations (a residual stream) keeps it in float32; the
+      scale and bias that end a norm of ``dtype`` activations apply in
+      float32 to its float32 normalised value, as Flax's norms do, and the
+      next primitive reads the result in ``dtype``, so their gradients (and
+      every other gradient of a broadcast parameter) are summed in float32;
       otherwise it runs in the widest floating dtype of its inputs;
     * a constant that does not fit ``dtype`` (it would overflow or flush to
       zero) is never narrowed: the primitive runs in float32; only the mask
@@ -452,9 +457,10 @@ def autocast(
     The backward pass keeps half-precision values where JAX's rules would keep
     float32 ones: a unary float32 primitive of a ``dtype`` activation (``x**3``
     in gelu, ``exp``) is recomputed from that activation, with unchanged
-    values, and a softmax whose only consumers are matmuls keeps just the
-    ``dtype`` probabilities those matmuls keep, its backward computed in
-    float32 from them (``docs/autocast.md``, "Memory").
+    values, and a softmax whose only consumers are matmuls (through dropout,
+    perhaps) keeps just the ``dtype`` probabilities those matmuls keep, or,
+    under attention dropout, the ``dtype`` scores they are recomputed from,
+    its backward computed in float32 (``docs/autocast.md``, "Memory").
 
     The rules apply inside ``jit``, ``scan``, ``while_loop``, ``cond``,
     ``checkpoint``, ``custom_jvp`` and ``custom_vjp`` too. Loop carries and

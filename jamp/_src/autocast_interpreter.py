@@ -24,6 +24,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jamp._src.autocast_residuals import (
+    dropout_jaxpr,
     find_softmax,
     group_jaxpr,
     recomputed,
@@ -133,24 +134,35 @@ def _eval_jaxpr(
     casts = Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
-    fused = {} if ctx.rule is not None else {g.dot: g for g in softmaxes.values() if g.dot}
+    fused = {} if ctx.rule is not None else {g.dot: g for g in softmaxes.values() if g.p}
+    shifts = {g.pre[0]: g for g in fused.values() if g.pre and g.drop}
+    from_x: set[int] = set()  # fused softmaxes evaluated from their shift's half input
     for k, eqn in enumerate(jaxpr.eqns):
         if k in done:
             continue
         sub = ctx
         if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
             sub = dataclasses.replace(ctx, as_traced=True)
+        group = shifts.get(k)
+        if group is not None and not sub.as_traced and _upcast(*read(group.x)):
+            from_x.add(group.dot)  # the shift too, from the half scores
+            done.update(group.pre)
+            continue
         group = fused.get(k)
-        if group is not None and group.y not in env:  # p @ v with its softmax
-            v = eqn.invars[1] if eqn.invars[0] is group.y else eqn.invars[0]
-            env[eqn.outvars[0]] = _softmax_matmul(jaxpr, group, read(group.z), read(v), sub, casts)
+        if group is not None and group.y not in env:  # p @ v with its softmax (and dropout)
+            v = eqn.invars[1] if eqn.invars[0] is group.p else eqn.invars[0]
+            env[eqn.outvars[0]] = _softmax_matmul(jaxpr, group, read, read(v), sub, k in from_x)
+            continue
+        group = softmaxes.get(k)
+        if group is not None and group.dot in from_x:
+            done.update((*group.indices[1:], *group.drop))  # evaluated with its matmul
             continue
         read_in = [read(v) for v in eqn.invars]
         invals = [x for x, _ in read_in]
         ininfos = [i for _, i in read_in]
         group = softmaxes.get(k)
         if group is not None and group.dot in fused and _fusable(invals[0], ininfos[0], sub):
-            done.update(group.indices[1:])  # evaluated with its matmul, where that is
+            done.update((*group.indices[1:], *group.drop))  # evaluated with its matmul
             continue
         if group is not None and not sub.as_traced and _upcast(invals[0], ininfos[0], 4):
             env[group.y] = _softmax(jaxpr, group, invals[0], ininfos[0], sub, casts)
@@ -171,25 +183,41 @@ def _fusable(z: Any, info: Info, ctx: Context) -> bool:
     return not ctx.as_traced and _upcast(z, info, 4)
 
 
-def _softmax_matmul(jaxpr: Any, group: Any, z_in: tuple, v_in: tuple, ctx: Context, casts):
-    """``softmax(z) @ v`` as one custom_vjp (``softmax_matmul_keeping_low``)."""
+def _softmax_matmul(
+    jaxpr: Any, group: Any, read: Callable, v_in: tuple, ctx: Context, from_x: bool
+) -> tuple[Any, Info]:
+    """``dropout(softmax(z)) @ v`` as one custom_vjp (``softmax_matmul_keeping_low``),
+    from the shift's half input ``x`` where ``from_x`` (recomputed in the backward pass)."""
     dot = jaxpr.eqns[group.dot]
-    (z, info), (v, v_info) = z_in, v_in
+    (z, info), (v, v_info) = read(group.x if from_x else group.z), v_in
     params = _lower_params(dot, [0, 1], ctx)
     with source(jaxpr.eqns[group.indices[-1]]):
-        body, _, _ = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
+        body, _, _ = _under_rules(group_jaxpr(jaxpr, group, from_x), [z], [info], ctx)
+    drop_jaxpr, others = dropout_jaxpr(jaxpr, group)
+    others = [read(u) for u in others]  # the mask, the keep probability (their spans known)
+    o_infos = [i._replace(span=_span(x, i)) if i.kind >= CONST else i for x, i in others]
+    others = [x for x, _ in others]
+    quiet = dataclasses.replace(ctx, recorder=None)
+
+    def drop(y: Any, *xs: Any) -> Any:  # under the rules; recorded once
+        infos, run = [Info(low=True), *o_infos], drop.ctx
+        drop.ctx = quiet
+        return eval_closed(drop_jaxpr, [y, *xs], infos, run)[0][0]
+
+    drop.ctx = ctx
     with source(dot):
-        v_low = casts(v, ctx.dtype, v_info)
         fun = softmax_matmul_keeping_low(
             lambda x: body(x)[0],
             ctx.dtype,
             z.dtype,
             lambda a, b: bind(dot, [a, b], params)[0],
-            dot.invars[0] is group.y,
+            dot.invars[0] is group.p,
             dot.params["dimension_numbers"],
+            drop if group.drop else None,
+            from_x,
         )
-        out = fun(z, v_low)
-    record(ctx, dot, LOWER, [v_low], [out])
+        out = fun(z, Casts()(v, ctx.dtype, v_info), *others)
+    record(ctx, dot, LOWER, [out], [out])
     return out, Info(low=True)
 
 

@@ -63,7 +63,11 @@ class Group(NamedTuple):
     z: Any  # the input of exp
     y: Any  # the output of div
     axes: tuple[int, ...]  # the summed axes
-    dot: int | None = None  # its one consumer, a matmul contracting those axes (fused too)
+    dot: int | None = None  # the matmul contracting those axes that y reaches (fused too)
+    drop: tuple[int, ...] = ()  # the dropout between them: linear in y, one use each
+    p: Any = None  # the operand of the dot: y, or the dropout's output
+    pre: tuple[int, ...] = ()  # z = x - stop_gradient(max(x)): reduce_max ... sub
+    x: Any = None  # the input of that shift (the masked scores)
 
 
 def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
@@ -120,22 +124,114 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
         if not consumers or y in outs:
             continue
         if _feeds_matmuls(y, eqns, uses, outs, _DROPOUT_DEPTH):
-            dot = _contracting(y, axes, eqns, uses[y])
-            groups[k] = Group((k, s_k, b_uses[0], d_k), eqn.invars[0], y, axes, dot)
+            dot, drop, p = _contracting(y, axes, eqns, uses, outs)
+            pre, x = _shift(eqn.invars[0], axes, eqns, uses, outs)
+            indices = (k, s_k, b_uses[0], d_k)
+            groups[k] = Group(indices, eqn.invars[0], y, axes, dot, drop, p, pre, x)
     return groups
 
 
-def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], found: list) -> int | None:
-    """The index of ``y``'s one consumer when it is a ``dot_general`` contracting exactly
-    the softmax's axes of ``y`` (attention's probabilities @ values), else ``None``."""
-    if len(found) != 1 or eqns[found[0]].primitive.name != "dot_general":
-        return None
-    eqn = eqns[found[0]]
-    if eqn.invars[0] is eqn.invars[1]:
-        return None
-    (lc, rc), _ = eqn.params["dimension_numbers"]
-    contract = lc if eqn.invars[0] is y else rc
-    return found[0] if sorted(int(a) for a in contract) == sorted(axes) else None
+# Between reduce_max and the shift: max(-inf, .), the kept dimensions, stop_gradient.
+_SHIFT_CHAIN = frozenset({"max", "broadcast_in_dim", "reshape", "stop_gradient"})
+
+
+def _shift(z: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: set):
+    """``(indices, x)`` when ``z = x - stop_gradient(max(x))`` over ``axes`` (jax.nn.softmax's
+    shift), every intermediate used once and ``x`` by the shift only; else ``((), None)``."""
+    made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    k = made.get(z)
+    if k is None or len(uses.get(z, [])) != 1 or eqns[k].primitive.name != "sub":
+        return (), None
+    x, c = eqns[k].invars
+    found = [k]
+    while not isinstance(c, jex_core.Literal) and c in made:
+        e = eqns[made[c]]
+        if len(uses.get(c, [])) != 1 or c in outs:
+            return (), None
+        found.append(made[c])
+        if e.primitive.name == "reduce_max":
+            ok = e.invars[0] is x and sorted(int(a) for a in e.params["axes"]) == sorted(axes)
+            xs = uses.get(x, [])
+            ok = ok and x not in outs and sorted(xs) == sorted((made[c], k))
+            return (tuple(sorted(found)), x) if ok else ((), None)
+        if e.primitive.name not in _SHIFT_CHAIN:
+            return (), None
+        (c, *rest) = [u for u in e.invars if not isinstance(u, jex_core.Literal)] or [None]
+        if rest or (e.primitive.name == "max" and len(e.invars) != 2):
+            return (), None
+    return (), None
+
+
+def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: set):
+    """``(dot, dropout, p)``: the index of the ``dot_general`` contracting exactly the
+    softmax's axes of ``y`` (attention's probabilities @ values) that ``y`` reaches alone or
+    through dropout linear in ``y`` (:func:`_linear_dropout`), the dropout's indices, and
+    the dot's operand; ``(None, (), None)`` when there is none."""
+    v, drop = y, []
+    for _ in range(_DROPOUT_DEPTH + 1):
+        found = uses.get(v, [])
+        if len(found) != 1 or v in outs:
+            break
+        eqn = eqns[found[0]]
+        if eqn.primitive.name == "dot_general" and eqn.invars[0] is not eqn.invars[1]:
+            (lc, rc), _ = eqn.params["dimension_numbers"]
+            contract = lc if eqn.invars[0] is v else rc
+            if sorted(int(a) for a in contract) == sorted(axes):
+                return found[0], tuple(drop), v
+            break
+        if not _linear_dropout(eqn, v, eqns):
+            break
+        drop.append(found[0])
+        v = eqn.outvars[0]
+    return None, (), None
+
+
+def _linear_dropout(eqn: Any, v: Any, eqns: Sequence[Any]) -> bool:
+    """Whether ``eqn`` is dropout linear in ``v``: ``v * m``, ``v / c`` or ``where(keep, v,
+    0)``, elementwise (``v`` keeps its shape and dtype), ``v`` used once. Linear, the
+    row sums of the softmax's backward pass are the output's (``sum(g_o * o)``)."""
+    name, ins, out = eqn.primitive.name, eqn.invars, eqn.outvars[0].aval
+    if sum(u is v for u in ins) != 1 or (out.shape, out.dtype) != (v.aval.shape, v.aval.dtype):
+        return False
+    if name == "mul":
+        return True
+    if name == "div":
+        return ins[0] is v
+    if name != "select_n" or len(ins) != 3 or ins[0] is v:
+        return False
+    return _is_zero(ins[1] if ins[2] is v else ins[2], eqns)
+
+
+def _is_zero(u: Any, eqns: Sequence[Any]) -> bool:
+    """Whether ``u`` is a literal zero or a broadcast of one (``jnp.zeros_like``)."""
+    if isinstance(u, jex_core.Literal):
+        return not np.any(np.asarray(u.val))
+    for eqn in eqns:
+        if eqn.outvars and eqn.outvars[0] is u:
+            return eqn.primitive.name == "broadcast_in_dim" and _is_zero(eqn.invars[0], eqns)
+    return False
+
+
+def dropout_jaxpr(jaxpr: Any, group: Group) -> tuple[Any, list]:
+    """The group's dropout as a jaxpr from ``(y, *others)`` to the dot's operand, and the
+    ``others``: the variables it reads besides ``y`` (a broadcast zero is computed in it)."""
+    eqns, others = [], []
+    made = {jaxpr.eqns[i].outvars[0] for i in group.drop}
+    for i in group.drop:
+        eqn = jaxpr.eqns[i]
+        for u in eqn.invars:
+            if isinstance(u, jex_core.Literal) or u is group.y or u in made or u in others:
+                continue
+            zero = next((e for e in jaxpr.eqns if e.outvars and e.outvars[0] is u), None)
+            if eqn.primitive.name == "select_n" and zero is not None and _is_zero(u, [zero]):
+                eqns.append(zero)
+                made.add(u)
+            else:
+                others.append(u)
+        eqns.append(eqn)
+    info = jaxpr.debug_info
+    info = info and info._replace(arg_names=("y",) * (1 + len(others)), result_paths=("p",))
+    return jex_core.Jaxpr([], [group.y, *others], [group.p], eqns, debug_info=info), others
 
 
 # Between a softmax and its matmuls: dropout (``y * mask / keep``, ``where(keep, y / p, 0)``).
@@ -171,12 +267,15 @@ def _feeds_matmuls(v: Any, eqns: Sequence[Any], uses: dict, outs: set, depth: in
     return True
 
 
-def group_jaxpr(jaxpr: Any, group: Group) -> Any:
-    """The group's four equations as a jaxpr from ``z`` to ``y``."""
-    eqns = [jaxpr.eqns[i] for i in group.indices]
+def group_jaxpr(jaxpr: Any, group: Group, from_x: bool = False) -> Any:
+    """The group's four equations as a jaxpr from ``z`` to ``y``; from ``x`` (the shift
+    too) where ``from_x``."""
+    indices = (*group.pre, *group.indices) if from_x else group.indices
+    eqns = [jaxpr.eqns[i] for i in indices]
     info = jaxpr.debug_info
     info = info and info._replace(arg_names=("z",), result_paths=("softmax",))
-    return jex_core.Jaxpr([], [group.z], [group.y], eqns, debug_info=info)
+    start = group.x if from_x else group.z
+    return jex_core.Jaxpr([], [start], [group.y], eqns, debug_info=info)
 
 
 def softmax_keeping_low(
@@ -233,37 +332,55 @@ def softmax_matmul_keeping_low(
     matmul: Callable[[Any, Any], Any],
     y_is_lhs: bool,
     dimension_numbers: Any,
-) -> Callable[[Any, Any], Any]:
-    """``(z, v) -> matmul(softmax(z) in low, v)``: attention's softmax and the product with
-    the values, whose backward pass keeps the low probabilities, ``v`` and the output.
+    drop: Callable[..., Any] | None = None,
+    recompute: bool = False,
+) -> Callable[..., Any]:
+    """``(z, v, *others) -> matmul(drop(softmax(z) in low, *others), v)``: attention's
+    softmax, its dropout and the product with the values, whose backward pass keeps the low
+    probabilities (or, where ``recompute``, the low scores ``z`` they are recomputed from),
+    ``v``, the output and the dropout's ``others`` (its mask).
 
     The softmax's backward pass needs ``sum(g_p * p)`` over each row; it is computed as
     ``sum(g_o * o)`` over the value dimension instead (FlashAttention's identity: both
-    are ``g_o . (p @ v)``), from the output and its cotangent, which are a fraction of the
-    size of the probabilities. The gradient ``p * (g_p - that)`` is then one elementwise
-    pass over ``p`` and ``g_p``, which XLA fuses with the product's transpose.
+    are ``g_o . (p @ v)``, with dropout too, which is linear in ``p``), from the output and
+    its cotangent, which are a fraction of the size of the probabilities. The gradient
+    ``p * (g_p - that)`` is then one elementwise pass over ``p`` and ``g_p``, which XLA
+    fuses with the product's transpose; the dropped probabilities are recomputed there.
+
+    With ``recompute`` (``z`` is the half-precision input of softmax's shift, ``body``
+    computes the shift too), nothing the size of the probabilities is written but what the
+    matmul reads, as in a softmax of the module dtype: the forward pass computes the
+    probabilities and their dropout in one kernel from ``z`` (which the score matmul wrote
+    anyway), the backward pass recomputes them in its own. The rounding to ``low`` stays
+    explicit (``reduce_precision``), so both passes see the same probabilities.
     """
     low, z_dtype = np.dtype(low), np.dtype(z_dtype)
     (lc, rc), (lb, rb) = dimension_numbers
+    drop = drop or (lambda y: y)
 
     def probabilities(z: Any) -> Any:
-        return lax.optimization_barrier(lax.convert_element_type(body(z), low))
+        y = lax.convert_element_type(body(z), low)
+        return y if recompute else lax.optimization_barrier(y)
 
-    def product(y_low: Any, v: Any) -> Any:
-        return matmul(y_low, v) if y_is_lhs else matmul(v, y_low)
+    def product(p: Any, v: Any) -> Any:
+        p = p if p.dtype == low else lax.convert_element_type(p, low)
+        return matmul(p, v) if y_is_lhs else matmul(v, p)
 
     @jax.custom_vjp
-    def fun(z: Any, v: Any) -> Any:
-        return product(probabilities(z), v)
+    def fun(z: Any, v: Any, *others: Any) -> Any:
+        return product(drop(probabilities(z), *others), v)
 
-    def fwd(z: Any, v: Any) -> tuple[Any, Any]:
+    def fwd(z: Any, v: Any, *others: Any) -> tuple[Any, Any]:
         y_low = probabilities(z)
-        out = product(y_low, v)
-        return out, (y_low, v, out)
+        out = product(drop(y_low, *others), v)
+        return out, (z if recompute else y_low, v, out, others)
 
-    def bwd(res: Any, g: Any) -> tuple[Any, Any]:
-        y_low, v, out = res
-        g_y, g_v = jax.vjp(product, y_low, v)[1](g)
+    def bwd(res: Any, g: Any) -> tuple[Any, ...]:
+        kept, v, out, others = res
+        y_low = probabilities(kept) if recompute else kept
+        p, drop_vjp = jax.vjp(drop, y_low, *others)
+        g_p, g_v = jax.vjp(product, p, v)[1](g)
+        g_y, *g_others = drop_vjp(g_p)
         contract, batch = (lc, lb) if y_is_lhs else (rc, rb)
         free = [i for i in range(y_low.ndim) if i not in batch and i not in contract]
         n_v_free = out.ndim - len(batch) - len(free)
@@ -274,9 +391,9 @@ def softmax_matmul_keeping_low(
         order = sorted(range(len(target)), key=lambda j: target[j])
         keep = tuple(1 if i in contract else n for i, n in enumerate(y_low.shape))
         row = lax.broadcast_in_dim(lax.transpose(row, order), keep, tuple(sorted(target)))
-        y = _f32(y_low)
+        y = upcast(y_low, FLOAT32_DTYPE) if recompute else _f32(y_low)
         dz = y * (_f32(g_y) - row)
-        return lax.convert_element_type(dz, z_dtype), g_v
+        return (lax.convert_element_type(dz, z_dtype), g_v, *g_others)
 
     fun.defvjp(fwd, bwd)
     return fun
