@@ -334,8 +334,7 @@ def _autocast(
             check_states(state, found, recipe)
             return run(closed, out_shape, dynamic, delayed_rule(state, found, recipe))
 
-        # for float8_init; functools.wraps's type declares no such attribute
-        delayed._jamp_float8 = (fun, recipe)  # pyright: ignore[reportAttributeAccessIssue]
+        delayed._jamp_float8 = fun, recipe  # for float8_init; wraps' type lacks it # pyright: ignore[reportAttributeAccessIssue]
         return delayed
 
     @functools.wraps(fun)
@@ -561,8 +560,7 @@ def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
     def ignoring(state: Any, *args: Any, **kwargs: Any) -> Any:
         return disabled(*args, **kwargs)
 
-    # float8_init finds no product: {}; functools.wraps's type declares no such attribute
-    ignoring._jamp_float8 = (disabled, recipe)  # pyright: ignore[reportAttributeAccessIssue]
+    ignoring._jamp_float8 = disabled, recipe  # float8_init: no product # pyright: ignore[reportAttributeAccessIssue]
     return ignoring
 
 

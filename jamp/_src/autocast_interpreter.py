@@ -144,7 +144,12 @@ def _eval_jaxpr(
         if not ctx.as_traced and MARKER in str(eqn.source_info.name_stack):
             sub = dataclasses.replace(ctx, as_traced=True)
         group = shifts.get(k)
-        if group is not None and not sub.as_traced and _upcast(*read(group.x)):
+        if (
+            group is not None
+            and group.dot is not None
+            and not sub.as_traced
+            and _upcast(*read(group.x))
+        ):
             from_x.add(group.dot)  # the shift too, from the half scores
             done.update(group.pre)
             continue
@@ -199,12 +204,12 @@ def _softmax_matmul(
     others = [x for x, _ in others]
     quiet = dataclasses.replace(ctx, recorder=None)
 
-    def drop(y: Any, *xs: Any) -> Any:  # under the rules; recorded once
-        infos, run = [Info(low=True), *o_infos], drop.ctx
-        drop.ctx = quiet
-        return eval_closed(drop_jaxpr, [y, *xs], infos, run)[0][0]
+    runs = [ctx]  # the first run records; later ones (the backward pass's) do not
 
-    drop.ctx = ctx
+    def drop(y: Any, *xs: Any) -> Any:  # under the rules
+        run, runs[0] = runs[0], quiet
+        return eval_closed(drop_jaxpr, [y, *xs], [Info(low=True), *o_infos], run)[0][0]
+
     with source(dot):
         fun = softmax_matmul_keeping_low(
             lambda x: body(x)[0],

@@ -165,7 +165,7 @@ def _shift(z: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: s
 def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: set):
     """``(dot, dropout, p)``: the index of the ``dot_general`` contracting exactly the
     softmax's axes of ``y`` (attention's probabilities @ values) that ``y`` reaches alone or
-    through dropout linear in ``y`` (:func:`_linear_dropout`), the dropout's indices, and
+    through dropout linear in ``y`` (``_linear_dropout``), the dropout's indices, and
     the dot's operand; ``(None, (), None)`` when there is none."""
     v, drop = y, []
     for _ in range(_DROPOUT_DEPTH + 1):
