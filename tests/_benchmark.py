@@ -17,6 +17,7 @@ def run_benchmark(module: str, *args: str, timeout: int = 600) -> str:
     """
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     env["XLA_FLAGS"] = "--xla_backend_optimization_level=0"
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # benchmarks count and time their compiles
     proc = subprocess.run(
         [sys.executable, "-m", module, *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
