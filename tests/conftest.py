@@ -57,3 +57,16 @@ def pytest_unconfigure(config):
         import shutil
 
         shutil.rmtree(own, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def gpu_compiler():
+    """Skip a module that needs XLA:GPU's deviceless compiler when it is missing, saying
+    why; fail instead under JAMP_REQUIRE_GPU_COMPILE=1 (as .ci/run sets it)."""
+    from benchmarks import xla_gpu
+
+    reason = xla_gpu.unavailable()
+    if reason is not None:
+        if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
+            pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {reason}")
+        pytest.skip(reason)

@@ -20,8 +20,7 @@ import jamp
 from benchmarks import xla_gpu
 from benchmarks.autocast_memory import CNN, GPTStack
 
-WHY = xla_gpu.unavailable()
-pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+pytestmark = pytest.mark.usefixtures("gpu_compiler")  # conftest: skips, or fails in CI
 
 BF16 = jnp.bfloat16
 B, T, D, HEADS = 2, 256, 64, 2

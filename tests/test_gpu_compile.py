@@ -7,8 +7,6 @@ and a CUDA toolkit's ptxas; without them they skip, saying so, except under
 ``JAMP_REQUIRE_GPU_COMPILE=1`` (``.ci/run``), where a missing compiler is a failure.
 """
 
-import os
-
 import jax
 import jax.numpy as jnp
 import optax
@@ -18,15 +16,7 @@ import jamp
 from benchmarks import gpu_compile as G
 from benchmarks import xla_gpu
 
-REASON = xla_gpu.unavailable()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _gpu_compiler():
-    if REASON is not None:
-        if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
-            pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {REASON}")
-        pytest.skip(REASON)
+pytestmark = pytest.mark.usefixtures("gpu_compiler")  # conftest: skips, or fails in CI
 
 
 def _f32(*shape):
