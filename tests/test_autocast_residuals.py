@@ -230,3 +230,126 @@ def test_exp_of_a_half_activation_is_bit_for_bit_the_upcast_computation(dtype):
     want = jax.grad(by_hand, argnums=(0, 1, 2))(x, w, w2)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+# --------------------------------------------------------------------------
+# masks: dropout's multiplier and a select's mask and fill (lm1b, wmt, NNX)
+
+
+def _flax_residuals(loss, *args):
+    """(dtype, shape) -> bytes that ``loss``'s backward pass keeps, arguments excluded."""
+    out = {}
+    for shape, dtype in _saved(loss, *args):
+        out[(dtype, shape)] = out.get((dtype, shape), 0) + int(np.prod(shape)) * dtype.itemsize
+    return out
+
+
+@pytest.mark.parametrize("broadcast_dropout", [False, True])
+def test_flax_attention_dropout_keeps_its_mask_not_a_float32_multiplier(broadcast_dropout):
+    """The user's program: lm1b's and wmt's attention (Flax, causal, dropout 0.1 on the
+    probabilities, ``broadcast_dropout=False``), trained. Flax's dropout multiplies by
+    ``keep.astype(float32) / 0.9``; before, autocast kept that multiplier, 4 bytes per score,
+    besides a bool and a zeros array as large as the scores for the causal mask's
+    ``jnp.where``: 1.02x the residuals of the model at ``dtype=bfloat16`` (lm1b, wmt)."""
+
+    def model(dtype=None):
+        return nn.MultiHeadDotProductAttention(
+            num_heads=H, qkv_features=D, dropout_rate=0.1, deterministic=False, dtype=dtype,
+            broadcast_dropout=broadcast_dropout,
+        )  # fmt: skip
+
+    t = 12  # not the head size: the shapes of the scores and of p @ v differ
+    x, mask = randn(0, B, t, D), nn.make_causal_mask(jnp.ones((B, t)))
+    params = model().init(jax.random.key(0), x, mask=mask)
+
+    def loss_of(m):
+        def loss(p, x):
+            out = m.apply(p, x, mask=mask, rngs={"dropout": jax.random.key(3)})
+            return jnp.sum(jnp.sin(out.astype(F32)))
+
+        return loss
+
+    ours = jamp.autocast(loss_of(model()), BF16)
+    kept = _flax_residuals(ours, params, x)
+    with jax.numpy_dtype_promotion("standard"):
+        flax = _flax_residuals(loss_of(model(BF16)), params, x)
+    scores = (B, H, t, t)
+    assert (F32, scores) not in kept, kept  # no float32 multiplier, no float32 probabilities
+    assert kept.get((np.dtype(bool), scores), 0) == (0 if broadcast_dropout else B * H * t * t)
+    assert kept.get((np.dtype(BF16), scores)) == 2 * B * H * t * t  # the scores, once
+    assert sum(kept.values()) < sum(flax.values()), (kept, flax)
+    # Values: the multiplier is recomputed from the mask in the backward pass; the
+    # gradients are float32's within bfloat16's rounding (the key bias's is zero in exact
+    # arithmetic, a softmax being shift-invariant: the whole tree is compared).
+    flat = lambda t: np.concatenate([np.ravel(g) for g in jax.tree.leaves(t)])  # noqa: E731
+    for wrap in (lambda f: f, jax.jit):
+        a, b = (
+            flat(wrap(jax.grad(ours))(params, x)),
+            flat(wrap(jax.grad(loss_of(model())))(params, x)),
+        )
+        assert np.all(np.isfinite(a)) and a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.9999
+
+
+def test_dropout_multiplier_from_its_mask_changes_no_value():
+    """The fused rule recomputes ``keep / 0.9`` from the mask: the forward values and the
+    gradients are those of the multiplier kept (made visible, here as a second output)."""
+    q, k, v = randn(1, B, T, D), randn(2, B, T, D), randn(3, B, T, D)
+    keep = jax.random.bernoulli(jax.random.key(0), 0.9, (B, T, T))
+
+    def attention(q, k, v, keep):
+        p = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / 4.0)
+        multiplier = keep.astype(F32) / 0.9
+        return jnp.einsum("bts,bsd->btd", p * multiplier, v), multiplier
+
+    def fused(q, k, v):
+        return jnp.sum(jnp.sin(attention(q, k, v, keep)[0]))
+
+    def unfused(q, k, v):  # the multiplier is an output too: the mask chain is not taken
+        out, multiplier = attention(q, k, v, keep)
+        return jnp.sum(jnp.sin(out)), multiplier
+
+    for wrap in (lambda f: f, jax.jit):
+        got = jamp.autocast(wrap(jax.value_and_grad(fused, argnums=(0, 1, 2))), BF16)(q, k, v)
+        want = jamp.autocast(
+            wrap(jax.value_and_grad(lambda *xs: unfused(*xs)[0], argnums=(0, 1, 2))), BF16
+        )(q, k, v)
+        np.testing.assert_array_equal(got[0], want[0])
+        for x, y in zip(got[1], want[1], strict=True):
+            np.testing.assert_array_equal(x, y)
+    saved = _saved(jamp.autocast(fused, BF16), q, k, v)
+    assert ((B, T, T), np.dtype(bool)) in saved and ((B, T, T), F32) not in saved, saved
+
+
+@pytest.mark.parametrize("dtype", HALF, ids=str)
+def test_a_masked_select_keeps_the_small_mask_only(dtype):
+    """``jnp.where(causal_mask, scores, fill)`` and NNX's dropout ``select(keep, x / 0.9,
+    zeros_like(x))`` between matmuls: JAX's derivative of a select keeps a zeros array as
+    large as the output for the constant case, and the broadcast mask; under autocast both
+    are recomputed in the backward pass (float32 JAX keeps them: 4 + 1 bytes per score)."""
+    from flax import nnx
+
+    s, w = randn(0, B, H, T, T), randn(1, T, T, scale=T**-0.5)
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, None]
+
+    def masked(w, s):
+        return jnp.sum(jnp.tanh(jnp.where(causal, s @ w, jnp.finfo(F32).min)) @ w)
+
+    drop = nnx.Dropout(0.1, rngs=nnx.Rngs(dropout=1))
+
+    def dropped(w, s):
+        return jnp.sum(drop(jnp.tanh(s @ w), rngs=nnx.Rngs(dropout=2).dropout()) @ w)
+
+    low = np.dtype(dtype)
+    # Of the scores' size: s @ w's input cast, tanh's output and derivative (and the
+    # dropped values the matmul reads, and the dropout's own mask): nothing else.
+    want = {masked: [low] * 3, dropped: sorted([np.dtype(bool)] + [low] * 4, key=str)}
+    for f, kept in want.items():
+        ours = jamp.autocast(f, dtype)
+        saved = _saved(ours, w, s)
+        assert sorted((d for shape, d in saved if shape == s.shape), key=str) == kept, saved
+        assert (causal.shape, np.dtype(bool)) in saved or f is dropped, saved
+        assert any(shape == s.shape and d == np.dtype(bool) for shape, d in _saved(f, w, s))
+        for wrap in (lambda g: g, jax.jit):
+            a, b = wrap(jax.grad(ours))(w, s), wrap(jax.grad(f))(w, s)
+            a, b = np.ravel(a), np.ravel(b)
+            assert np.all(np.isfinite(a)) and a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999

@@ -36,6 +36,7 @@ FLOORS = {
     "autocast_residuals": FRONT,
     "autocast_sums": FRONT,
     "autocast_values": FRONT,
+    "autocast_flow": FRONT,
     "autocast_interpreter": FRONT,
     "autocast_float8": FRONT,
     "autocast": FRONT,

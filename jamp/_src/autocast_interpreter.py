@@ -23,17 +23,24 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
+from jamp._src.autocast_flow import (
+    categories,
+    constants_allow,
+    known_span,
+    out_infos,
+    promote_target,
+)
 from jamp._src.autocast_residuals import (
     dropout_jaxpr,
     find_softmax,
     group_jaxpr,
+    mask_broadcasts,
     recomputed,
+    select_keeping_mask,
     softmax_keeping_low,
     softmax_matmul_keeping_low,
 )
 from jamp._src.autocast_rules import (
-    AFFINE,
-    ARITHMETIC,
     AS_TRACED,
     BOUNDED,
     ELIGIBLE,
@@ -41,25 +48,13 @@ from jamp._src.autocast_rules import (
     FLOAT32_DTYPE,
     KEEP,
     LOWER,
-    MASK_FILL,
     RECOMPUTED,
-    REDUCTIONS,
-    SPAN_PRESERVING,
-    STRUCTURAL,
-    Span,
-    category,
     div_rule,
-    fits,
     float32_operands,
-    merge_spans,
     narrows,
-    norm_affine,
     output_is_low,
     reaching_float32,
     rule_of,
-    runs_low,
-    span_of,
-    widest,
 )
 from jamp._src.autocast_sums import (
     SCATTER_ADD,
@@ -137,6 +132,7 @@ def _eval_jaxpr(
     fused = {} if ctx.rule is not None else {g.dot: g for g in softmaxes.values() if g.p}
     shifts = {g.pre[0]: g for g in fused.values() if g.pre and g.drop}
     from_x: set[int] = set()  # fused softmaxes evaluated from their shift's half input
+    masks = mask_broadcasts(jaxpr)
     for k, eqn in enumerate(jaxpr.eqns):
         if k in done:
             continue
@@ -176,8 +172,10 @@ def _eval_jaxpr(
         fed = reach if eqn.primitive.name in BOUNDED else to_float32
         feeds_float32 = any(v in fed for v in eqn.outvars)
         fold = _foldable(eqn, invals, ininfos)
+        b = masks.get(k)
+        mask = None if b is None else (read(b.invars[0])[0], b)
         with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
-            outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts)
+            outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts, mask)
         for v, x, i in zip(eqn.outvars, outs, outinfos, strict=True):
             env[v] = (x, i)
     outs = [read(v) for v in jaxpr.outvars]
@@ -200,7 +198,7 @@ def _softmax_matmul(
         body, _, _ = _under_rules(group_jaxpr(jaxpr, group, from_x), [z], [info], ctx)
     drop_jaxpr, others = dropout_jaxpr(jaxpr, group)
     others = [read(u) for u in others]  # the mask, the keep probability (their spans known)
-    o_infos = [i._replace(span=_span(x, i)) if i.kind >= CONST else i for x, i in others]
+    o_infos = [i._replace(span=known_span(x, i)) if i.kind >= CONST else i for x, i in others]
     others = [x for x, _ in others]
     quiet = dataclasses.replace(ctx, recorder=None)
 
@@ -314,53 +312,6 @@ def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[st
     return {**params, "preferred_element_type": ctx.dtype}
 
 
-def _span(x: Any, info: Info) -> Span | None:
-    """The span of a constant's values; ``None`` when it is traced and unknown."""
-    if info.span is not None:
-        return info.span
-    if isinstance(x, jax.core.Tracer):
-        return None
-    return span_of(x)
-
-
-def _categories(invals: Sequence[Any], infos: Sequence[Info], float_in: Sequence[int], ctx):
-    biggest = max(int(np.prod(np.shape(invals[i]))) for i in float_in)
-    return [
-        category(
-            constant=infos[i].kind >= CONST,
-            low=infos[i].low,
-            statistic=infos[i].statistic,
-            broadcast=_size(invals[i], infos[i]) < biggest,
-            in_low_dtype=infos[i].held or np.dtype(invals[i].dtype) == ctx.dtype,
-        )
-        for i in float_in
-    ]
-
-
-def _size(x: Any, info: Info) -> int:
-    return int(np.prod(np.shape(x))) if info.size is None else info.size
-
-
-def _constants_allow(
-    name: str, invals: Sequence[Any], infos: Sequence[Info], float_in: Sequence[int], dtype: Any
-) -> tuple[bool, bool]:
-    """Whether the constants among the inputs may be narrowed to ``dtype``, and with saturation.
-
-    A constant that is not narrowed, or fits (``autocast_rules.fits``),
-    is fine. One that does not fit stops the narrowing (the primitive runs
-    in the wider dtype) unless the primitive is a select, max, min or clamp
-    and the only misfits are +-finfo(float32).max: the mask-fill idiom, which
-    saturates to ``dtype``'s finite extreme.
-    """
-    narrowed = [i for i in float_in if infos[i].kind >= CONST and narrows(invals[i].dtype, dtype)]
-    spans = [_span(invals[i], infos[i]) for i in narrowed]
-    if all(fits(s, dtype) for s in spans):
-        return True, False
-    if name in MASK_FILL and all(fits(s, dtype, mask_fill=True) for s in spans):
-        return True, True
-    return False, False
-
-
 def _eval_eqn(
     eqn: Any,
     invals: list,
@@ -368,6 +319,7 @@ def _eval_eqn(
     ctx: Context,
     feeds_float32: bool = False,
     casts: Casts | None = None,
+    mask: tuple[Any, Any] | None = None,  # select_n's mask: (its source, the broadcast)
 ) -> tuple[list, list]:
     name = eqn.primitive.name
     if ctx.as_traced:
@@ -403,12 +355,12 @@ def _eval_eqn(
     vals = list(invals)
     low = held = False
     eligible = bool(float_in) and all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in)
-    cats = _categories(invals, infos, float_in, ctx) if float_in else []
+    cats = categories(invals, infos, float_in, ctx) if float_in else []
     if name == "div" and float_in and float_in[-1] == 1:
         rule = div_rule(cats[-1])
     lowered = rule == LOWER and eligible
     if lowered:
-        lowered, _ = _constants_allow(name, invals, infos, float_in, ctx.dtype)
+        lowered, _ = constants_allow(name, invals, infos, float_in, ctx.dtype)
     fill = False
     if lowered:
         targets = {i: ctx.dtype for i in float_in}
@@ -427,16 +379,16 @@ def _eval_eqn(
             with source(eqn):  # the backward pass keeps the half input (autocast_residuals)
                 outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
             record(ctx, eqn, rule, outs, outs)
-            return outs, _out_infos(eqn, invals, infos, outs, low)
+            return outs, out_infos(eqn, invals, infos, outs, low)
     elif name in BOUNDED and feeds_float32 and float_in == [0] and _upcast(invals[0], infos[0]):
         # sigmoid feeding log(1 - p): in float32 from its half input, which the backward
         # pass keeps (in the half dtype 1 - p rounds to 0 and the loss to inf).
         with source(eqn):
             outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
         record(ctx, eqn, rule, outs, outs)
-        return outs, _out_infos(eqn, invals, infos, outs, output_is_low(cats), held=True)
+        return outs, out_infos(eqn, invals, infos, outs, output_is_low(cats), held=True)
     else:  # promote; lower with float64 or a constant that does not fit
-        target, fill, held = _promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
+        target, fill, held = promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         targets = {i: target for i in float_in}
         low = output_is_low(cats)
     outs = []  # bound by bind_summing when `wide or up`
@@ -453,85 +405,27 @@ def _eval_eqn(
             )
     if wide or up:
         record(ctx, eqn, rule, [vals[i] for i in targets if i not in wide] or outs, outs)
-        return outs, _out_infos(eqn, invals, infos, outs, low, held)
+        return outs, out_infos(eqn, invals, infos, outs, low, held)
     if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
         with source(eqn):  # its gradient is summed in float32 (autocast_sums)
             outs = [summed_in_float32(vals[0], *_broadcast_args(eqn), vals[0].dtype)]
         record(ctx, eqn, rule, vals, outs)
-        return outs, _out_infos(eqn, invals, infos, outs, low, held)
-    outs = bind(eqn, vals, params)
+        return outs, out_infos(eqn, invals, infos, outs, low, held)
+    kinds = {i.kind == TRACED for i in infos[1:]}
+    if name == "select_n" and kinds == {True, False} and is_float(vals[1].dtype):
+        w, b = (vals[0], None) if mask is None else mask  # its backward keeps the mask only
+        widen = None if b is None else (lambda w: bind(b, [w], b.params)[0])
+        with source(eqn):
+            outs = [select_keeping_mask(lambda *xs: bind(eqn, xs, params)[0], w, vals[1:], widen)]
+    else:
+        outs = bind(eqn, vals, params)
     record(ctx, eqn, rule, vals, outs)
-    return outs, _out_infos(eqn, invals, infos, outs, low, held)
+    return outs, out_infos(eqn, invals, infos, outs, low, held)
 
 
 def _broadcast_args(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
     p = eqn.params
     return tuple(p["shape"]), tuple(p["broadcast_dimensions"])
-
-
-def _promote_target(
-    eqn: Any,
-    invals: Sequence[Any],
-    infos: Sequence[Info],
-    float_in: Sequence[int],
-    cats: Sequence[str],
-    ctx: Context,
-    feeds_float32: bool,
-) -> tuple[Any, bool, bool]:
-    """The dtype a ``promote`` primitive runs in; whether a mask fill saturates; whether held.
-
-    The widest floating input dtype (literals follow the others), or the low
-    dtype when ``autocast_rules.runs_low`` says so; float32 for
-    arithmetic feeding a float32-rule primitive; and no narrowing past a
-    constant that does not fit (``_constants_allow``).
-    """
-    name = eqn.primitive.name
-    if not float_in:
-        return None, False, False
-    strong = [i for i in float_in if infos[i].kind != LITERAL] or float_in
-    target = widest([invals[i].dtype for i in strong])
-    eligible = all(np.dtype(invals[i].dtype) in ELIGIBLE for i in float_in)
-    held = False
-    if eligible and runs_low(cats):
-        target = ctx.dtype
-        if name in AFFINE and norm_affine(cats, [invals[i].dtype for i in float_in], ctx.dtype):
-            target, held = FLOAT32_DTYPE, True  # a norm's scale and bias: float32, as Flax
-    if feeds_float32 and name in ARITHMETIC and target != widest([target, FLOAT32_DTYPE]):
-        # The operand of exp/log/sum...: computed in float32 from its
-        # half-precision inputs, as torch upcasts softmax's input before
-        # subtracting the max (see the module docstring). To its other
-        # consumers it is still a low activation (held in float32).
-        held = target == ctx.dtype
-        target = widest([target, FLOAT32_DTYPE])
-    allowed, fill = _constants_allow(name, invals, infos, float_in, target)
-    if not allowed:  # a constant that does not fit: no narrowing
-        target = widest([invals[i].dtype for i in float_in])
-    return target, fill, held
-
-
-def _out_infos(
-    eqn: Any,
-    invals: Sequence[Any],
-    infos: Sequence[Info],
-    outs: Sequence[Any],
-    low: bool,
-    held: bool = False,
-) -> list:
-    kind = min((i.kind for i in infos), default=CONST)
-    name = eqn.primitive.name
-    size = None
-    if name in STRUCTURAL and invals:
-        size = _size(invals[0], infos[0])
-    span = None
-    if kind >= CONST and name in SPAN_PRESERVING and all(is_float(x.dtype) for x in outs):
-        spans = [_span(x, i) for x, i in zip(invals, infos, strict=True) if is_float(x.dtype)]
-        if spans and all(s is not None for s in spans):
-            span = merge_spans([s for s in spans if s is not None])  # none is None here
-    lows = [i for x, i in zip(invals, infos, strict=True) if is_float(x.dtype) and i.low]
-    statistic = low and (name in REDUCTIONS or bool(lows) and all(i.statistic for i in lows))
-    return [
-        Info(kind, low and is_float(x.dtype), size, span, held and low, statistic) for x in outs
-    ]
 
 
 def _convert_element_type(eqn: Any, invals: list, infos: list, ctx: Context):

@@ -68,6 +68,7 @@ class Group(NamedTuple):
     p: Any = None  # the operand of the dot: y, or the dropout's output
     pre: tuple[int, ...] = ()  # z = x - stop_gradient(max(x)): reduce_max ... sub
     x: Any = None  # the input of that shift (the masked scores)
+    mask: tuple[int, ...] = ()  # a multiplier computed from a boolean mask: mask / keep
 
 
 def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
@@ -126,8 +127,9 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
         if _feeds_matmuls(y, eqns, uses, outs, _DROPOUT_DEPTH):
             dot, drop, p = _contracting(y, axes, eqns, uses, outs)
             pre, x = _shift(eqn.invars[0], axes, eqns, uses, outs)
+            mask = _mask_chains(drop, y, eqns, uses, outs)
             indices = (k, s_k, b_uses[0], d_k)
-            groups[k] = Group(indices, eqn.invars[0], y, axes, dot, drop, p, pre, x)
+            groups[k] = Group(indices, eqn.invars[0], y, axes, dot, drop, p, pre, x, mask)
     return groups
 
 
@@ -186,6 +188,45 @@ def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, o
     return None, (), None
 
 
+# From a boolean mask to dropout's multiplier: ``keep.astype(float32) / keep_prob``.
+_MASK_CHAIN = frozenset({"convert_element_type", "mul", "div", "broadcast_in_dim", "reshape"})
+
+
+def _mask_chains(
+    drop: Sequence[int], y: Any, eqns: Sequence[Any], uses: dict, outs: set
+) -> tuple[int, ...]:
+    """The equations computing a dropout multiplier from a non-floating mask, in order:
+    Flax's ``keep.astype(dtype) / keep_prob``. Each value on the way has one use and the
+    chain reads literals besides the mask, so the fused rule can keep the mask (1 byte
+    per element) and recompute the float32 multiplier (4 bytes) where it is needed."""
+    made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    inside = {eqns[i].outvars[0] for i in drop}
+    found: list[int] = []
+    for i in drop:
+        for u in eqns[i].invars:
+            if isinstance(u, jex_core.Literal) or u is y or u in inside:
+                continue
+            chain, v = [], u
+            while jnp.issubdtype(v.aval.dtype, jnp.floating):
+                k = made.get(v)
+                if k is None or len(uses.get(v, [])) != 1 or v in outs:
+                    chain = []
+                    break
+                e = eqns[k]
+                ins = [w for w in e.invars if not isinstance(w, jex_core.Literal)]
+                if (
+                    e.primitive.name not in _MASK_CHAIN
+                    or len(ins) != 1
+                    or (e.primitive.name == "div" and e.invars[0] is not ins[0])
+                ):
+                    chain = []
+                    break
+                chain.append(k)
+                v = ins[0]
+            found.extend(chain)
+    return tuple(sorted(set(found)))
+
+
 def _linear_dropout(eqn: Any, v: Any, eqns: Sequence[Any]) -> bool:
     """Whether ``eqn`` is dropout linear in ``v``: ``v * m``, ``v / c`` or ``where(keep, v,
     0)``, elementwise (``v`` keeps its shape and dtype), ``v`` used once. Linear, the
@@ -214,10 +255,11 @@ def _is_zero(u: Any, eqns: Sequence[Any]) -> bool:
 
 def dropout_jaxpr(jaxpr: Any, group: Group) -> tuple[Any, list]:
     """The group's dropout as a jaxpr from ``(y, *others)`` to the dot's operand, and the
-    ``others``: the variables it reads besides ``y`` (a broadcast zero is computed in it)."""
+    ``others``: the variables it reads besides ``y`` (a broadcast zero and a multiplier
+    computed from a mask, ``group.mask``, are computed in it; the mask is an other)."""
     eqns, others = [], []
-    made = {jaxpr.eqns[i].outvars[0] for i in group.drop}
-    for i in group.drop:
+    made = {jaxpr.eqns[i].outvars[0] for i in (*group.mask, *group.drop)}
+    for i in (*group.mask, *group.drop):
         eqn = jaxpr.eqns[i]
         for u in eqn.invars:
             if isinstance(u, jex_core.Literal) or u is group.y or u in made or u in others:
@@ -323,6 +365,49 @@ def recomputed(fun: Callable[[Any], Any], x: Any) -> Any:
     return jax.checkpoint(
         upcast_then, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
     )(x)
+
+
+def mask_broadcasts(jaxpr: Any) -> dict[int, Any]:
+    """``{k: b}``: the ``select_n`` equations ``k`` whose mask is the output of the
+    ``broadcast_in_dim`` equation ``b`` of a smaller value, used by ``k`` alone
+    (``jnp.where(causal_mask, scores, fill)``)."""
+    made, uses = {}, {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                uses[v] = uses.get(v, 0) + 1
+    out = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name == "broadcast_in_dim" and not isinstance(
+            eqn.invars[0], jex_core.Literal
+        ):
+            made[eqn.outvars[0]] = eqn
+        if eqn.primitive.name == "select_n":
+            b = made.get(eqn.invars[0])
+            if b is not None and uses[eqn.invars[0]] == 1 and eqn.invars[0] not in jaxpr.outvars:
+                out[k] = b
+    return out
+
+
+def select_keeping_mask(
+    select: Callable[..., Any], which: Any, cases: Sequence[Any], widen: Callable | None = None
+) -> Any:
+    """``select(which, *cases)``, ``which`` the mask (or ``widen(which)``, the broadcast of a
+    smaller one), whose backward pass keeps the mask as it came in and nothing else.
+
+    JAX's derivative of ``select_n`` makes the zero tangent of a constant case (a fill
+    value, ``jnp.zeros_like``) a zeros array of the output's size in the forward pass, and
+    the transpose reads it and the broadcast mask: residuals of 2 or 4 and 1 bytes per
+    element (an attention mask's fill: per score). Under a checkpoint that saves nothing
+    of its own, both are recomputed in the backward pass, where XLA fuses them into the
+    select of the cotangent. The values are those of ``select``.
+    """
+
+    def fun(w: Any, *cs: Any) -> Any:
+        return select(w if widen is None else widen(w), *cs)
+
+    policy = jax.checkpoint_policies.nothing_saveable
+    return jax.checkpoint(fun, policy=policy, prevent_cse=False)(which, *cases)
 
 
 def softmax_matmul_keeping_low(
