@@ -35,6 +35,22 @@ above its subnormals) where JAX's rule reads float32 ones; the gradient's
 distance to float32's is what Flax's bfloat16 softmax gives. A softmax whose
 output feeds anything else (a loss, a ``where``, a float32 primitive, a
 ``checkpoint_name``) is evaluated primitive by primitive.
+
+**Dropout's multiplier** (``_mask_chains``): Flax multiplies the
+probabilities by ``keep.astype(float32) / keep_prob``, a float32 array the
+size of the scores. The fused rule takes that computation in and keeps the
+boolean ``keep`` (1 byte per score, where the multiplier is 4 and Flax's
+bfloat16 one 2), recomputing the same float32 multiplier where it is needed.
+
+**Masked selects** (``select_keeping_mask``): JAX's derivative of
+``select_n`` turns the zero tangent of a constant case (``jnp.where(mask,
+scores, fill)``'s fill, ``jnp.zeros_like`` in NNX's dropout) into a zeros
+array as large as the output, made in the forward pass and kept, and keeps
+the mask as broadcast (``jnp.where`` broadcasts a causal ``(1, 1, T, T)``
+mask to every batch and head). Under a checkpoint that saves nothing of its
+own, the zeros and the broadcast are recomputed in the backward pass (XLA
+fuses them into the select of the cotangent) and the mask is kept as it came
+in. Float32 JAX and Flax's module dtype keep both.
 """
 
 from __future__ import annotations
