@@ -353,3 +353,56 @@ def test_a_masked_select_keeps_the_small_mask_only(dtype):
             a, b = wrap(jax.grad(ours))(w, s), wrap(jax.grad(f))(w, s)
             a, b = np.ravel(a), np.ravel(b)
             assert np.all(np.isfinite(a)) and a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.999
+
+
+@pytest.mark.parametrize("dtype", [BF16], ids=str)  # float16 takes the same path
+def test_grouped_kv_heads_attention_with_dropout_is_fused(dtype):
+    """The user's program: Gemma's attention (flax examples/gemma, grouped KV heads): the
+    probabilities, after NNX-style dropout, are reshaped to ``(B, T, K, G, S)`` for the
+    product with the values. The fused rule takes the reshape in; before, the softmax ran
+    primitive by primitive and kept its float32 ``exp`` (4 bytes per score). Its values are
+    those of the same attention with the KV heads repeated (no reshape), fused as before."""
+    k_heads, groups, hd = 2, 2, 8
+    n = k_heads * groups
+    q, k, v = randn(1, B, T, n, hd), randn(2, B, T, k_heads, hd), randn(3, B, T, k_heads, hd)
+    causal = jnp.tril(jnp.ones((T, T), bool))[None, :, None, :]
+    keep = jax.random.bernoulli(jax.random.key(0), 0.9, (B, T, n, T))
+
+    def probabilities(logits, name=None):
+        probs = jax.nn.softmax(jnp.where(causal, logits, -2.3819763e38), axis=-1)
+        probs = probs if name is None else checkpoint_name(probs, name)  # unfused
+        return jax.lax.select(keep, probs / 0.9, jnp.zeros_like(probs))
+
+    def grouped(q, k, v, name=None):
+        logits = jnp.einsum("BTKGH,BSKH->BTKGS", q.reshape(B, T, k_heads, groups, hd), k)
+        probs = probabilities(logits.reshape(B, T, n, T), name)
+        out = jnp.einsum("BTKGS,BSKH->BTKGH", probs.reshape(B, T, k_heads, groups, T), v)
+        return jnp.sum(jnp.sin(out.reshape(B, T, n, hd)))
+
+    def repeated(q, k, v):
+        k, v = jnp.repeat(k, groups, axis=2), jnp.repeat(v, groups, axis=2)
+        probs = probabilities(jnp.einsum("BTNH,BSNH->BTNS", q, k))
+        return jnp.sum(jnp.sin(jnp.einsum("BTNS,BSNH->BTNH", probs, v)))
+
+    def unfused(q, k, v):
+        return grouped(q, k, v, "p")
+
+    for f in (grouped, repeated):
+        assert [g.dot is not None for g in find_softmax(_jaxpr(f, q, k, v), dtype).values()] == [
+            True
+        ]
+    assert find_softmax(_jaxpr(unfused, q, k, v), dtype) == {}
+    ours = jamp.autocast(grouped, dtype)
+    assert ((B, T, n, T), F32) not in _saved(ours, q, k, v)
+    assert ((B, T, n, T), F32) in _saved(jamp.autocast(unfused, dtype), q, k, v)
+    for wrap in (lambda f: f, jax.jit):
+        np.testing.assert_allclose(
+            wrap(ours)(q, k, v), wrap(jamp.autocast(repeated, dtype))(q, k, v), rtol=1e-6
+        )
+        got = wrap(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
+        same = wrap(jax.grad(jamp.autocast(repeated, dtype), argnums=(0, 1, 2)))(q, k, v)
+        want = wrap(jax.grad(grouped, argnums=(0, 1, 2)))(q, k, v)
+        for a, b, c in zip(got, same, want, strict=True):
+            a, b, c = np.ravel(a), np.ravel(b), np.ravel(c)
+            assert a @ c / np.linalg.norm(a) / np.linalg.norm(c) > 0.9999
+            np.testing.assert_allclose(a, b, rtol=0, atol=4 * EPS[dtype] * np.abs(c).max())

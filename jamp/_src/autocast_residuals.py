@@ -20,8 +20,9 @@ stop_gradient(max x)``, computed in float32 (torch's autocast runs softmax in
 float32 too), and JAX's rules keep ``e`` in float32 besides the
 half-precision copy of ``y`` that the next matmul keeps. When every consumer
 of ``y`` is a matmul (``dot_general``, a convolution) that casts it to the
-half dtype anyway, as attention's ``probabilities @ values`` does, the group
-is evaluated as one ``custom_vjp``:
+half dtype anyway, as attention's ``probabilities @ values`` does (through
+dropout, and a reshape that keeps the softmax's axes last: grouped KV heads),
+the group is evaluated as one ``custom_vjp``:
 
 - forward: the same float32 primitives, so ``y`` and its half-precision cast
   are bit for bit what they were, and that cast is the one the matmul uses;
@@ -183,10 +184,11 @@ def _shift(z: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: s
 def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: set):
     """``(dot, dropout, p)``: the index of the ``dot_general`` contracting exactly the
     softmax's axes of ``y`` (attention's probabilities @ values) that ``y`` reaches alone or
-    through dropout linear in ``y`` (``_linear_dropout``), the dropout's indices, and
-    the dot's operand; ``(None, (), None)`` when there is none."""
+    through dropout linear in ``y`` (``_linear_dropout``) and reshapes that keep those axes
+    last (``_keeps_last``: grouped KV heads), the indices of both, and the dot's operand;
+    ``(None, (), None)`` when there is none."""
     v, drop = y, []
-    for _ in range(_DROPOUT_DEPTH + 1):
+    for _ in range(_DROPOUT_DEPTH + 2):
         found = uses.get(v, [])
         if len(found) != 1 or v in outs:
             break
@@ -197,11 +199,25 @@ def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, o
             if sorted(int(a) for a in contract) == sorted(axes):
                 return found[0], tuple(drop), v
             break
-        if not _linear_dropout(eqn, v, eqns):
+        if _keeps_last(eqn, v, axes):
+            n = eqn.outvars[0].aval.ndim
+            axes = tuple(range(n - len(axes), n))
+        elif not _linear_dropout(eqn, v, eqns):
             break
         drop.append(found[0])
         v = eqn.outvars[0]
     return None, (), None
+
+
+def _keeps_last(eqn: Any, v: Any, axes: Sequence[int]) -> bool:
+    """Whether ``eqn`` reshapes ``v`` keeping the softmax's ``axes``, its last ones, last and
+    whole: ``(B, T, N, S) -> (B, T, K, G, S)``, Gemma's probabilities for grouped KV heads.
+    A row of the softmax is then a row of the reshaped value."""
+    if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
+        return False
+    old, new, k = tuple(v.aval.shape), tuple(eqn.outvars[0].aval.shape), len(axes)
+    last = tuple(range(len(old) - k, len(old)))
+    return 0 < k < len(new) and tuple(sorted(axes)) == last and new[-k:] == old[-k:]
 
 
 # From a boolean mask to dropout's multiplier: ``keep.astype(float32) / keep_prob``.
@@ -312,6 +328,8 @@ def _feeds_matmuls(v: Any, eqns: Sequence[Any], uses: dict, outs: set, depth: in
         if name in _MATMULS and rule_of(eqn) == LOWER:
             continue
         others = [u for u in eqn.invars if u is not v]
+        if name == "reshape" and depth and _feeds_matmuls(eqn.outvars[0], eqns, uses, outs, depth):
+            continue  # checked by _contracting (_keeps_last)
         if (
             depth
             and name in _DROPOUT
@@ -483,15 +501,18 @@ def softmax_matmul_keeping_low(
         g_p, g_v = jax.vjp(product, p, v)[1](g)
         g_y, *g_others = drop_vjp(g_p)
         contract, batch = (lc, lb) if y_is_lhs else (rc, rb)
-        free = [i for i in range(y_low.ndim) if i not in batch and i not in contract]
+        free = [i for i in range(p.ndim) if i not in batch and i not in contract]
         n_v_free = out.ndim - len(batch) - len(free)
         start = len(batch) + len(free) if y_is_lhs else len(batch)
         v_free = tuple(range(start, start + n_v_free))
         row = jnp.sum(_f32(g) * _f32(out), axis=v_free)  # (batch..., free...) of y
         target = [*batch, *free]
         order = sorted(range(len(target)), key=lambda j: target[j])
-        keep = tuple(1 if i in contract else n for i, n in enumerate(y_low.shape))
+        keep = tuple(1 if i in contract else n for i, n in enumerate(p.shape))
         row = lax.broadcast_in_dim(lax.transpose(row, order), keep, tuple(sorted(target)))
+        if p.shape != y_low.shape:  # reshaped for grouped heads, the softmax's axes last
+            k = len(contract)
+            row = lax.reshape(row, (*y_low.shape[: y_low.ndim - k], *(1,) * k))
         y = upcast(y_low, FLOAT32_DTYPE) if recompute else _f32(y_low)
         dz = y * (_f32(g_y) - row)
         return (lax.convert_element_type(dz, z_dtype), g_v, *g_others)

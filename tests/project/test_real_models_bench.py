@@ -1,6 +1,12 @@
-"""Smoke test of benchmarks/real_models.py: flax NNX's built-in layers at tiny shapes."""
+"""Smoke test of benchmarks/real_models.py: flax NNX's built-in layers at tiny shapes.
 
-from _benchmark import run_benchmark
+In this process (no subprocess: the benchmark counts no compiles), under the standard
+dtype promotion a user's program runs with: Flax's bfloat16 modules promote inside.
+"""
+
+import jax
+
+from benchmarks import real_models
 
 
 def test_nnx_builtins_autocast_keeps_no_more_than_flax_dtype(tmp_path):
@@ -8,8 +14,8 @@ def test_nnx_builtins_autocast_keeps_no_more_than_flax_dtype(tmp_path):
     # have: the benchmark skips it and says why.
     results = tmp_path / "RESULTS.md"
     results.write_text("# results\n\nearlier sections\n")
-    out = run_benchmark("benchmarks.real_models", "--tiny", "--models", "nnx,lm1b",
-                        "--results", str(results))  # fmt: skip
+    with jax.numpy_dtype_promotion("standard"):
+        out = real_models.main(["--tiny", "--models", "nnx,lm1b", "--results", str(results)])
     assert out.startswith("<!-- real-models:start -->")
     assert out.rstrip().endswith("<!-- real-models:end -->")
     assert results.read_text().startswith("# results\n\nearlier sections\n\n<!-- real-models")
