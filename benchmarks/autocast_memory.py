@@ -1,6 +1,6 @@
 """Activation memory of mixed precision: what the backward pass saves, side by side.
 
-    python -m benchmarks.autocast_memory                  # both models, ~2-4 min on 2 cores
+    python -m benchmarks.autocast_memory                  # every model, ~6 min on 2 cores
     python -m benchmarks.autocast_memory --tiny           # seconds: a smoke test
     python -m benchmarks.autocast_memory --results benchmarks/RESULTS.md   # record it there
     python -m benchmarks.autocast_memory --step-time      # GPT step time (for a GPU)
@@ -24,7 +24,10 @@ the same float32 parameters:
 
 An attention block with dropout (``LayerNorm``, ``MultiHeadDotProductAttention``
 with ``dropout_rate=0.1``, a float32 residual; d=256, 4 heads, batch 8x128, MSE
-loss, one fixed dropout key) is measured the same way.
+loss, one fixed dropout key) is measured the same way, and so is a block of
+attention with grouped KV heads as Gemma writes it (8 query heads over 2 KV
+heads, ``jnp.einsum`` over the probabilities reshaped to ``(B, T, K, G, S)``,
+``nn.Dropout`` on the probabilities; ``--models GQA``).
 
 **On the GPU compile** (issue #25), each whole train step (``value_and_grad`` and
 ``optax.adamw``, state donated) is compiled for a described H200 without a device
@@ -33,7 +36,8 @@ loss, one fixed dropout key) is measured the same way.
 program: modelled HBM bytes, XLA's temp memory, the roofline time and the GEMM
 operand dtypes; models: ``benchmarks/gpu_compile.py``'s GPT (4 blocks, d 512, 8
 heads, batch 16x512) and CNN, and the dropout block at d 512, 8 heads, batch
-16x512. The rows are left out, with the reason, where the plugin is missing.
+16x512 (the grouped-KV block too). The rows are left out, with the reason, where
+the plugin is missing.
 
 Columns: **residuals** are the bytes JAX saves for the backward pass
 (``jax.ad_checkpoint`` ``saved_residuals`` of the loss with respect to the
@@ -165,6 +169,34 @@ class DropoutBlock(nn.Module):
         return x + h
 
 
+class GQABlock(nn.Module):
+    """LayerNorm, causal attention with grouped KV heads written as Gemma writes it
+    (flax examples/gemma: the probabilities reshaped to ``(B, T, K, G, S)`` for ``p @ v``),
+    dropout on the probabilities, a residual."""
+
+    heads: int
+    kv_heads: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    rate: float = 0.1
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, d = x.shape
+        n, k = self.heads, self.kv_heads
+        hd, g = d // n, n // k
+        kw = dict(dtype=self.dtype, param_dtype=self.param_dtype, use_bias=False)
+        h = nn.LayerNorm(dtype=self.dtype, param_dtype=self.param_dtype)(x)
+        q = nn.DenseGeneral((n, hd), **kw)(h).reshape(b, t, k, g, hd)
+        key, value = nn.DenseGeneral((k, hd), **kw)(h), nn.DenseGeneral((k, hd), **kw)(h)
+        logits = jnp.einsum("BTKGH,BSKH->BTKGS", q, key).reshape(b, t, n, t) * hd**-0.5
+        causal = jnp.tril(jnp.ones((t, t), bool))[None, :, None, :]
+        logits = jnp.where(causal, logits, jnp.finfo(logits.dtype).min)
+        probs = nn.Dropout(self.rate, deterministic=False)(jax.nn.softmax(logits, axis=-1))
+        out = jnp.einsum("BTKGS,BSKH->BTKGH", probs.reshape(b, t, k, g, t), value)
+        return x + nn.DenseGeneral(d, axis=(-2, -1), **kw)(out.reshape(b, t, n, hd))
+
+
 @dataclasses.dataclass(frozen=True)
 class Case:
     name: str
@@ -236,6 +268,25 @@ def dropout_case(tiny: bool) -> Case:
         f"d={d}, {heads} heads, batch {b}x{t}, MSE loss"
     )
     return Case("Attention+dropout", describe, module, (x, y), loss, None, rngs=True)
+
+
+def gqa_case(tiny: bool) -> Case:
+    d, heads, kv, b, t = (32, 4, 2, 2, 16) if tiny else (256, 8, 2, 8, 128)
+    x = jnp.asarray(_rng(6).standard_normal((b, t, d)), jnp.float32)
+    y = jnp.asarray(_rng(7).standard_normal((b, t, d)), jnp.float32)
+
+    def module(dtype=None, param_dtype=jnp.float32):
+        return GQABlock(heads, kv, dtype, param_dtype)
+
+    def loss(out, y):
+        return jnp.mean(jnp.square(out - y))
+
+    describe = (
+        f"LayerNorm + causal attention with grouped KV heads ({heads} query heads over {kv} "
+        f"KV heads, Gemma's einsums) and dropout 0.1 on the probabilities + residual: d={d}, "
+        f"batch {b}x{t}, MSE loss"
+    )
+    return Case("GQA", describe, module, (x, y), loss, None, rngs=True)
 
 
 # --------------------------------------------------------------------------- variants
@@ -377,10 +428,13 @@ def gpu_models(tiny: bool) -> list:
          (img, labels), gc._xent, False),
         ("Attention+dropout", f"one dropout block, d {d}, {heads} heads, batch {b}x{t}",
          lambda dt=None: DropoutBlock(heads, dt), (seq, seq), mse, True),
+        ("GQA", f"one grouped-KV attention block with dropout, d {d}, {heads} query heads "
+         f"over 2 KV heads, batch {b}x{t}", lambda dt=None: GQABlock(heads, 2, dt), (seq, seq),
+         mse, True),
     ]  # fmt: skip
 
 
-def gpu_compile(tiny: bool, log: Callable[[str], None], only=("GPT", "CNN", "Dropout")):
+def gpu_compile(tiny: bool, log: Callable[[str], None], only=("GPT", "CNN", "Dropout", "GQA")):
     """``[(model, describe, {variant: Program})]``: whole train steps of the models in
     ``only`` (``--models`` names) compiled for an H200, or ``([], why)`` where jax's CUDA
     plugin is missing."""
@@ -778,8 +832,8 @@ def parser() -> argparse.ArgumentParser:
         "8 layers, batch 16x512 (large)",
     )
     ap.add_argument("--no-torch", action="store_true", help="skip the torch.autocast rows")
-    ap.add_argument("--models", default="GPT,CNN,Dropout",
-                    help="comma-separated subset of GPT,CNN,Dropout")  # fmt: skip
+    ap.add_argument("--models", default="GPT,CNN,Dropout,GQA",
+                    help="comma-separated subset of GPT,CNN,Dropout,GQA")  # fmt: skip
     ap.add_argument("--no-gpu-compile", action="store_true",
                     help="leave out the H200 GPU-compile rows")  # fmt: skip
     return ap
@@ -788,7 +842,7 @@ def parser() -> argparse.ArgumentParser:
 def measure_section(args: argparse.Namespace, log: Callable[[str], None]) -> str:
     """The section this benchmark writes into RESULTS.md."""
     t0 = time.perf_counter()
-    builders = {"GPT": gpt_case, "CNN": cnn_case, "Dropout": dropout_case}
+    builders = {"GPT": gpt_case, "CNN": cnn_case, "Dropout": dropout_case, "GQA": gqa_case}
     cases = [builders[m.strip()](args.tiny) for m in args.models.split(",") if m.strip()]
     results, torch_res = {}, {}
     for case in cases:
