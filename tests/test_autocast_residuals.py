@@ -281,13 +281,12 @@ def test_flax_attention_dropout_keeps_its_mask_not_a_float32_multiplier(broadcas
     # Values: the multiplier is recomputed from the mask in the backward pass; the
     # gradients are float32's within bfloat16's rounding (the key bias's is zero in exact
     # arithmetic, a softmax being shift-invariant: the whole tree is compared).
+    # Jitted only: the eager and jitted values of this rule are compared bit for bit in
+    # test_dropout_multiplier_from_its_mask_changes_no_value.
     flat = lambda t: np.concatenate([np.ravel(g) for g in jax.tree.leaves(t)])  # noqa: E731
-    for wrap in (lambda f: f, jax.jit):
-        a, b = (
-            flat(wrap(jax.grad(ours))(params, x)),
-            flat(wrap(jax.grad(loss_of(model())))(params, x)),
-        )
-        assert np.all(np.isfinite(a)) and a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.9999
+    a = flat(jax.jit(jax.grad(ours))(params, x))
+    b = flat(jax.jit(jax.grad(loss_of(model())))(params, x))
+    assert np.all(np.isfinite(a)) and a @ b / np.linalg.norm(a) / np.linalg.norm(b) > 0.9999
 
 
 def test_dropout_multiplier_from_its_mask_changes_no_value():
@@ -395,14 +394,13 @@ def test_grouped_kv_heads_attention_with_dropout_is_fused(dtype):
     ours = jamp.autocast(grouped, dtype)
     assert ((B, T, n, T), F32) not in _saved(ours, q, k, v)
     assert ((B, T, n, T), F32) in _saved(jamp.autocast(unfused, dtype), q, k, v)
-    for wrap in (lambda f: f, jax.jit):
-        np.testing.assert_allclose(
-            wrap(ours)(q, k, v), wrap(jamp.autocast(repeated, dtype))(q, k, v), rtol=1e-6
-        )
-        got = wrap(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
-        same = wrap(jax.grad(jamp.autocast(repeated, dtype), argnums=(0, 1, 2)))(q, k, v)
-        want = wrap(jax.grad(grouped, argnums=(0, 1, 2)))(q, k, v)
-        for a, b, c in zip(got, same, want, strict=True):
-            a, b, c = np.ravel(a), np.ravel(b), np.ravel(c)
-            assert a @ c / np.linalg.norm(a) / np.linalg.norm(c) > 0.9999
-            np.testing.assert_allclose(a, b, rtol=0, atol=4 * EPS[dtype] * np.abs(c).max())
+    eager = jamp.autocast(repeated, dtype)(q, k, v)
+    np.testing.assert_allclose(ours(q, k, v), eager, rtol=1e-6)  # eagerly: the values
+    np.testing.assert_allclose(jax.jit(ours)(q, k, v), eager, rtol=1e-6)
+    got = jax.jit(jax.grad(ours, argnums=(0, 1, 2)))(q, k, v)
+    same = jax.jit(jax.grad(jamp.autocast(repeated, dtype), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.jit(jax.grad(grouped, argnums=(0, 1, 2)))(q, k, v)
+    for a, b, c in zip(got, same, want, strict=True):
+        a, b, c = np.ravel(a), np.ravel(b), np.ravel(c)
+        assert a @ c / np.linalg.norm(a) / np.linalg.norm(c) > 0.9999
+        np.testing.assert_allclose(a, b, rtol=0, atol=4 * EPS[dtype] * np.abs(c).max())
