@@ -213,23 +213,36 @@ def _rng(seed):
     return np.random.default_rng(seed)
 
 
+def _sequences(seed: int, b: int, t: int, d: int) -> tuple:
+    """(inputs, targets): standard normal ``(b, t, d)`` arrays from seeds ``seed``, ``seed + 1``."""
+    return tuple(
+        jnp.asarray(_rng(s).standard_normal((b, t, d)), jnp.float32) for s in (seed, seed + 1)
+    )
+
+
+def _mse(out, y):
+    return jnp.mean(jnp.square(out - y))
+
+
 def gpt_case(tiny: bool) -> Case:
     d, heads, layers, b, t = (32, 2, 1, 2, 16) if tiny else (256, 4, 4, 8, 128)
-    x = jnp.asarray(_rng(0).standard_normal((b, t, d)), jnp.float32)
-    y = jnp.asarray(_rng(1).standard_normal((b, t, d)), jnp.float32)
 
     def module(dtype=None, param_dtype=jnp.float32):
         return GPTStack(layers, heads, dtype, param_dtype)
-
-    def loss(out, y):
-        return jnp.mean(jnp.square(out - y))
 
     describe = (
         f"{layers}-layer GPT block stack: d={d}, {heads} heads, batch {b}x{t}, causal mask, "
         "Flax LayerNorm/MultiHeadDotProductAttention/Dense/gelu, float32 residual stream, "
         "MSE loss"
     )
-    return Case("GPT", describe, module, (x, y), loss, lambda: _torch_gpt(d, heads, layers, b, t))
+    return Case(
+        "GPT",
+        describe,
+        module,
+        _sequences(0, b, t, d),
+        _mse,
+        lambda: _torch_gpt(d, heads, layers, b, t),
+    )
 
 
 def cnn_case(tiny: bool) -> Case:
@@ -254,39 +267,31 @@ def cnn_case(tiny: bool) -> Case:
 
 def dropout_case(tiny: bool) -> Case:
     d, heads, b, t = (32, 2, 2, 16) if tiny else (256, 4, 8, 128)
-    x = jnp.asarray(_rng(4).standard_normal((b, t, d)), jnp.float32)
-    y = jnp.asarray(_rng(5).standard_normal((b, t, d)), jnp.float32)
 
     def module(dtype=None, param_dtype=jnp.float32):
         return DropoutBlock(heads, dtype, param_dtype)
-
-    def loss(out, y):
-        return jnp.mean(jnp.square(out - y))
 
     describe = (
         f"LayerNorm + causal MultiHeadDotProductAttention with dropout_rate=0.1 + residual: "
         f"d={d}, {heads} heads, batch {b}x{t}, MSE loss"
     )
-    return Case("Attention+dropout", describe, module, (x, y), loss, None, rngs=True)
+    return Case(
+        "Attention+dropout", describe, module, _sequences(4, b, t, d), _mse, None, rngs=True
+    )
 
 
 def gqa_case(tiny: bool) -> Case:
     d, heads, kv, b, t = (32, 4, 2, 2, 16) if tiny else (256, 8, 2, 8, 128)
-    x = jnp.asarray(_rng(6).standard_normal((b, t, d)), jnp.float32)
-    y = jnp.asarray(_rng(7).standard_normal((b, t, d)), jnp.float32)
 
     def module(dtype=None, param_dtype=jnp.float32):
         return GQABlock(heads, kv, dtype, param_dtype)
-
-    def loss(out, y):
-        return jnp.mean(jnp.square(out - y))
 
     describe = (
         f"LayerNorm + causal attention with grouped KV heads ({heads} query heads over {kv} "
         f"KV heads, Gemma's einsums) and dropout 0.1 on the probabilities + residual: d={d}, "
         f"batch {b}x{t}, MSE loss"
     )
-    return Case("GQA", describe, module, (x, y), loss, None, rngs=True)
+    return Case("GQA", describe, module, _sequences(6, b, t, d), _mse, None, rngs=True)
 
 
 # --------------------------------------------------------------------------- variants
@@ -769,8 +774,7 @@ def step_time(args, log) -> str:
     d, heads, layers, b, t = (1024, 16, 8, 16, 512) if big else (256, 4, 4, 8, 128)
     if args.tiny:
         d, heads, layers, b, t = 32, 2, 1, 2, 16
-    x = jnp.asarray(_rng(0).standard_normal((b, t, d)), jnp.float32)
-    y = jnp.asarray(_rng(1).standard_normal((b, t, d)), jnp.float32)
+    x, y = _sequences(0, b, t, d)
     f32 = GPTStack(layers, heads)
     params = f32.init(jax.random.key(0), x)
 

@@ -119,17 +119,14 @@ def test_cnn_step_is_as_lean_as_flax_dtype():
     assert ours.gemm_dtypes() == {"bf16"}
 
 
-def test_attention_dropout_step_is_as_lean_as_flax_dtype():
-    """The user's program: a LayerNorm + causal attention block with dropout on its
-    probabilities (Flax's MultiHeadDotProductAttention, dropout_rate=0.1) trained one SGD
-    step, against the block built with dtype=bfloat16, same inputs and dropout key. Before:
-    bytes 1.125x Flax's (the probabilities written twice, once kept, once dropped), residuals
-    0.678x vs 0.677x float32's (exp's and div's float32 outputs kept past the dropout)."""
-    from benchmarks.autocast_memory import DropoutBlock
+def _block_programs(make):
+    """A dropout block ``make(dtype)`` (float32 parameters) trained one SGD step, under
+    jamp.autocast and built with dtype=bfloat16, same inputs and dropout key, compiled for
+    the H200: ``({name: Program}, {name: residual bytes})``."""
     from jamp._src.autocast import _residuals
 
     x = jax.ShapeDtypeStruct((B, T, D), jnp.float32)  # shapes only: nothing runs
-    params = jax.eval_shape(lambda: DropoutBlock(HEADS).init(jax.random.key(0), jnp.zeros(x.shape)))
+    params = jax.eval_shape(lambda: make(None).init(jax.random.key(0), jnp.zeros(x.shape)))
     key, batch = jax.random.key(7), (x, x)
 
     def loss_of(m):
@@ -139,8 +136,7 @@ def test_attention_dropout_step_is_as_lean_as_flax_dtype():
 
         return loss
 
-    losses = {"autocast": jamp.autocast(loss_of(DropoutBlock(HEADS)), BF16),
-              "flax": loss_of(DropoutBlock(HEADS, BF16))}  # fmt: skip
+    losses = {"autocast": jamp.autocast(loss_of(make(None)), BF16), "flax": loss_of(make(BF16))}
     residuals, programs = {}, {}
     for name, loss in losses.items():
         step, tx = _step(loss)
@@ -151,6 +147,18 @@ def test_attention_dropout_step_is_as_lean_as_flax_dtype():
         assert not note, note
         residuals[name] = sum(r.nbytes for r in rows)
         programs[name] = xla_gpu.analyse(compiled)
+    return programs, residuals
+
+
+def test_attention_dropout_step_is_as_lean_as_flax_dtype():
+    """The user's program: a LayerNorm + causal attention block with dropout on its
+    probabilities (Flax's MultiHeadDotProductAttention, dropout_rate=0.1) trained one SGD
+    step, against the block built with dtype=bfloat16, same inputs and dropout key. Before:
+    bytes 1.125x Flax's (the probabilities written twice, once kept, once dropped), residuals
+    0.678x vs 0.677x float32's (exp's and div's float32 outputs kept past the dropout)."""
+    from benchmarks.autocast_memory import DropoutBlock
+
+    programs, residuals = _block_programs(lambda dtype: DropoutBlock(HEADS, dtype))
     ours, flax = programs["autocast"], programs["flax"]
     assert residuals["autocast"] <= residuals["flax"], residuals
     assert ours.bytes <= DROPOUT_BYTES_LIMIT * flax.bytes, ours.bytes / flax.bytes
@@ -167,26 +175,9 @@ def test_grouped_kv_attention_step_is_as_lean_as_flax_dtype():
     shapes (python -m benchmarks.autocast_memory --models GQA), float32 exp kept."""
     from benchmarks.autocast_memory import GQABlock
 
-    x = jax.ShapeDtypeStruct((B, T, D), jnp.float32)
-    params = jax.eval_shape(lambda: GQABlock(4, 2).init(jax.random.key(0), jnp.zeros(x.shape)))
-    key, batch = jax.random.key(7), (x, x)
-
-    def loss_of(m):
-        def loss(p, batch):
-            out = m.apply(p, batch[0], rngs={"dropout": key}).astype(jnp.float32)
-            return jnp.mean(jnp.square(out - batch[1]))
-
-        return loss
-
-    programs = {}
-    for name, loss in {"autocast": jamp.autocast(loss_of(GQABlock(4, 2)), BF16),
-                       "flax": loss_of(GQABlock(4, 2, BF16))}.items():  # fmt: skip
-        step, tx = _step(loss)
-        with jax.numpy_dtype_promotion("standard"):
-            opt_state = jax.eval_shape(tx.init, params)
-            compiled = xla_gpu.compile_for(step, params, opt_state, batch, donate_argnums=(0, 1))
-        programs[name] = xla_gpu.analyse(compiled)
+    programs, residuals = _block_programs(lambda dtype: GQABlock(4, 2, dtype))
     ours, flax = programs["autocast"], programs["flax"]
+    assert residuals["autocast"] <= residuals["flax"], residuals
     assert ours.bytes <= flax.bytes, ours.bytes / flax.bytes
     assert ours.temp_bytes <= flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
     assert not _entry_buffers(ours, f"f32[{B},{T},4,{T}]")  # no float32 probabilities
