@@ -16,7 +16,7 @@ Every variant computes from the same float32 parameters:
     same step, float32 accumulation, ``float8_e5m2`` gradients; the rest in
     bfloat16.
 ``float8 delayed``
-    ``jamp.autocast(f, "float8", recipe=jamp.DelayedScaling(16))``: the
+    ``jamp.autocast(f, "float8", recipe=jamp.float8.DelayedScaling(16))``: the
     scales come from an amax history of 16 steps (Transformer Engine's
     recipe). In the error tables the state has seen three other batches of
     the same distribution (the history holds their amaxes, not this
@@ -224,8 +224,8 @@ def _mse(out: jax.Array, y: jax.Array) -> jax.Array:
 
 def variants(forward: Callable, gpt_like: bool) -> dict[str, tuple[str, Callable]]:
     """name -> (kind, forward): kind "plain" takes (params, x); "delayed" (state, params, x)."""
-    recipe = jamp.DelayedScaling(HISTORY)
-    measuring = jamp.DelayedScaling(HISTORY, unmeasured="current")
+    recipe = jamp.float8.DelayedScaling(HISTORY)
+    measuring = jamp.float8.DelayedScaling(HISTORY, unmeasured="current")
     out = {
         "float32": ("plain", forward),
         "bfloat16": ("plain", jamp.autocast(forward, jnp.bfloat16)),
@@ -296,7 +296,7 @@ def measure_error(
         if kind == "plain":
             (value, out), grads = step(params, x, y)
         else:
-            state = jamp.float8_init(f, params, x)
+            state = jamp.float8.init(f, params, x)
             if "first step" not in vname:
                 for wx, wy in warmup:
                     _, (state, *_) = step(state, params, wx, wy)
@@ -376,7 +376,7 @@ def train(
     """Adam on ``loss_of_output(forward(...), y)``; returns losses, params and the state."""
     tx = optax.adam(lr)
     opt_state = tx.init(params)
-    state = jamp.float8_init(forward, params, *init_args) if kind == "delayed" else None
+    state = jamp.float8.init(forward, params, *init_args) if kind == "delayed" else None
 
     @jax.jit
     def step(params, state, opt_state, x, y):
@@ -397,7 +397,7 @@ def train(
 
 
 def curve_modes(forward: Callable, reference: Callable) -> dict[str, tuple[str, Callable]]:
-    recipe = jamp.DelayedScaling(HISTORY)
+    recipe = jamp.float8.DelayedScaling(HISTORY)
     return {
         "float32": ("plain", forward),
         "bfloat16": ("plain", jamp.autocast(forward, jnp.bfloat16)),
@@ -616,8 +616,10 @@ def step_time(args, log) -> str:
         "float8, attention in bfloat16": jamp.autocast(attn, "float8"),
     }
     delayed = {
-        "float8 delayed": jamp.DelayedScaling(HISTORY),
-        "float8 delayed, unmeasured='current'": jamp.DelayedScaling(HISTORY, unmeasured="current"),
+        "float8 delayed": jamp.float8.DelayedScaling(HISTORY),
+        "float8 delayed, unmeasured='current'": jamp.float8.DelayedScaling(
+            HISTORY, unmeasured="current"
+        ),
     }
 
     def sgd(p, g):
@@ -634,7 +636,7 @@ def step_time(args, log) -> str:
         args_of[name] = (params, x, y)
     for name, recipe in delayed.items():
         f = jamp.autocast(forward, "float8", recipe=recipe)
-        state = jamp.float8_init(f, params, x)
+        state = jamp.float8.init(f, params, x)
 
         def delayed_step(s, p, x, y, f=f):
             value, (s, g) = jax.value_and_grad(lambda s, p: _mse(f(s, p, x), y), (0, 1))(s, p)

@@ -27,9 +27,9 @@ export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # machinery, autocast, the report), run on the GPU itself; tests that need the
 # 8 virtual CPU devices are deselected (-m "not multidevice").
 GPU_TESTS=(
-  tests/test_finite.py tests/test_finite_default.py tests/test_loss_scale.py
-  tests/test_loss_scaling.py tests/test_grad_scaler.py tests/test_value_and_grad.py
-  tests/test_report.py tests/test_autocast.py tests/integration/test_golden_scenarios.py
+  tests/finite/test_finite.py tests/finite/test_finite_default.py tests/test_loss_scale.py
+  tests/test_loss_scaling.py tests/grad_scaler/test_grad_scaler.py tests/test_value_and_grad.py
+  tests/finite/test_report.py tests/autocast/test_autocast.py tests/integration/test_golden_scenarios.py
 )
 # ----------------------------------------------------------------------------------
 

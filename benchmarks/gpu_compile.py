@@ -230,7 +230,7 @@ def _grads(model: Model, params: Any, mstate: Any, batch: Any, scale: Callable) 
 
 def _keep(finite: jax.Array, new: Any, old: Any) -> Any:
     """The model state of a finite step, else the old one (docs/model-state.md)."""
-    return jamp.select_tree(finite, new, old) if jax.tree_util.tree_leaves(new) else new
+    return jamp.compat.select_tree(finite, new, old) if jax.tree_util.tree_leaves(new) else new
 
 
 def _init(model: Model, tx: Any, extra: Any = ()) -> tuple:

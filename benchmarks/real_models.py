@@ -24,7 +24,7 @@ parameters). Residuals are the bytes JAX saves for the backward pass
 (``benchmarks.autocast_memory.residual_bytes``: ``saved_residuals``, the arguments
 excluded); grad cosine is to float32's gradient, the worst leaf in brackets
 (``benchmarks.autocast_memory.grad_cosines``). The diagnosis lists, from
-``jamp.autocast_report(...).residuals``, what autocast keeps beyond Flax: by dtype and
+``jamp.debug.autocast_report(...).residuals``, what autocast keeps beyond Flax: by dtype and
 shape, then by source line for each shape with a surplus, and autocast's largest float32
 residuals beside Flax's at the same line. A line "outside jax" is an op of a jax function
 that autocast inlines (``jnp.where``, ``jax.random.bernoulli``), whose frames are jax's.
@@ -333,7 +333,7 @@ def measure(model: Model, log: Callable[[str], None]) -> dict:
                           loss=float(value))  # fmt: skip
         log(f"  {model.name} {name}: {sum(res.values()) / 2**20:.2f} MiB residuals, cosine "
             f"{whole:.5f} ({time.perf_counter() - t0:.1f} s)")  # fmt: skip
-    report = jamp.autocast_report(model.loss, model.params, model.batch, dtype=BF16)
+    report = jamp.debug.autocast_report(model.loss, model.params, model.batch, dtype=BF16)
     ours = {(np.dtype(r.dtype).name, r.shape, r.source): (r.count, r.nbytes)
             for r in report.residuals}  # fmt: skip
     flax = residual_groups(model.flax_loss, model.params, model.batch)

@@ -23,7 +23,7 @@ Autotuning cannot run without a device, so GEMMs get XLA's default
 configurations; fusion and buffer decisions are the GPU compiler's own, and
 the output is deterministic: tests may assert on it.
 
-Setup (``pip install "jamp[gpu-compile]"``, which is ``jax[cuda13-local]``: the
+Setup (``pip install "jax-amp[gpu-compile]"``, which is ``jax[cuda13-local]``: the
 plugin with no CUDA wheels; ``ptxas`` from a CUDA toolkit on ``PATH``). The
 plugin must not initialise a CUDA backend in a process without a GPU, so a
 process that uses this module runs with ``JAX_PLATFORMS=cpu`` (the tests'
@@ -113,7 +113,7 @@ def unavailable() -> str | None:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         return (
             f"no XLA:GPU compiler here ({type(e).__name__}: {first[:200]}); "
-            "pip install \"jamp[gpu-compile]\" (jax's CUDA plugin) and put a CUDA toolkit's "
+            "pip install \"jax-amp[gpu-compile]\" (jax's CUDA plugin) and put a CUDA toolkit's "
             "ptxas on PATH, with JAX_PLATFORMS=cpu"
         )
     return None

@@ -31,9 +31,9 @@ inside ``jamp.autocast``, its primal, ``fwd`` and ``bwd`` are interpreted
 with autocast's rules, as ``custom_fwd``/``custom_bwd`` run the forward and
 backward passes under the surrounding autocast state: ``mymm``'s products
 run in float16, forward and backward. A region forced to float32 is a
-function marked ``@jamp.autocast_disabled`` (float16 inputs are cast back
+function marked ``@jamp.autocast(enabled=False)`` (float16 inputs are cast back
 first, which torch leaves to ``.float()``). ``custom_fwd(cast_inputs=
-torch.float32)`` is ``@jamp.autocast_disabled`` stacked over
+torch.float32)`` is ``@jamp.autocast(enabled=False)`` stacked over
 ``@jax.custom_vjp``: ``float32_func.defvjp`` still works, and its forward and
 backward passes run in float32.
 
@@ -75,13 +75,13 @@ mymm.defvjp(mymm_fwd, mymm_bwd)
 
 
 # torch.autocast(enabled=False) inside the region: everything here runs in float32.
-@jamp.autocast_disabled
+@jamp.autocast(enabled=False)
 def precise_mm(c, d):
     return c @ d
 
 
 # MyFloat32Func, custom_fwd(cast_inputs=torch.float32): the marker over the custom_vjp.
-@jamp.autocast_disabled
+@jamp.autocast(enabled=False)
 @jax.custom_vjp
 def float32_func(x, w):
     return jnp.tanh(x @ w)

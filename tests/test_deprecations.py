@@ -1,7 +1,5 @@
 """jamp/_src/deprecations.py: renamed names and arguments keep working, and warn."""
 
-import os
-import pathlib
 import warnings
 
 import jax.numpy as jnp
@@ -11,9 +9,7 @@ import pytest
 import jamp
 from jamp._src.deprecations import Rename, module_getattr, renamed_arguments
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-SKIP = {"build", "dist", "site", "runs", "venv", "node_modules"}
-OLD_NAME = "LossScaling" + "State"  # spelled apart so the scan below finds only real uses
+OLD_NAME = "LossScaling" + "State"  # spelled apart: test_namespaces finds only real uses
 RENAMED = (
     rf"^jamp\.{OLD_NAME} is deprecated since jamp 0\.2\.0 and will be removed in jamp 0\.3\.0: "
     r"it was renamed jamp\.ScaledOptimizerState \(the same object\)\. Write "
@@ -48,23 +44,6 @@ def test_the_old_name_is_neither_listed_nor_exported():
 def test_an_unknown_name_is_pythons_attribute_error():
     with pytest.raises(AttributeError, match=r"^module 'jamp' has no attribute 'loss_scaling_'$"):
         jamp.loss_scaling_  # noqa: B018
-
-
-def test_nothing_in_the_repository_uses_the_old_name_but_this_test_and_the_changelog():
-    allowed = {"jamp/__init__.py", "CHANGELOG.md"}
-    users = []
-    for folder, dirs, files in os.walk(ROOT):  # pruned: no .git, venvs, caches or builds
-        dirs[:] = [d for d in dirs if not d.startswith((".", "_")) and d not in SKIP]
-        for name in files:
-            path = pathlib.Path(folder, name)
-            rel = path.relative_to(ROOT).as_posix()
-            if (
-                path.suffix in {".py", ".md", ".toml", ".yml", ".yaml", ".txt"}
-                and rel not in allowed
-            ):
-                if OLD_NAME in path.read_text(errors="replace"):
-                    users.append(rel)
-    assert users == []
 
 
 def test_module_getattr_serves_any_rename_with_its_versions():

@@ -119,7 +119,7 @@ def route_filter_value_and_grad(model, traces):
         model, opt_state = jamp.step_if_finite(
             out.finite, optimizer, out.grads, opt_state, model, filter=eqx.is_array
         )
-        state = jamp.select_tree(out.finite, out.aux, state)  # the model-state recipe
+        state = jamp.compat.select_tree(out.finite, out.aux, state)  # the model-state recipe
         return model, state, (opt_state, out.loss_scale), out.finite
 
     return carry, step, lambda carry: carry[1].scale
@@ -141,7 +141,7 @@ def route_loss_scaling(model, traces):
         grads, new_state = eqx.filter_grad(scaled, has_aux=True)(model)
         updates, opt_state = optimizer.update(grads, opt_state, eqx.filter(model, eqx.is_array))
         model = eqx.apply_updates(model, updates)
-        state = jamp.select_tree(opt_state.last_finite, new_state, state)
+        state = jamp.compat.select_tree(opt_state.last_finite, new_state, state)
         return model, state, opt_state, opt_state.last_finite
 
     return carry, step, lambda opt_state: jamp.get_loss_scale(opt_state).scale
@@ -166,7 +166,7 @@ def route_grad_scaler(model, traces):
             st, optimizer, grads, opt_state, model, filter=eqx.is_array
         )
         finite = jnp.logical_not(scaler.found_inf(st))
-        state = jamp.select_tree(finite, new_state, state)
+        state = jamp.compat.select_tree(finite, new_state, state)
         return model, state, (opt_state, scaler.update(st)), finite
 
     return carry, step, lambda carry: scaler.get_scale(carry[1])
@@ -432,12 +432,12 @@ def test_pure_functions_take_a_module_with_the_equinox_filter():
     assert bool(jamp.all_finite(model, filter=f))
     unscaled, finite = jamp.unscale_and_check(state, scaled, filter=f)
     assert bool(finite) and same_arrays(unscaled, model)
-    report = jamp.nonfinite_report(model, filter=f)
+    report = jamp.debug.nonfinite_report(model, filter=f)
     assert report.layers[1].fn is None and report.layers[2].init is None
     assert int(report.layers[0].weight.inf) == 0
     bad = eqx.tree_at(lambda m: m.layers[4].bias, model, jnp.array([jnp.nan]))
     assert not bool(jamp.all_finite(bad, filter=f))
-    kept = jamp.select_tree(jnp.bool_(False), bad, model, filter=f)
+    kept = jamp.compat.select_tree(jnp.bool_(False), bad, model, filter=f)
     assert same_arrays(kept, model)
     with pytest.raises(TypeError, match=r"filter=eqx\.is_inexact_array"):
         jamp.all_finite(model)
@@ -482,7 +482,7 @@ def test_autocast_runs_a_module_in_float16_with_float32_gradients():
     x, y = data("conv")
     loss = lambda m, x, y: loss_fn(m, None, x, y)[0]  # noqa: E731
     loss16 = jamp.autocast(loss, jnp.float16)
-    report = jamp.autocast_report(loss, model, x, y, dtype=jnp.float16)
+    report = jamp.debug.autocast_report(loss, model, x, y, dtype=jnp.float16)
     assert report.counts["conv_general_dilated"] == {"float16": 1}
     assert report.counts["dot_general"] == {"float16": 1}
     out = eqx.filter_jit(jamp.filter_value_and_grad(loss16))(jamp.dynamic_loss_scale(), model, x, y)

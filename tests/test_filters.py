@@ -9,6 +9,7 @@ import ast
 import logging
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
@@ -60,8 +61,8 @@ STRICT = [
     ("unscale", lambda t, **kw: jamp.unscale(STATE, t, **kw)),
     ("all_finite", lambda t, **kw: jamp.all_finite(t, **kw)),
     ("unscale_and_check", lambda t, **kw: jamp.unscale_and_check(STATE, t, **kw)),
-    ("nonfinite_report", lambda t, **kw: jamp.nonfinite_report(t, **kw)),
-    ("log_nonfinite", lambda t, **kw: jamp.log_nonfinite(t, **kw)),
+    ("debug.nonfinite_report", lambda t, **kw: jamp.debug.nonfinite_report(t, **kw)),
+    ("debug.log_nonfinite", lambda t, **kw: jamp.debug.log_nonfinite(t, **kw)),
 ]
 
 
@@ -69,7 +70,7 @@ STRICT = [
 def test_default_stays_strict_and_names_the_fix(name, fn):
     with pytest.raises(
         TypeError,
-        match=rf"`jamp\.{name}` expected a pytree of arrays.*"
+        match=rf"`jamp\.{re.escape(name)}` expected a pytree of arrays.*"
         r"custom_jvp at path \['activation'\].*filter=eqx\.is_inexact_array",
     ):
         fn(module_like())
@@ -77,13 +78,15 @@ def test_default_stays_strict_and_names_the_fix(name, fn):
 
 @pytest.mark.parametrize("name,fn", STRICT, ids=[n for n, _ in STRICT])
 def test_a_filter_that_is_not_callable_is_refused(name, fn):
-    with pytest.raises(TypeError, match=rf"`jamp\.{name}` expected `filter` to be a function"):
+    with pytest.raises(
+        TypeError, match=rf"`jamp\.{re.escape(name)}` expected `filter` to be a function"
+    ):
         fn({"w": jnp.ones(2)}, filter=True)
 
 
 def test_select_tree_refuses_a_filter_that_is_not_callable():
-    with pytest.raises(TypeError, match=r"`jamp\.select_tree` expected `filter`"):
-        jamp.select_tree(jnp.bool_(True), {}, {}, filter="arrays")
+    with pytest.raises(TypeError, match=r"`jamp\.compat\.select_tree` expected `filter`"):
+        jamp.compat.select_tree(jnp.bool_(True), {}, {}, filter="arrays")
 
 
 def untouched(before, after):
@@ -172,7 +175,7 @@ def test_select_tree_selects_what_the_filter_selects_and_passes_the_rest():
     old = module_like()
     new = dict(old, layers=[dict(old["layers"][0], weight=jnp.zeros((2, 3))), old["layers"][1]])
     for pred, expect in ((True, 0.0), (False, 1.0)):
-        out = jamp.select_tree(jnp.bool_(pred), new, old, filter=is_inexact_array)
+        out = jamp.compat.select_tree(jnp.bool_(pred), new, old, filter=is_inexact_array)
         assert float(out["layers"][0]["weight"][0, 0]) == expect
         assert out["activation"] is old["activation"] and out["index"] is old["index"]
 
@@ -181,12 +184,12 @@ def test_select_tree_refuses_different_leaves_the_filter_leaves_out():
     old = module_like()
     new = dict(old, index=jnp.asarray(old["index"]) + 1)  # an int array the filter leaves out
     with pytest.raises(TypeError, match=r"different leaves at path \['index'\], which `filter`"):
-        jamp.select_tree(jnp.bool_(False), new, old, filter=is_inexact_array)
+        jamp.compat.select_tree(jnp.bool_(False), new, old, filter=is_inexact_array)
     # Without the filter, the int array is selected, and the function passes through.
-    out = jamp.select_tree(jnp.bool_(False), new, old)
+    out = jamp.compat.select_tree(jnp.bool_(False), new, old)
     assert bool(jnp.array_equal(out["index"], old["index"]))
     with pytest.raises(TypeError, match=r"different leaves at path \['eps'\]"):
-        jamp.select_tree(jnp.bool_(True), dict(old, eps=1.0), old, filter=is_inexact_array)
+        jamp.compat.select_tree(jnp.bool_(True), dict(old, eps=1.0), old, filter=is_inexact_array)
 
 
 def test_select_tree_with_a_filter_under_jit():
@@ -196,7 +199,7 @@ def test_select_tree_with_a_filter_under_jit():
     def step(pred, w_new, w_old, idx):
         new = {"w": w_new, "act": fn, "idx": idx}
         old = {"w": w_old, "act": fn, "idx": idx}
-        return jamp.select_tree(pred, new, old, filter=is_inexact_array)["w"]
+        return jamp.compat.select_tree(pred, new, old, filter=is_inexact_array)["w"]
 
     args = (jnp.ones(2), jnp.zeros(2), jnp.arange(2))
     assert float(step(jnp.bool_(True), *args)[0]) == 1.0
@@ -208,19 +211,19 @@ def test_select_tree_with_a_filter_under_jit():
 
 def test_nonfinite_report_counts_the_selected_leaves_and_drops_the_rest():
     tree = module_like(jnp.ones((2, 3)).at[0].set(jnp.inf))
-    report = jamp.nonfinite_report(tree, filter=is_inexact_array)
+    report = jamp.debug.nonfinite_report(tree, filter=is_inexact_array)
     assert int(report["layers"][0]["weight"].inf) == 3
     assert int(report["layers"][1]["bias"].nan) == 0
     for key in ("activation", "final_activation", "axis_name", "inference", "eps", "index"):
         assert report[key] is None, key
-    counts = jax.tree.leaves(report, is_leaf=lambda x: isinstance(x, jamp.NonfiniteCount))
+    counts = jax.tree.leaves(report, is_leaf=lambda x: isinstance(x, jamp.debug.NonfiniteCount))
     assert len(counts) == 4
 
 
 def test_log_nonfinite_with_a_filter_names_only_array_leaves(caplog):
     @jax.jit
     def step(w):
-        return jamp.log_nonfinite(module_like(w), prefix="model: ", filter=is_inexact_array)
+        return jamp.debug.log_nonfinite(module_like(w), prefix="model: ", filter=is_inexact_array)
 
     with caplog.at_level(logging.WARNING, logger="jamp"):
         assert bool(step(jnp.ones((2, 3))))

@@ -130,27 +130,35 @@ def test_check_restored_refuses_the_skip_counter_a_checkpoint_cannot_hold(skippe
 
 BAD_INPUT = {
     "from_flax_dynamic_scale(minimum_scale=True)": (
-        lambda: jamp.from_flax_dynamic_scale({"fin_steps": 0, "scale": 2.0}, minimum_scale=True),
+        lambda: jamp.compat.from_flax_dynamic_scale(
+            {"fin_steps": 0, "scale": 2.0}, minimum_scale=True
+        ),
         TypeError,
         r"`minimum_scale` to be a real number, got True",
     ),
     "from_flax_dynamic_scale(minimum_scale='a')": (
-        lambda: jamp.from_flax_dynamic_scale({"fin_steps": 0, "scale": 2.0}, minimum_scale="a"),
+        lambda: jamp.compat.from_flax_dynamic_scale(
+            {"fin_steps": 0, "scale": 2.0}, minimum_scale="a"
+        ),
         TypeError,
         r"`minimum_scale` to be a real number, got 'a'",
     ),
     "from_flax_dynamic_scale(minimum_scale=1e200)": (
-        lambda: jamp.from_flax_dynamic_scale({"fin_steps": 0, "scale": 2.0}, minimum_scale=1e200),
+        lambda: jamp.compat.from_flax_dynamic_scale(
+            {"fin_steps": 0, "scale": 2.0}, minimum_scale=1e200
+        ),
         ValueError,
         r"`minimum_scale` in \[0, 2\*\*126\]",
     ),
     "from_flax_dynamic_scale(fin_steps=None)": (
-        lambda: jamp.from_flax_dynamic_scale({"fin_steps": None, "scale": 2.0}),
+        lambda: jamp.compat.from_flax_dynamic_scale({"fin_steps": None, "scale": 2.0}),
         TypeError,
         r"`fin_steps` of the flax DynamicScale to be an integer >= 0, got None",
     ),
     "from_flax_dynamic_scale(growth_factor='2')": (
-        lambda: jamp.from_flax_dynamic_scale({"fin_steps": 0, "scale": 2.0}, growth_factor="2"),
+        lambda: jamp.compat.from_flax_dynamic_scale(
+            {"fin_steps": 0, "scale": 2.0}, growth_factor="2"
+        ),
         TypeError,
         r"`growth_factor` to be a real number",
     ),

@@ -174,9 +174,9 @@ def steps(n, shape_l=(4, 6), shape_r=(6, 3)):
 
 
 RECIPES = [
-    jamp.DelayedScaling(amax_history_len=4),
-    jamp.DelayedScaling(amax_history_len=3, margin=2, amax_compute_algo="most_recent"),
-    jamp.DelayedScaling(amax_history_len=1),
+    jamp.float8.DelayedScaling(amax_history_len=4),
+    jamp.float8.DelayedScaling(amax_history_len=3, margin=2, amax_compute_algo="most_recent"),
+    jamp.float8.DelayedScaling(amax_history_len=1),
 ]
 
 
@@ -212,7 +212,7 @@ def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
     """flax.linen.fp8_ops keeps the reciprocal of jamp's scale and computes it at the start
     of a step from the history jamp computed it from at the end of the step before: the
     histories agree bit for bit, the scales are reciprocals, the products agree."""
-    recipe = jamp.DelayedScaling(amax_history_len=5)
+    recipe = jamp.float8.DelayedScaling(amax_history_len=5)
     h = recipe.amax_history_len
     state = float8.init_state(recipe, scale=1.0)  # Flax's start
     meta = dict(
@@ -264,7 +264,7 @@ def _delayed(recipe, state, lhs, rhs, ct):
 
 def test_unmeasured_current_a_fresh_state_quantises_with_the_current_scales():
     """Scale 0 is "not measured yet": the first step is current scaling, bit for bit."""
-    recipe = jamp.DelayedScaling(amax_history_len=2, unmeasured="current")
+    recipe = jamp.float8.DelayedScaling(amax_history_len=2, unmeasured="current")
     lhs, rhs = operands(MM, 8)
     lhs = lhs * 1e-6  # TE's start (scale 1) would flush it: float8_e4m3fn's smallest is 2**-9
     ct = jnp.ones((3, 5))
@@ -277,14 +277,14 @@ def test_unmeasured_current_a_fresh_state_quantises_with_the_current_scales():
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     np.testing.assert_array_equal(scale, ROW_MAX / np.asarray(hist)[:, 0])
     assert rel_err(_delayed(recipe, float8.Float8State(hist, scale), lhs, rhs, ct)[0], want) < 1e-6
-    te = jamp.DelayedScaling(amax_history_len=2)  # unmeasured="one": TE's start flushes it
+    te = jamp.float8.DelayedScaling(amax_history_len=2)  # unmeasured="one": TE's start flushes it
     assert not np.any(np.asarray(_delayed(te, float8.init_state(te), lhs, rhs, ct)[0]))
 
 
 def test_unmeasured_one_quantises_a_zero_state_with_scale_1_and_never_waits_for_the_amax():
     """TE's start; and the operand's quantisation does not depend on its own amax, so XLA can
     compute the amax in the pass that quantises (with "current" it must wait for it)."""
-    recipe = jamp.DelayedScaling(amax_history_len=2)
+    recipe = jamp.float8.DelayedScaling(amax_history_len=2)
     lhs, rhs = operands(MM, 9)
     ct = jnp.ones((3, 5))
     fresh = float8.init_state(recipe)
@@ -310,7 +310,7 @@ def test_unmeasured_one_quantises_a_zero_state_with_scale_1_and_never_waits_for_
         return False
 
     assert not waits_for_amax(recipe)
-    assert waits_for_amax(jamp.DelayedScaling(amax_history_len=2, unmeasured="current"))
+    assert waits_for_amax(jamp.float8.DelayedScaling(amax_history_len=2, unmeasured="current"))
 
 
 @settings(max_examples=20, deadline=None)
@@ -337,69 +337,69 @@ def test_next_state_is_the_numpy_recipe_for_any_amaxes(amaxes, old, recipe):
 
 BAD_INPUT = {
     "DelayedScaling(amax_history_len=0)": (
-        lambda: jamp.DelayedScaling(amax_history_len=0),
+        lambda: jamp.float8.DelayedScaling(amax_history_len=0),
         ValueError,
         r"Expected `amax_history_len` >= 1, got 0",
     ),
     "DelayedScaling(amax_history_len=2.0)": (
-        lambda: jamp.DelayedScaling(amax_history_len=2.0),
+        lambda: jamp.float8.DelayedScaling(amax_history_len=2.0),
         TypeError,
         r"Expected an int for `amax_history_len`, got 2.0",
     ),
     "DelayedScaling(margin=-1)": (
-        lambda: jamp.DelayedScaling(margin=-1),
+        lambda: jamp.float8.DelayedScaling(margin=-1),
         ValueError,
         r"Expected `margin` >= 0, got -1",
     ),
     "DelayedScaling(margin=True)": (
-        lambda: jamp.DelayedScaling(margin=True),
+        lambda: jamp.float8.DelayedScaling(margin=True),
         TypeError,
         r"Expected an int for `margin`",
     ),
     "DelayedScaling(amax_compute_algo='mean')": (
-        lambda: jamp.DelayedScaling(amax_compute_algo="mean"),
+        lambda: jamp.float8.DelayedScaling(amax_compute_algo="mean"),
         ValueError,
         r"'max' or 'most_recent' for `amax_compute_algo`, got 'mean'",
     ),
     "DelayedScaling(amax_compute_algo=max)": (
-        lambda: jamp.DelayedScaling(amax_compute_algo=max),
+        lambda: jamp.float8.DelayedScaling(amax_compute_algo=max),
         TypeError,
         r"Expected a string for `amax_compute_algo`",
     ),
     "DelayedScaling(unmeasured='zero')": (
-        lambda: jamp.DelayedScaling(unmeasured="zero"),
+        lambda: jamp.float8.DelayedScaling(unmeasured="zero"),
         ValueError,
         r"Expected 'one' or 'current' for `unmeasured`, got 'zero'",
     ),
     "DelayedScaling(unmeasured=1.0)": (
-        lambda: jamp.DelayedScaling(unmeasured=1.0),
+        lambda: jamp.float8.DelayedScaling(unmeasured=1.0),
         TypeError,
         r"Expected a string for `unmeasured` \('one' or 'current'\), got 1.0",
     ),
     # issue #26: a margin of 200 made every scale 0 and every output 0.0; 2**28 steps of
     # history allocated 3 GiB per product, 2**31 failed inside XLA
     "DelayedScaling(margin=200)": (
-        lambda: jamp.DelayedScaling(margin=200),
+        lambda: jamp.float8.DelayedScaling(margin=200),
         ValueError,
         r"`margin` in \[0, 14\], got margin=200.*smallest normal",
     ),
     "DelayedScaling(margin=15)": (
-        lambda: jamp.DelayedScaling(margin=15),
+        lambda: jamp.float8.DelayedScaling(margin=15),
         ValueError,
         r"`margin` in \[0, 14\]",
     ),
     "DelayedScaling(margin=10**400)": (
-        lambda: jamp.DelayedScaling(margin=10**400),
+        lambda: jamp.float8.DelayedScaling(margin=10**400),
         ValueError,
         r"`margin` in \[0, 14\], got margin=<an integer of 401 digits>",
     ),
     "DelayedScaling(amax_history_len=2**28)": (
-        lambda: jamp.DelayedScaling(amax_history_len=2**28),
+        lambda: jamp.float8.DelayedScaling(amax_history_len=2**28),
         ValueError,
         r"`amax_history_len` <= 2\*\*16 = 65536, got amax_history_len=268435456",
     ),
     "DelayedScaling(amax_history_len=2**31)": (
-        lambda: jamp.DelayedScaling(amax_history_len=2**31),
+        lambda: jamp.float8.DelayedScaling(amax_history_len=2**31),
         ValueError,
         r"`amax_history_len` <= 2\*\*16",
     ),
@@ -412,8 +412,8 @@ def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
 
 
 def test_the_largest_margin_and_history_still_give_usable_scales():
-    assert jamp.DelayedScaling(amax_history_len=2**16).amax_history_len == 2**16
-    recipe = jamp.DelayedScaling(amax_history_len=4, margin=14)
+    assert jamp.float8.DelayedScaling(amax_history_len=2**16).amax_history_len == 2**16
+    recipe = jamp.float8.DelayedScaling(amax_history_len=4, margin=14)
     state = float8.init_state(recipe)
     new = float8.next_state(state, jnp.array([10.0, 1.0, 1e-3], jnp.float32), recipe)
     scales = np.asarray(new.scale)

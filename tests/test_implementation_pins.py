@@ -16,7 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jamp
-from jamp._src.finite import check_unscaled
+from jamp._src.finite.check import check_unscaled
 
 # ---------------------------------------------------------------- the finite check
 
@@ -147,7 +147,7 @@ def test_report_adds_no_gradient_sized_temporary():
     # XLA allocates a branch's temporaries on every call; counting a whole leaf
     # at once made XLA:CPU copy it as int32 (a step's temp memory doubled).
     g = {f"l{i}": jnp.ones((1024, 1024)) for i in range(4)}
-    mem = jax.jit(jamp.log_nonfinite).lower(g).compile().memory_analysis()
+    mem = jax.jit(jamp.debug.log_nonfinite).lower(g).compile().memory_analysis()
     assert mem.temp_size_in_bytes < 4 * 1024 * 1024, mem.temp_size_in_bytes
 
 
@@ -156,7 +156,9 @@ def test_leaves_past_int32_offsets_are_not_sliced_by_element():
     is counted by whole chunks (a view) or in one reduction, never by offsets
     that would wrap (traced only: no 2 GB array is made)."""
     for n, chunked in [(2**31, True), (2**31 + 2**17 + 3, False)]:
-        jaxpr = jax.make_jaxpr(jamp.nonfinite_report)(jax.ShapeDtypeStruct((n,), jnp.float8_e5m2))
+        jaxpr = jax.make_jaxpr(jamp.debug.nonfinite_report)(
+            jax.ShapeDtypeStruct((n,), jnp.float8_e5m2)
+        )
         text = str(jaxpr)
         assert ("dynamic_slice" in text) == chunked, n
         if chunked:
@@ -164,7 +166,7 @@ def test_leaves_past_int32_offsets_are_not_sliced_by_element():
 
 
 def test_log_under_vmap_has_no_callback_outside_a_cond():
-    jaxpr = jax.make_jaxpr(jax.vmap(jamp.log_nonfinite))({"w": jnp.ones((4, 3))})
+    jaxpr = jax.make_jaxpr(jax.vmap(jamp.debug.log_nonfinite))({"w": jnp.ones((4, 3))})
 
     def callbacks_outside_cond(j):
         n = 0

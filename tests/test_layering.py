@@ -1,21 +1,29 @@
-"""The import structure of ``jamp/_src``: floors, no cycles, no upward import.
+"""The import structure of ``jamp/_src`` and ``benchmarks/`` (the rule is in
+``jamp/_src/README.md``): floors, packages, no cycles, no upward import, a budget of
+code lines per module.
 
-Each module belongs to a floor; it may import jax, numpy and modules of its
-own floor or below, never one above. optax is imported only by the front
-ends; flax by nothing at import time.
+``jamp/_src`` is made of units: a ground-floor module, or a family package
+(``finite/``, ``autocast/``, ``grad_scaler/``). A unit imports jax, numpy and
+units of its own floor or below, never one above; inside a package, a module
+imports only the package's modules listed before it. optax is imported only by
+the front ends, flax only lazily by ``flax_support``, equinox never.
 """
 
 import ast
+import io
 import pathlib
+import tokenize
 
 import pytest
 
-SRC = pathlib.Path(__file__).resolve().parent.parent / "jamp" / "_src"
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SRC = ROOT / "jamp" / "_src"
 
 GROUND, CHECKS, FRONT, FACADE = range(4)
 FLOORS = {
-    # state and its rule, tree/leaf utilities, torch rounding, policy, float8 products
-    "config": GROUND,
+    # the vocabulary, the validators, leaves, torch rounding, the state, policies, float8
+    "types": GROUND,
+    "validate": GROUND,
     "leaves": GROUND,
     "torch_rounding": GROUND,
     "loss_scale": GROUND,
@@ -23,57 +31,24 @@ FLOORS = {
     "float8": GROUND,
     "deprecations": GROUND,
     # the checks and the shared skip machinery
-    "finite_default": CHECKS,
-    "finite_cpu": CHECKS,
     "finite": CHECKS,
     "skip": CHECKS,
-    "report": CHECKS,
     # the front ends
     "loss_scaling": FRONT,
     "value_and_grad": FRONT,
     "lookup": FRONT,
-    "autocast_rules": FRONT,
-    "autocast_residuals": FRONT,
-    "autocast_sums": FRONT,
-    "autocast_values": FRONT,
-    "autocast_flow": FRONT,
-    "autocast_interpreter": FRONT,
-    "autocast_float8": FRONT,
     "autocast": FRONT,
     "flax_support": FRONT,
     # the GradScaler facade over the shared pieces
     "grad_scaler": FACADE,
-    "step_records": FACADE,
+}
+# Inside a package, the order its modules may import each other in (each only earlier ones).
+PACKAGES = {
+    "finite": ["default", "cpu", "check", "report"],
+    "autocast": ["rules", "values", "sums", "residuals", "flow", "interpreter", "float8", "api"],
+    "grad_scaler": ["records", "scaler"],
 }
 THIRD_PARTY = {GROUND: {"jax", "numpy"}, CHECKS: {"jax", "numpy"}}
-MAX_LINES = 800
-
-
-def _modules():
-    return sorted(p.stem for p in SRC.glob("*.py") if p.stem != "__init__")
-
-
-def _imports(name):
-    """(jamp modules, third-party top-level packages) that ``name`` imports, anywhere in it."""
-    tree = ast.parse((SRC / f"{name}.py").read_text())
-    own, other = set(), set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module:
-            if node.module == "jamp._src":
-                own.update(a.name for a in node.names)
-            elif node.module.startswith("jamp._src."):
-                own.add(node.module.split(".")[2])
-            elif node.level == 0 and node.module != "__future__":
-                other.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Import):
-            for a in node.names:
-                if a.name.startswith("jamp._src."):
-                    own.add(a.name.split(".")[2])
-                else:
-                    other.add(a.name.split(".")[0])
-    return own, other
-
-
 STDLIB_OK = {
     "collections",
     "contextlib",
@@ -84,29 +59,92 @@ STDLIB_OK = {
     "logging",
     "math",
     "numbers",
+    "sys",
     "types",
     "typing",
     "warnings",
+    "weakref",
 }
+# Code lines per module: docstrings, comments and blank lines are not counted.
+CODE_LINES = 600
+
+
+def _modules():
+    """``{dotted name under _src: path}`` for every module, packages' ``__init__`` aside."""
+    out = {}
+    for path in SRC.rglob("*.py"):
+        if path.name == "__init__.py":
+            continue
+        out[path.relative_to(SRC).with_suffix("").as_posix().replace("/", ".")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _unit(module):
+    """The floor unit a module belongs to: its package, or itself."""
+    return module.split(".")[0]
+
+
+def _imports(path):
+    """(jamp modules, third-party top-level packages, module-level third-party) ``path``
+    imports; jamp modules as dotted names under ``_src``."""
+    tree = ast.parse(path.read_text())
+    own, other, top = set(), set(), set()
+    top_level = set(map(id, tree.body))
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            if node.module == "jamp._src" or node.module.startswith("jamp._src."):
+                base = node.module.removeprefix("jamp._src").lstrip(".")
+                for a in node.names:  # `from jamp._src.finite import cpu` imports a module
+                    dotted = f"{base}.{a.name}".lstrip(".")
+                    own.add(dotted if dotted in MODULES else base)
+                continue
+            if node.level == 0 and node.module != "__future__":
+                names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+            own.update(n.removeprefix("jamp._src.") for n in names if n.startswith("jamp._src."))
+            names = [n for n in names if not n.startswith("jamp")]
+        for name in names:
+            other.add(name.split(".")[0])
+            if id(node) in top_level:
+                top.add(name.split(".")[0])
+    return own, other, top
 
 
 def test_every_module_has_a_floor():
-    assert set(_modules()) == set(FLOORS)
+    assert {_unit(m) for m in MODULES} == set(FLOORS)
+    for package, order in PACKAGES.items():
+        inside = {m.split(".", 1)[1] for m in MODULES if _unit(m) == package and "." in m}
+        assert inside == set(order), package
 
 
-@pytest.mark.parametrize("name", sorted(FLOORS))
+@pytest.mark.parametrize("name", sorted(MODULES))
 def test_no_upward_import(name):
-    own, other = _imports(name)
+    own, other, top = _imports(MODULES[name])
+    unit = _unit(name)
     for dep in own:
-        assert FLOORS[dep] <= FLOORS[name], f"{name} (floor {FLOORS[name]}) imports {dep}"
-    allowed = THIRD_PARTY.get(FLOORS[name])
+        assert dep in MODULES, f"{name} imports {dep}, which is not a module"
+        dep_unit = _unit(dep)
+        if dep_unit == unit:  # inside a package: only modules listed before this one
+            order = PACKAGES[unit]
+            mine, theirs = name.split(".", 1)[1], dep.split(".", 1)[1]
+            assert order.index(theirs) < order.index(mine), f"{name} imports {dep}"
+        else:
+            assert FLOORS[dep_unit] <= FLOORS[unit], f"{name} (floor {FLOORS[unit]}) imports {dep}"
+    allowed = THIRD_PARTY.get(FLOORS[unit])
     if allowed is not None:
         assert other - STDLIB_OK <= allowed, f"{name} imports {other - STDLIB_OK - allowed}"
+    assert "equinox" not in other, name
     assert "flax" not in other or name == "flax_support", name
+    assert "flax" not in top, f"{name} imports flax at import time"
 
 
 def test_no_import_cycle():
-    graph = {name: _imports(name)[0] for name in FLOORS}
+    graph = {name: _imports(path)[0] for name, path in MODULES.items()}
     done, active = set(), []
 
     def visit(node):
@@ -124,31 +162,60 @@ def test_no_import_cycle():
 
 
 def test_no_module_uses_another_modules_private_names():
-    for name in FLOORS:
-        tree = ast.parse((SRC / f"{name}.py").read_text())
+    for name, path in MODULES.items():
+        tree = ast.parse(path.read_text())
         aliases = set()  # names bound to jamp modules: `from jamp._src import loss_scale as ls`
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jamp"):
                 private = [a.name for a in node.names if a.name.startswith("_")]
                 assert not private, f"{name} imports {private} from {node.module}"
-                if node.module == "jamp._src":
-                    aliases.update(a.asname or a.name for a in node.names)
+                base = node.module.removeprefix("jamp._src").lstrip(".")
+                for a in node.names:  # `from jamp._src.finite import cpu`: a module
+                    if f"{base}.{a.name}".lstrip(".") in MODULES:
+                        aliases.add(a.asname or a.name)
         for node in ast.walk(tree):
             if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
                 if node.value.id in aliases and node.attr.startswith("_"):
                     raise AssertionError(f"{name} uses {node.value.id}.{node.attr}")
 
 
-def test_no_library_module_over_800_lines():
-    for path in SRC.glob("*.py"):
-        n = len(path.read_text().splitlines())
-        assert n <= MAX_LINES, f"{path.name}: {n} lines"
+def code_lines(text):
+    """Lines holding code: not blank, not only a comment, not part of a docstring."""
+    tree = ast.parse(text)
+    docstrings = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            body = node.body
+            if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+                if isinstance(body[0].value.value, str):
+                    docstrings.update(range(body[0].lineno, body[0].end_lineno + 1))
+    lines = set()
+    skip = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
+    for tok in tokenize.generate_tokens(io.StringIO(text).readline):
+        if tok.type not in skip and tok.type != tokenize.ENDMARKER:
+            lines.update(range(tok.start[0], tok.end[0] + 1))
+    return len(lines - docstrings)
+
+
+def test_code_lines_counts_code_only():
+    text = (
+        '"""Doc.\n\nMore."""\n\n# a comment\nx = 1  # trailing\n\n\n'
+        'def f():\n    """Doc."""\n    return (\n        x\n    )\n'
+    )
+    assert code_lines(text) == 5  # x = 1, def f, return (, x, )
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_module_within_its_budget_of_code_lines(name):
+    n = code_lines(MODULES[name].read_text())
+    assert n <= CODE_LINES, f"{name}: {n} code lines (budget {CODE_LINES})"
 
 
 def test_grad_scaler_step_reaches_the_skip_machinery_directly():
     """GradScaler imports the skip module itself; the Optax wrapper only for as_optax."""
-    tree = ast.parse((SRC / "grad_scaler.py").read_text())
-    own, _ = _imports("grad_scaler")
+    path = MODULES["grad_scaler.scaler"]
+    tree = ast.parse(path.read_text())
+    own, _, _ = _imports(path)
     assert "skip" in own
     users = set()
     for fn in ast.walk(tree):
@@ -157,3 +224,8 @@ def test_grad_scaler_step_reaches_the_skip_machinery_directly():
                 if isinstance(node, ast.Name) and node.id == "loss_scaling":
                     users.add(fn.name)
     assert users == {"as_optax"}, users
+
+
+def test_every_package_has_a_folder_of_tests():
+    for package in PACKAGES:
+        assert list((ROOT / "tests" / package).glob("test_*.py")), package

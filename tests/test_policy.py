@@ -1,4 +1,4 @@
-"""Tests for jamp.Policy, jamp.get_policy and the dtype parser."""
+"""Tests for jamp.Policy, jamp.compat.get_policy and the dtype parser."""
 
 import dataclasses
 
@@ -26,11 +26,11 @@ def test_policy_is_frozen_hashable_and_normalised():
     with pytest.raises(dataclasses.FrozenInstanceError):
         p.compute_dtype = F16  # type: ignore[misc]
     assert str(p) == "p=float32,c=bfloat16,o=float32"
-    assert jamp.get_policy(str(p)) == p
+    assert jamp.compat.get_policy(str(p)) == p
 
 
 def test_policy_is_a_valid_static_argument():
-    p = jamp.get_policy("mixed_float16")
+    p = jamp.compat.get_policy("mixed_float16")
     f = jax.jit(lambda x, policy: policy.cast_to_compute(x), static_argnums=1)
     assert f(jnp.ones(2), p).dtype == F16
 
@@ -60,7 +60,7 @@ def test_casts_touch_floating_arrays_only():
 
 
 def test_with_output_dtype():
-    p = jamp.get_policy("p=f32,c=bf16,o=bf16")
+    p = jamp.compat.get_policy("p=f32,c=bf16,o=bf16")
     q = p.with_output_dtype(jnp.float32)
     assert q == jamp.Policy(F32, BF16, F32) and p.output_dtype == BF16
     with pytest.raises(TypeError, match=r"Expected a floating dtype for `output_dtype`.*int8"):
@@ -88,21 +88,21 @@ def test_with_output_dtype():
     ],
 )
 def test_get_policy_grammar(spec, want):
-    assert dataclasses.astuple(jamp.get_policy(spec)) == want
+    assert dataclasses.astuple(jamp.compat.get_policy(spec)) == want
 
 
 def test_get_policy_passes_a_policy_through_and_half_dtype():
     p = jamp.Policy(F32, F16, F32)
-    assert jamp.get_policy(p) is p
-    assert jamp.half_dtype() == (BF16 if jax.default_backend() == "tpu" else F16)
+    assert jamp.compat.get_policy(p) is p
+    assert jamp.compat.half_dtype() == (BF16 if jax.default_backend() == "tpu" else F16)
 
 
 def test_parse_dtype():
-    assert jamp.parse_dtype("BF16") == BF16
-    assert jamp.parse_dtype(" float64 ") == F64
-    assert jamp.parse_dtype(jnp.float16) == F16
+    assert jamp.compat.parse_dtype("BF16") == BF16
+    assert jamp.compat.parse_dtype(" float64 ") == F64
+    assert jamp.compat.parse_dtype(jnp.float16) == F16
     with pytest.raises(TypeError, match=r"Expected a floating dtype for `dtype`.*got int32"):
-        jamp.parse_dtype(jnp.int32)
+        jamp.compat.parse_dtype(jnp.int32)
 
 
 # One rule everywhere: not a dtype, or a non-floating dtype -> TypeError; a
@@ -118,14 +118,14 @@ SAME_ERROR = [
 def test_the_same_bad_dtype_raises_the_same_error_everywhere(bad, error):
     name = bad if isinstance(bad, str) else jnp.dtype(bad).name
     calls = [
-        lambda: jamp.parse_dtype(bad),
+        lambda: jamp.compat.parse_dtype(bad),
         lambda: jamp.Policy(F32, bad, F32),
-        lambda: jamp.get_policy(jamp.Policy(F32, F16, F32)).with_output_dtype(bad),
+        lambda: jamp.compat.get_policy(jamp.Policy(F32, F16, F32)).with_output_dtype(bad),
         lambda: jamp.autocast(jnp.sin, bad),
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=bad),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype=bad),
     ]
     if isinstance(bad, str):
-        calls += [lambda: jamp.get_policy(f"c={bad}"), lambda: jamp.get_policy(bad)]
+        calls += [lambda: jamp.compat.get_policy(f"c={bad}"), lambda: jamp.compat.get_policy(bad)]
     for call in calls:
         with pytest.raises(error, match=name) as info:
             call()
@@ -138,7 +138,7 @@ dtypes = st.sampled_from([F16, BF16, F32])
 @given(param=dtypes, compute=dtypes, output=dtypes)
 def test_string_round_trip_and_cast_dtypes(param, compute, output):
     p = jamp.Policy(param, compute, output)
-    assert jamp.get_policy(str(p)) == p
+    assert jamp.compat.get_policy(str(p)) == p
     tree = {"a": np.ones(3, np.float32), "i": np.arange(3)}
     assert p.cast_to_compute(tree)["a"].dtype == compute
     assert p.cast_to_output(tree)["i"].dtype == tree["i"].dtype
@@ -156,56 +156,56 @@ def _policy(**kwargs):
 BAD_INPUT = {
     # get_policy's grammar
     "get_policy('mixed')": (
-        lambda: jamp.get_policy("mixed"),
+        lambda: jamp.compat.get_policy("mixed"),
         ValueError,
         r"Expected a policy string .*\['mixed_bfloat16', 'mixed_float16'\].*'bf16'.*"
         r"got 'mixed' instead",
     ),
     "get_policy('q=f16')": (
-        lambda: jamp.get_policy("q=f16"),
+        lambda: jamp.compat.get_policy("q=f16"),
         ValueError,
         r"Expected a policy key, one of \['c', 'compute', 'o', 'output', 'p', 'param', "
         r"'params'\].*got 'q' instead",
     ),
     "get_policy('c=f8')": (
-        lambda: jamp.get_policy("c=f8"),
+        lambda: jamp.compat.get_policy("c=f8"),
         ValueError,
         r"Expected a dtype name for compute_dtype in policy 'c=f8', one of \[.*'bf16'.*\] "
         r"\(or a dtype such as jnp.bfloat16\), got 'f8' instead",
     ),
     "get_policy('c=int32')": (
-        lambda: jamp.get_policy("c=int32"),
+        lambda: jamp.compat.get_policy("c=int32"),
         TypeError,
         r"Expected a floating dtype for compute_dtype in policy 'c=int32'.*got int32 instead",
     ),
     "get_policy('o=float8_e5m2')": (
-        lambda: jamp.get_policy("o=float8_e5m2"),
+        lambda: jamp.compat.get_policy("o=float8_e5m2"),
         ValueError,
         r"Expected one of float16, bfloat16, float32, float64 for output_dtype in policy "
         r"'o=float8_e5m2', got float8_e5m2 instead",
     ),
     "get_policy('p')": (  # not NumPy's code
-        lambda: jamp.get_policy("p"),
+        lambda: jamp.compat.get_policy("p"),
         ValueError,
         r"Expected a policy string .*got 'p' instead",
     ),
     "get_policy('bf16,o=f32')": (
-        lambda: jamp.get_policy("bf16,o=f32"),
+        lambda: jamp.compat.get_policy("bf16,o=f32"),
         ValueError,
         r"Expected 'key=dtype' parts.*got 'bf16' instead",
     ),
     "get_policy('c=f16,c=bf16')": (
-        lambda: jamp.get_policy("c=f16,c=bf16"),
+        lambda: jamp.compat.get_policy("c=f16,c=bf16"),
         ValueError,
         r"at most once.*got compute twice instead",
     ),
     "get_policy('')": (
-        lambda: jamp.get_policy(""),
+        lambda: jamp.compat.get_policy(""),
         ValueError,
         r"Expected a non-empty policy string",
     ),
     "get_policy(3)": (
-        lambda: jamp.get_policy(3),
+        lambda: jamp.compat.get_policy(3),
         TypeError,
         r"Expected a policy string .* for `spec`, got 3 \(type int\) instead",
     ),
@@ -242,22 +242,22 @@ BAD_INPUT = {
     ),
     # issue #26: strings NumPy parses as code, dicts and arrays are jamp's errors
     "parse_dtype(',')": (
-        lambda: jamp.parse_dtype(","),
+        lambda: jamp.compat.parse_dtype(","),
         ValueError,
         r"Expected a dtype name for `dtype`.*got ','",
     ),
     "parse_dtype('i4,f4')": (
-        lambda: jamp.parse_dtype("i4,f4"),
+        lambda: jamp.compat.parse_dtype("i4,f4"),
         ValueError,
         r"Expected a dtype name for `dtype`.*got 'i4,f4'",
     ),
     "parse_dtype({'a': 1})": (
-        lambda: jamp.parse_dtype({"a": 1}),
+        lambda: jamp.compat.parse_dtype({"a": 1}),
         TypeError,
         r"Expected a floating dtype for `dtype`.*\{'a': 1\} \(type dict\)",
     ),
     "parse_dtype([('a', 'f4')])": (
-        lambda: jamp.parse_dtype([("a", "f4")]),
+        lambda: jamp.compat.parse_dtype([("a", "f4")]),
         TypeError,
         r"floating dtype for `dtype`",
     ),
@@ -305,7 +305,7 @@ def test_every_dtype_string_is_a_dtype_or_an_error_naming_the_argument(text):
     """54 of 6,000 random strings were NumPy SyntaxErrors (issue #26); now each is a
     supported dtype or jamp's ValueError/TypeError naming `dtype`."""
     try:
-        dtype = jamp.parse_dtype(text)
+        dtype = jamp.compat.parse_dtype(text)
     except (TypeError, ValueError) as e:
         assert type(e) in (TypeError, ValueError) and "`dtype`" in str(e)
     else:

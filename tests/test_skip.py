@@ -1,4 +1,4 @@
-"""jamp.select_tree; the rest of skip is reached via loss_scaling/GradScaler (tested there)."""
+"""jamp.compat.select_tree; the rest of skip is reached via loss_scaling and GradScaler."""
 
 import jax
 import jax.numpy as jnp
@@ -12,9 +12,9 @@ import jamp
 def test_select_tree():
     a = {"x": jnp.ones(3), "n": None, "i": jnp.int32(1)}
     b = {"x": jnp.zeros(3), "n": None, "i": jnp.int32(2)}
-    out = jax.jit(jamp.select_tree)(jnp.bool_(True), a, b)
+    out = jax.jit(jamp.compat.select_tree)(jnp.bool_(True), a, b)
     assert np.array_equal(out["x"], np.ones(3)) and int(out["i"]) == 1 and out["n"] is None
-    out = jamp.select_tree(jnp.bool_(False), a, b)
+    out = jamp.compat.select_tree(jnp.bool_(False), a, b)
     assert np.array_equal(out["x"], np.zeros(3)) and int(out["i"]) == 2
 
 
@@ -23,32 +23,32 @@ def test_select_tree():
 T, ONE = jnp.bool_(True), {"a": jnp.ones(2)}
 BAD_INPUT = {
     "pred=vector": (
-        lambda: jamp.select_tree(jnp.ones(2, bool), ONE, ONE),
+        lambda: jamp.compat.select_tree(jnp.ones(2, bool), ONE, ONE),
         ValueError,
         r"`pred` to be a scalar",
     ),
     "pred=vector, array trees": (
-        lambda: jamp.select_tree(jnp.ones(2, bool), jnp.ones(2), jnp.ones(2)),
+        lambda: jamp.compat.select_tree(jnp.ones(2, bool), jnp.ones(2), jnp.ones(2)),
         ValueError,
         r"`pred` to be a scalar",
     ),
     "pred=float32": (
-        lambda: jamp.select_tree(jnp.float32(1), ONE, ONE),
+        lambda: jamp.compat.select_tree(jnp.float32(1), ONE, ONE),
         TypeError,
         r"`pred` to be a boolean scalar",
     ),
     "pred=int32": (
-        lambda: jamp.select_tree(jnp.int32(1), jnp.ones(2), jnp.ones(2)),
+        lambda: jamp.compat.select_tree(jnp.int32(1), jnp.ones(2), jnp.ones(2)),
         TypeError,
         r"`pred` to be a boolean scalar",
     ),
     "structures": (
-        lambda: jamp.select_tree(T, ONE, {"b": jnp.ones(2)}),
+        lambda: jamp.compat.select_tree(T, ONE, {"b": jnp.ones(2)}),
         ValueError,
         (r"same tree structure", r"`on_true` and `on_false` to have the same tree structure"),
     ),
     "shapes": (
-        lambda: jamp.select_tree(T, ONE, {"a": jnp.ones(3)}),
+        lambda: jamp.compat.select_tree(T, ONE, {"a": jnp.ones(3)}),
         TypeError,
         (
             r"matching leaves at path \['a'\]",
@@ -56,33 +56,33 @@ BAD_INPUT = {
         ),
     ),
     "dtypes": (
-        lambda: jamp.select_tree(T, [jnp.ones(2)], [jnp.ones(2, jnp.float16)]),
+        lambda: jamp.compat.select_tree(T, [jnp.ones(2)], [jnp.ones(2, jnp.float16)]),
         TypeError,
         r"float32\[2\] and float16\[2\]",
     ),
     "strings": (
-        lambda: jamp.select_tree(T, {"a": "x"}, {"a": "y"}),
+        lambda: jamp.compat.select_tree(T, {"a": "x"}, {"a": "y"}),
         TypeError,
         (r"non-array leaves", r"non-array leaves 'x' and 'y' at path \['a'\]"),
     ),
     "objects": (
-        lambda: jamp.select_tree(T, {"a": object()}, {"a": object()}),
+        lambda: jamp.compat.select_tree(T, {"a": object()}, {"a": object()}),
         TypeError,
         r"non-array leaves.*at path \['a'\]",
     ),
     # issue #26: arrays of strings or objects failed inside jax
     "str arrays": (
-        lambda: jamp.select_tree(T, {"a": np.array(["x"])}, {"a": np.array(["y"])}),
+        lambda: jamp.compat.select_tree(T, {"a": np.array(["x"])}, {"a": np.array(["y"])}),
         TypeError,
-        r"`jamp.select_tree` expected numeric array leaves.*<U1 at path \['a'\]",
+        r"`jamp.compat.select_tree` expected numeric array leaves.*<U1 at path \['a'\]",
     ),
     "object arrays": (
-        lambda: jamp.select_tree(T, np.array([1.0], object), np.array([2.0], object)),
+        lambda: jamp.compat.select_tree(T, np.array([1.0], object), np.array([2.0], object)),
         TypeError,
         r"numeric array leaves, got an array of dtype object at path <root>",
     ),
     "filter returning an array": (
-        lambda: jamp.select_tree(T, ONE, ONE, filter=lambda x: jnp.ones(2, bool)),
+        lambda: jamp.compat.select_tree(T, ONE, ONE, filter=lambda x: jnp.ones(2, bool)),
         TypeError,
         r"`filter` to return a bool",
     ),

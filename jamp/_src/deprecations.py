@@ -37,12 +37,18 @@ class Rename(NamedTuple):
       since: the jamp version that deprecated the old name.
       removed_in: the version that removes it; by default the minor release
         after ``since``.
+      how: what happened to it, for the message: ``"was renamed"`` (the
+        default) or ``"moved to"`` (a namespace such as ``jamp.float8``).
+      same_object: whether ``new`` names ``obj`` itself (``False``: a call
+        to write instead, such as ``autocast(fun, enabled=False)``).
     """
 
     new: str
     obj: Any
     since: str
     removed_in: str | None = None
+    how: str = "was renamed"
+    same_object: bool = True
 
 
 def _next_minor(version: str) -> str:
@@ -50,12 +56,19 @@ def _next_minor(version: str) -> str:
     return f"{major}.{int(minor) + 1}.0"
 
 
-def message(old: str, new: str, since: str, removed_in: str | None, what: str = "") -> str:
+def message(
+    old: str,
+    new: str,
+    since: str,
+    removed_in: str | None,
+    what: str = "",
+    how: str = "was renamed",
+) -> str:
     """The warning's text: what is deprecated, since when, until when, and what to write."""
     removed_in = removed_in or _next_minor(since)
     return (
         f"{old} is deprecated since jamp {since} and will be removed in jamp {removed_in}: "
-        f"it was renamed {new}{what}. Write {new} instead."
+        f"it {how} {new}{what}. Write {new} instead."
     )
 
 
@@ -80,7 +93,8 @@ def module_getattr(module: str, renames: Mapping[str, Rename]) -> Callable[[str]
             f"{module}.{rename.new}",
             rename.since,
             rename.removed_in,
-            " (the same object)",
+            " (the same object)" if rename.same_object else "",
+            rename.how,
         )
         warnings.warn(text, DeprecationWarning, stacklevel=2)
         return rename.obj

@@ -3,8 +3,8 @@
 ``flax.serialization.to_bytes`` / ``to_state_dict`` handle only types they
 know (NamedTuples, dicts, flax dataclasses, registered types), so without this
 a ``TrainState`` whose optimizer is ``jamp.loss_scaling(...)`` cannot be saved
-with them. ``register`` runs when jamp is imported, and only if flax is
-installed; jamp itself never needs flax.
+with them. ``register`` runs when ``flax.serialization`` is imported (or at
+``import jamp``, if it already is): jamp itself never imports flax.
 
 The state dict holds the dynamic leaves (``scale``, ``growth_tracker``,
 ``overflow_streak``); the configuration is static and comes from the target
@@ -17,12 +17,15 @@ from the target, as PyTorch's scaler may be saved only between iterations.
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.util
+import sys
+import types
 from collections.abc import Mapping
 from typing import Any
 
 from jamp._src import loss_scale as ls
-from jamp._src.config import MIN_SCALE, check_config, checked_floor
+from jamp._src.validate import MIN_SCALE, check_config, checked_floor
 
 _FIELDS = ("scale", "growth_tracker", "overflow_streak")
 
@@ -56,18 +59,8 @@ def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, Any]) -> l
     )
 
 
-def register() -> None:
-    """Register [`jamp.LossScaleState`][] and its subclasses with ``flax.serialization``.
-
-    Does nothing without flax. Called by ``jamp/__init__.py`` once every
-    module, ``grad_scaler`` included, is imported.
-    """
-    if importlib.util.find_spec("flax") is None:
-        return
-    try:
-        from flax import serialization
-    except Exception:  # a broken flax install must not break `import jamp`
-        return
+def register(serialization: Any) -> None:
+    """Register [`jamp.LossScaleState`][] and its subclasses with ``flax.serialization``."""
     # flax looks serializers up by exact type: register every subclass defined by now.
     pending, types = [ls.LossScaleState], []
     while pending:
@@ -77,6 +70,41 @@ def register() -> None:
         serialization.register_serialization_state(
             ty, _to_state_dict, _from_state_dict, override=True
         )
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Registers jamp's states once ``flax.serialization`` is imported: a one-shot hook on
+    ``sys.meta_path`` that runs ``register`` right after that module has executed."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name != _MODULE:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: types.ModuleType) -> None:
+            run(module)
+            register(module)
+
+        loader.exec_module = exec_module
+        return spec
+
+
+_MODULE = "flax.serialization"
+
+
+def register_when_imported() -> None:
+    """Register jamp's states with ``flax.serialization`` now if it is imported, else when
+    it is. jamp never imports flax itself: ``import jamp`` stays as fast without it."""
+    module = sys.modules.get(_MODULE)
+    if module is not None:
+        register(module)
+    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport())
 
 
 def from_flax_dynamic_scale(
@@ -120,7 +148,7 @@ def from_flax_dynamic_scale(
 
     Examples:
       >>> import jamp
-      >>> state = jamp.from_flax_dynamic_scale({"fin_steps": 2000, "scale": 32768.0})
+      >>> state = jamp.compat.from_flax_dynamic_scale({"fin_steps": 2000, "scale": 32768.0})
       >>> float(state.scale), int(state.growth_tracker)
       (32768.0, 1999)
     """

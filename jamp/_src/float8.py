@@ -19,9 +19,9 @@ Two ways to choose the scales, both Transformer Engine's:
     ``scale = finfo(float8).max / amax`` of the tensor itself, computed in the
     same step. Stateless and exact to the tensor, at the cost of one more
     pass over the tensor before it is quantised.
-*delayed scaling* (``delayed_dot``, recipe [`DelayedScaling`][jamp.DelayedScaling])
+*delayed scaling* (``delayed_dot``, recipe [`DelayedScaling`][jamp.float8.DelayedScaling])
     the scale of step ``t`` comes from the amaxes of earlier steps, kept in an
-    immutable [`Float8State`][jamp.Float8State] (an amax history and a scale per operand
+    immutable [`Float8State`][jamp.float8.Float8State] (an amax history and a scale per operand
     and for the gradient). Nothing waits for the amax of step ``t``, so XLA
     may compute it in the pass that quantises; it is recorded, and the next
     state is computed in the backward pass and returned as the *cotangent of
@@ -119,7 +119,7 @@ class DelayedScaling:
     ``finfo.max * 2**-128``; TE has no such guard).
 
     ``unmeasured`` says what a tensor without a measured scale is quantised
-    with: a fresh state's ([`jamp.float8_init`][]), and one whose next
+    with: a fresh state's ([`jamp.float8.init`][]), and one whose next
     state came back zero (a product that the backward pass did not reach,
     such as one under ``stop_gradient``: its cotangent is zero):
 
@@ -155,11 +155,11 @@ class DelayedScaling:
 
     Examples:
       >>> import jax.numpy as jnp, jamp
-      >>> recipe = jamp.DelayedScaling(amax_history_len=16, margin=1)
+      >>> recipe = jamp.float8.DelayedScaling(amax_history_len=16, margin=1)
       >>> recipe
       DelayedScaling(amax_history_len=16, margin=1, amax_compute_algo='max', unmeasured='one')
       >>> f = jamp.autocast(lambda w, x: x @ w, "float8", recipe=recipe)
-      >>> state = jamp.float8_init(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
+      >>> state = jamp.float8.init(f, jnp.ones((4, 4)), jnp.ones((2, 4)))
       >>> f(state, jnp.ones((4, 4)), jnp.ones((2, 4))).shape  # the state comes first
       (2, 4)
     """
@@ -232,7 +232,7 @@ def _matches(scale: np.ndarray, want: np.ndarray) -> np.ndarray:
 
 
 def check_values(state: Any, where: str, recipe: DelayedScaling | None = None) -> None:
-    """A ``ValueError`` naming ``where`` unless ``state`` (a [`jamp.Float8State`][]) holds
+    """A ``ValueError`` naming ``where`` unless ``state`` (a [`jamp.float8.Float8State`][]) holds
     values the recipe can have produced: the scale the next product quantises with.
 
     An amax history with a negative entry, or a scale that is negative or not
@@ -249,7 +249,7 @@ def check_values(state: Any, where: str, recipe: DelayedScaling | None = None) -
     if not (_concrete(history) and _concrete(scale)):
         return
     fix = (
-        "start from a fresh state (jamp.float8_init) or restore the checkpoint the run saved; "
+        "start from a fresh state (jamp.float8.init) or restore the checkpoint the run saved; "
         "a state saved by another recipe (a changed margin or amax_compute_algo) does not carry "
         "over"
     )
@@ -518,14 +518,14 @@ delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
 
 
 def refuse_in(tree: Any, what: str) -> None:
-    """A ``TypeError`` when ``tree`` holds a [`jamp.Float8State`][]: it is not a parameter."""
+    """A ``TypeError`` when ``tree`` holds a [`jamp.float8.Float8State`][]: not a parameter."""
     found = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, Float8State)
     )[0]
     for path, leaf in found:
         if isinstance(leaf, Float8State):
             raise TypeError(
-                f"Expected no jamp.Float8State in {what}, found one at "
+                f"Expected no jamp.float8.Float8State in {what}, found one at "
                 f"{jax.tree_util.keystr(path)}: the float8 state is not a parameter. An "
                 "optimizer would apply a learning-rate update to it and loss scaling would "
                 "unscale it. Keep it out of the parameters: pass it to the delayed-scaling "

@@ -16,11 +16,11 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jamp._src.config import checked_counter, checked_scale
 from jamp._src.float8 import Float8State, check_values
 from jamp._src.leaves import check_bool_scalar
 from jamp._src.loss_scale import STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
+from jamp._src.validate import checked_counter, checked_scale
 from jamp._src.value_and_grad import ScaledValueAndGrad
 
 
@@ -198,7 +198,7 @@ def check_restored(tree: Any) -> Any:
     arrays. A disabled target (``jamp.no_loss_scale()``) keeps its scale of 1.
     The counters of a [`jamp.loss_scaling`][] state are checked too
     (``skipped_steps`` an integer in ``[0, 2**31 - 1]``, ``last_finite`` a
-    bool), and so is every [`jamp.Float8State`][]: its amaxes >= 0, its
+    bool), and so is every [`jamp.float8.Float8State`][]: its amaxes >= 0, its
     scales finite, >= 0 and the ones its amax history gives
     (``finfo.max / amax / 2**margin``). Arrays that pass keep their
     placement (a step resumed from Orbax compiles no more often than
@@ -209,7 +209,7 @@ def check_restored(tree: Any) -> Any:
 
     Returns:
       ``tree`` with its [`jamp.LossScaleState`][] leaves, its
-      [`jamp.loss_scaling`][] counters and its [`jamp.Float8State`][]
+      [`jamp.loss_scaling`][] counters and its [`jamp.float8.Float8State`][]
       leaves validated.
 
     Raises:

@@ -16,7 +16,6 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jamp._src.config import INT32_MAX, MAX_SCALE, MIN_SCALE, NO_SCALE, Config, check_config
 from jamp._src.leaves import (
     Filter,
     check_bool_scalar,
@@ -26,6 +25,7 @@ from jamp._src.leaves import (
     unscale_leaf,
 )
 from jamp._src.torch_rounding import mul_as_torch
+from jamp._src.validate import INT32_MAX, MAX_SCALE, MIN_SCALE, NO_SCALE, Config, check_config
 
 # The static configuration: metadata of the pytree, arguments of check_config.
 CONFIG_FIELDS = (

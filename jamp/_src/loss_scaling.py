@@ -19,8 +19,8 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jamp._src.config import INT32_MAX
-from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
+from jamp._src.finite.check import check_axis_name, check_unscaled, refuse_axis_name
+from jamp._src.finite.report import log_counts
 from jamp._src.float8 import refuse_in
 from jamp._src.loss_scale import (
     LossScaleState,
@@ -30,7 +30,6 @@ from jamp._src.loss_scale import (
     unscale,
     update,
 )
-from jamp._src.report import log_counts
 from jamp._src.skip import (
     by_platform,
     check_skip,
@@ -44,6 +43,7 @@ from jamp._src.skip import (
     same_or_zeros,
     select_or_keep,
 )
+from jamp._src.validate import INT32_MAX
 
 
 class ScaledOptimizerState(NamedTuple):
@@ -121,7 +121,7 @@ def loss_scaling(
         (flax's ``DynamicScale(axis_name=...)`` did it for you). Not needed
         under ``jit`` with sharded arrays. See ``docs/data-parallel.md``.
       report_nonfinite: on skipped steps only, log which gradient leaves held
-        inf/NaN (see [`jamp.log_nonfinite`][]). Clean steps never call the
+        inf/NaN (see [`jamp.debug.log_nonfinite`][]). Clean steps never call the
         host, but pay a small fixed dispatch cost (``benchmarks/RESULTS.md``).
       skip: how a non-finite step is dropped; every form gives the same
         results. ``"auto"`` (default) chooses by the platform the step is

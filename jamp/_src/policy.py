@@ -3,7 +3,7 @@
 A [`Policy`][jamp.Policy] is three dtypes and three cast helpers. It is a frozen,
 hashable dataclass (so it can be a static argument of ``jax.jit`` or a field
 of a Flax module) and is built either directly or from a short string with
-[`get_policy`][jamp.get_policy], using jmp's grammar::
+[`get_policy`][jamp.compat.get_policy], using jmp's grammar::
 
     "params=float32,compute=bfloat16,output=float32"
     "p=f32,c=bf16,o=f32"          # short keys and dtype names
@@ -74,7 +74,7 @@ def half_dtype() -> np.dtype:
 
     Examples:
       >>> import jax.numpy as jnp, jamp
-      >>> jamp.half_dtype() in (jnp.float16, jnp.bfloat16)
+      >>> jamp.compat.half_dtype() in (jnp.float16, jnp.bfloat16)
       True
     """
     return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
@@ -189,7 +189,7 @@ def parse_dtype(value: Any, argname: str = "dtype") -> np.dtype:
 
     Examples:
       >>> import jamp
-      >>> jamp.parse_dtype("bf16")
+      >>> jamp.compat.parse_dtype("bf16")
       dtype(bfloat16)
     """
     return check_dtype(value, f"`{argname}`")
@@ -214,7 +214,7 @@ class Policy:
 
     A frozen, hashable dataclass: use it as a static argument or a module
     field. The constructor validates and normalises its arguments to
-    ``np.dtype``; [`get_policy`][jamp.get_policy] builds one from a string.
+    ``np.dtype``; [`get_policy`][jamp.compat.get_policy] builds one from a string.
 
     The cast helpers act on every floating array leaf of a pytree (``float16``,
     ``bfloat16``, ``float32``, ``float64``, ...). Integer, boolean and complex
@@ -288,7 +288,7 @@ def get_policy(spec: str | Policy) -> Policy:
 
     Raises:
       TypeError: ``spec`` is neither a string nor a ``Policy``, or it names a
-        non-floating dtype (``"c=int32"``), as [`jamp.parse_dtype`][] does.
+        non-floating dtype (``"c=int32"``), as [`jamp.compat.parse_dtype`][] does.
       ValueError: an unknown key or dtype name (``"c=fp8"``), a floating dtype
         other than float16, bfloat16, float32 and float64
         (``"c=float8_e5m2"``), a repeated key, or an empty string; the
@@ -296,18 +296,18 @@ def get_policy(spec: str | Policy) -> Policy:
 
     Examples:
       >>> import jamp
-      >>> print(jamp.get_policy("params=float32,compute=bfloat16,output=float32"))
+      >>> print(jamp.compat.get_policy("params=float32,compute=bfloat16,output=float32"))
       p=float32,c=bfloat16,o=float32
-      >>> print(jamp.get_policy("c=f16"))
+      >>> print(jamp.compat.get_policy("c=f16"))
       p=float32,c=float16,o=float16
-      >>> print(jamp.get_policy("mixed_bfloat16"))
+      >>> print(jamp.compat.get_policy("mixed_bfloat16"))
       p=float32,c=bfloat16,o=float32
     """
     return parse_policy(spec, "spec")
 
 
 def parse_policy(spec: str | Policy, argname: str) -> Policy:
-    """[`get_policy`][jamp.get_policy], naming the argument ``argname`` in its messages."""
+    """[`get_policy`][jamp.compat.get_policy], naming the argument ``argname`` in its messages."""
     if isinstance(spec, Policy):
         return spec
     if not isinstance(spec, str):

@@ -219,11 +219,11 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
 
     Examples:
       >>> import jax.numpy as jnp, jamp
-      >>> jamp.select_tree(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
+      >>> jamp.compat.select_tree(jnp.bool_(False), {"a": jnp.ones(2)}, {"a": jnp.zeros(2)})
       {'a': Array([0., 0.], dtype=float32)}
     """
     pred = check_bool_scalar(pred, "pred", "e.g. from jamp.all_finite")
-    check_filter(filter, "select_tree")
+    check_filter(filter, "compat.select_tree")
     t_true = jax.tree_util.tree_structure(on_true)
     t_false = jax.tree_util.tree_structure(on_false)
     if t_true != t_false:
@@ -243,29 +243,29 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
             ):
                 return a
             raise TypeError(
-                f"`jamp.select_tree` got different leaves at path {where}, which `filter` leaves "
-                f"out: {a!r:.40} and {b!r:.40}. Select them too (a wider filter), or keep them "
-                "the same object in both trees."
+                f"`jamp.compat.select_tree` got different leaves at path {where}, which "
+                f"`filter` leaves out: {a!r:.40} and {b!r:.40}. Select them too (a wider "
+                "filter), or keep them the same object in both trees."
             )
         if not hasattr(a, "dtype") or not hasattr(b, "dtype"):
             if a is b or (type(a) is type(b) and a == b):
                 return a
             raise TypeError(
-                f"`jamp.select_tree` cannot select between non-array leaves {a!r:.40} and "
+                f"`jamp.compat.select_tree` cannot select between non-array leaves {a!r:.40} and "
                 f"{b!r:.40} at path {where}."
             )
         for x in (a, b):
             if not is_numeric_dtype(x.dtype):
                 raise TypeError(
-                    f"`jamp.select_tree` expected numeric array leaves, got an array of dtype "
-                    f"{np.dtype(x.dtype)} at path {where} instead: strings and Python objects "
-                    "cannot be selected on device. Leave them out with `filter` (they are "
-                    "then returned as they are, if the same object in both trees)."
+                    "`jamp.compat.select_tree` expected numeric array leaves, got an array of "
+                    f"dtype {np.dtype(x.dtype)} at path {where} instead: strings and Python "
+                    "objects cannot be selected on device. Leave them out with `filter` (they "
+                    "are then returned as they are, if the same object in both trees)."
                 )
         a, b = jnp.asarray(a), jnp.asarray(b)
         if a.shape != b.shape or a.dtype != b.dtype:
             raise TypeError(
-                f"`jamp.select_tree` expected matching leaves at path {where}, got "
+                f"`jamp.compat.select_tree` expected matching leaves at path {where}, got "
                 f"{a.dtype}{list(a.shape)} and {b.dtype}{list(b.shape)} instead."
             )
         return lax.select(pred, a, b)

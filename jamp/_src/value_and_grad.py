@@ -17,11 +17,11 @@ import jax.core
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.config import INT32_MAX
-from jamp._src.finite import check_axis_name, unscale_and_check
+from jamp._src.finite.check import check_axis_name, unscale_and_check
 from jamp._src.leaves import check_bool_scalar, combine, is_inexact_array, partition
 from jamp._src.loss_scale import LossScaleState, backoff, scale, update
 from jamp._src.skip import check_skip, optimizer_step
+from jamp._src.validate import INT32_MAX
 
 
 class ScaledValueAndGrad(NamedTuple):

@@ -29,7 +29,7 @@ from flax import linen as nn
 from jax.sharding import PartitionSpec as P
 
 import jamp
-from jamp._src.autocast import _residuals
+from jamp._src.autocast.api import _residuals
 
 BF16 = jnp.bfloat16
 
@@ -286,7 +286,7 @@ def test_segment_sum_gnn_runs_its_messages_in_bfloat16():
 
     p = [{"w": _randn(i, f, f, scale=0.25), "b": jnp.zeros(f)} for i in range(2)]
     x = _randn(9, n, f)
-    report = jamp.autocast_report(gnn, p, x, dtype=BF16)
+    report = jamp.debug.autocast_report(gnn, p, x, dtype=BF16)
     assert report.counts["max"] == {"bfloat16": 2}  # the relu after each segment_sum
     nodes = [
         r

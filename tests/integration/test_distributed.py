@@ -616,7 +616,7 @@ def test_explicit_sharding_mode_checks_exactly_and_skips():
     shard of any kind of leaf is found, raw and unscaled, and the step skips."""
     from jax.sharding import AxisType
 
-    from jamp._src.finite_default import default_finite
+    from jamp._src.finite.default import default_finite
 
     mesh = jax.make_mesh((2, 4), ("a", "b"), axis_types=(AxisType.Explicit,) * 2)
     values, specs = explicit_tree()

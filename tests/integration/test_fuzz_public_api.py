@@ -91,10 +91,10 @@ def _scalars() -> list[Callable[[], Any]]:
         lambda: np.dtype("float16"), lambda: jamp.dynamic_loss_scale(),
         lambda: jamp.static_loss_scale(4.0), lambda: jamp.no_loss_scale(),
         lambda: jamp.GradScaler(), lambda: jamp.GradScaler().init(),
-        lambda: jamp.Policy("f32", "bf16", "f32"), lambda: jamp.DelayedScaling(4),
+        lambda: jamp.Policy("f32", "bf16", "f32"), lambda: jamp.float8.DelayedScaling(4),
         lambda: optax.sgd(0.1), lambda: optax.adam(1e-3),
         lambda: jamp.loss_scaling(optax.sgd(0.1)).init({"w": jnp.ones(3)}),
-        lambda: jamp.Float8State(jnp.zeros((3, 4)), jnp.ones(3)),
+        lambda: jamp.float8.Float8State(jnp.zeros((3, 4)), jnp.ones(3)),
         lambda: {"w": jnp.ones(4)}, lambda: {"w": jnp.ones(3), "b": "x"},
         lambda: {"w": [jnp.ones(3)]}, lambda: {"v": jnp.ones(3)}, lambda: (jnp.ones(3),),
         lambda: {"w": jnp.array([1.0, jnp.nan, 2.0])}, lambda: {"w": jnp.full(3, jnp.inf)},
@@ -362,7 +362,9 @@ def _check_finite(result: Any, kw: dict) -> None:
 
 
 def _check_report(result: Any, kw: dict) -> None:
-    flat = jax.tree_util.tree_leaves(result, is_leaf=lambda x: isinstance(x, jamp.NonfiniteCount))
+    flat = jax.tree_util.tree_leaves(
+        result, is_leaf=lambda x: isinstance(x, jamp.debug.NonfiniteCount)
+    )
     given = jax.tree.leaves(kw["tree"])
     assert len(flat) == len(given)
     for count, x in zip(flat, given, strict=True):
@@ -523,11 +525,11 @@ def _flattened(**values: Any) -> dict:
 
 
 def _float8(state_scale: Any, history: Any) -> Any:
-    f = jamp.autocast(lambda w, x: x @ w, "float8", recipe=jamp.DelayedScaling(4))
+    f = jamp.autocast(lambda w, x: x @ w, "float8", recipe=jamp.float8.DelayedScaling(4))
     w, x = jnp.ones((4, 4)), jnp.full((2, 4), 2.0)
-    state = jamp.float8_init(f, w, x)
+    state = jamp.float8.init(f, w, x)
     key = next(iter(state))
-    entry = jamp.Float8State(history, state_scale)
+    entry = jamp.float8.Float8State(history, state_scale)
     return f({key: entry}, w, x)
 
 
@@ -685,7 +687,7 @@ def _targets() -> dict[str, Target]:
             _check_update,
         ),
         "select_tree": Target(
-            lambda pred, on_true, on_false: jamp.select_tree(pred, on_true, on_false),
+            lambda pred, on_true, on_false: jamp.compat.select_tree(pred, on_true, on_false),
             {
                 "pred": (lambda: jnp.bool_(False), r"`pred`"),
                 "on_true": (params3, r"`on_true`|path"),
@@ -694,10 +696,12 @@ def _targets() -> dict[str, Target]:
             _check_select,
         ),
         "nonfinite_report": Target(
-            lambda tree: jamp.nonfinite_report(tree), {"tree": (grads3, r"path")}, _check_report
+            lambda tree: jamp.debug.nonfinite_report(tree),
+            {"tree": (grads3, r"path")},
+            _check_report,
         ),
         "log_nonfinite": Target(
-            lambda tree, every, count, prefix: jamp.log_nonfinite(
+            lambda tree, every, count, prefix: jamp.debug.log_nonfinite(
                 tree, every=every, count=count, prefix=prefix
             ),
             {
@@ -709,7 +713,7 @@ def _targets() -> dict[str, Target]:
             lambda r, kw: _check_finite(r, kw),
         ),
         "parse_dtype": Target(
-            lambda value: jamp.parse_dtype(value),
+            lambda value: jamp.compat.parse_dtype(value),
             {"value": (num("bf16"), r"`dtype`")},
             lambda r, kw: (
                 r
@@ -723,7 +727,8 @@ def _targets() -> dict[str, Target]:
             {f: (num("f32"), rf"`{f}`") for f in ("param_dtype", "compute_dtype", "output_dtype")},
         ),
         "get_policy": Target(
-            lambda spec: jamp.get_policy(spec), {"spec": (num("c=bf16"), r"`spec`|in policy '")}
+            lambda spec: jamp.compat.get_policy(spec),
+            {"spec": (num("c=bf16"), r"`spec`|in policy '")},
         ),
         "autocast": Target(
             lambda dtype, policy, enabled: jamp.autocast(
@@ -737,7 +742,7 @@ def _targets() -> dict[str, Target]:
             lambda r, kw: callable(r) or pytest.fail("not callable"),
         ),
         "DelayedScaling": Target(
-            lambda **kw: jamp.DelayedScaling(**kw),
+            lambda **kw: jamp.float8.DelayedScaling(**kw),
             {
                 "amax_history_len": (num(16), r"`amax_history_len`"),
                 "margin": (num(0), r"`margin`"),
@@ -757,7 +762,7 @@ def _targets() -> dict[str, Target]:
             _check_float8,
         ),
         "from_flax_dynamic_scale": Target(
-            lambda fin_steps, scale, **kw: jamp.from_flax_dynamic_scale(
+            lambda fin_steps, scale, **kw: jamp.compat.from_flax_dynamic_scale(
                 {"fin_steps": fin_steps, "scale": scale}, **kw
             ),
             {
@@ -1059,12 +1064,12 @@ JIT_TARGETS = {
     ),
     "all_finite(tree)": (jamp.all_finite, r"path", lambda r, v: _check_finite(r, {"tree": v})),
     "select_tree(pred)": (
-        lambda v: jamp.select_tree(v, params3(), grads3()),
+        lambda v: jamp.compat.select_tree(v, params3(), grads3()),
         r"`pred`",
         lambda r, v: _check_select(r, {"pred": v, "on_true": params3(), "on_false": grads3()}),
     ),
     "log_nonfinite(count)": (
-        lambda v: jamp.log_nonfinite(params3(), every=2, count=v),
+        lambda v: jamp.debug.log_nonfinite(params3(), every=2, count=v),
         r"`count`",
         lambda r, v: _check_finite(r, {"tree": params3()}),
     ),

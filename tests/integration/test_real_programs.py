@@ -162,12 +162,14 @@ def test_every_public_function_traces_under_explicit_sharding(explicit_mesh, cap
     unscaled, finite = jit(lambda t: jamp.unscale_and_check(state, t))(tree)
     assert _specs(unscaled) == _specs(tree) and not bool(finite)
     assert float(jit(jamp.update)(state, finite).scale) == 2.0
-    picked = jit(jamp.select_tree)(jnp.bool_(False), clean, jax.tree.map(jnp.zeros_like, clean))
+    picked = jit(jamp.compat.select_tree)(
+        jnp.bool_(False), clean, jax.tree.map(jnp.zeros_like, clean)
+    )
     assert _specs(picked) == _specs(clean)
-    report = jit(jamp.nonfinite_report)(tree)
+    report = jit(jamp.debug.nonfinite_report)(tree)
     assert int(report["big"].inf) == 1 and int(report["w"].inf) == 0
     with caplog.at_level(logging.WARNING, logger="jamp"):
-        assert not bool(jit(jamp.log_nonfinite)(tree))
+        assert not bool(jit(jamp.debug.log_nonfinite)(tree))
         jax.effects_barrier()
     assert "big: 1 inf, 0 nan" in caplog.text
 
@@ -422,21 +424,21 @@ def test_flax_dynamic_scale_checkpoint_converts():
     from flax.training.dynamic_scale import DynamicScale
 
     ds = DynamicScale(growth_interval=3, scale=jnp.float32(1024.0), fin_steps=jnp.int32(3))
-    state = jamp.from_flax_dynamic_scale(ds)
+    state = jamp.compat.from_flax_dynamic_scale(ds)
     assert state.growth_interval == 3 and float(state.scale) == 1024.0
     assert int(state.growth_tracker) == 2  # flax grows on its next finite step; so does jamp
     assert float(jamp.update(state, jnp.bool_(True)).scale) == 2048.0
     saved = serialization.to_state_dict(ds)
     assert set(saved) == {"fin_steps", "scale"}
-    from_dict = jamp.from_flax_dynamic_scale(saved, growth_interval=3)
+    from_dict = jamp.compat.from_flax_dynamic_scale(saved, growth_interval=3)
     assert float(from_dict.scale) == 1024.0 and int(from_dict.growth_tracker) == 2
     assert from_dict.min_scale == float(jnp.finfo(jnp.float32).tiny)  # flax's default floor
     with pytest.raises(ValueError, match="positive and finite"):
-        jamp.from_flax_dynamic_scale({"fin_steps": 0, "scale": float("nan")})
+        jamp.compat.from_flax_dynamic_scale({"fin_steps": 0, "scale": float("nan")})
     with pytest.raises(ValueError, match=r"missing \['fin_steps'\]"):
-        jamp.from_flax_dynamic_scale({"scale": 1.0})
+        jamp.compat.from_flax_dynamic_scale({"scale": 1.0})
     with pytest.raises(TypeError, match="`dynamic_scale`"):
-        jamp.from_flax_dynamic_scale(3.0)
+        jamp.compat.from_flax_dynamic_scale(3.0)
 
 
 # ---------------------------------------------------------------- 5. counters and factors

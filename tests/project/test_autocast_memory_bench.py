@@ -14,7 +14,7 @@ def _run(tmp_path, *args):
 
 def test_tiny_run_prints_every_variant_and_judges_the_targets(tmp_path):
     # One of the four models: the others' builders and GPU compiles run in
-    # test_tiny_step_time_table (the GPT) and tests/test_autocast_gpu_compile.py (GPT, CNN,
+    # test_tiny_step_time_table (the GPT) and tests/autocast/test_autocast_gpu_compile.py (GPT, CNN,
     # the grouped-KV block); the suite's 12-minute budget leaves room for one here.
     models = ("Attention+dropout",)
     results = tmp_path / "RESULTS.md"

@@ -41,20 +41,20 @@ def test_readme_commands():
 
 # Every module of jamp's, public functions' examples included.
 MODULES = sorted(
-    m.name for m in pkgutil.iter_modules(jamp._src.__path__, "jamp._src.") if not m.ispkg
+    m.name for m in pkgutil.walk_packages(jamp._src.__path__, "jamp._src.") if not m.ispkg
 )
 # The modules whose docstrings must carry examples: those defining public functions.
 WITH_EXAMPLES = {
-    "jamp._src.autocast",
-    "jamp._src.finite",
+    "jamp._src.autocast.api",
+    "jamp._src.finite.check",
     "jamp._src.float8",
     "jamp._src.flax_support",
-    "jamp._src.grad_scaler",
+    "jamp._src.grad_scaler.scaler",
     "jamp._src.lookup",
     "jamp._src.loss_scale",
     "jamp._src.loss_scaling",
     "jamp._src.policy",
-    "jamp._src.report",
+    "jamp._src.finite.report",
     "jamp._src.skip",
     "jamp._src.value_and_grad",
 }

@@ -81,10 +81,13 @@ def test_pre_commit_pins_the_ruff_of_the_lint_extra():
     assert PROJECT["optional-dependencies"]["lint"] == [f"ruff=={rev}"]
 
 
-def test_ci_runs_the_readme_command_first_then_the_floors():
+def test_ci_lints_then_runs_the_readme_command_then_the_floors():
     run = (ROOT / ".ci" / "run").read_text()
     assert 'pip install -e ".[test]" && pytest' in run
     assert run.index("pytest") < run.index("bash .ci/floors")
+    assert 'pip install -e ".[test,gpu-compile,lint]"' in run
+    lint = run.index("ruff check . && ruff format --check .")
+    assert lint < run.index("JAMP_REQUIRE_GPU_COMPILE=1 pytest")
     script = (ROOT / ".ci" / "floors").read_text()
     assert "-c .ci/floors.txt" in script and '"git", "ls-files"' in script
     assert 'rm -r "$work/src/jamp"' in script  # the tests import the installed wheel
@@ -99,3 +102,36 @@ def test_the_wheel_ships_py_typed():
     assert (ROOT / "jamp" / "py.typed").is_file()
     assert "pyright[nodejs]==" in " ".join(PROJECT["optional-dependencies"]["test"])
     assert PYPROJECT["tool"]["pyright"]["include"] == ["jamp"]
+
+
+def test_the_distribution_is_jax_amp_and_imports_as_jamp():
+    # PyPI's "jamp" is someone else's fork of jmp, whose wheel installs a package named jmp.
+    assert PROJECT["name"] == "jax-amp"
+    assert PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"] == ["jamp*"]
+    assert "jax_amp-*" in (ROOT / ".ci" / "floors").read_text()
+
+
+# `pip install jamp`, `pip install "jamp[equinox]"`, `pip install -U jamp`: the other jamp.
+INSTALLS_THE_OTHER_JAMP = re.compile(r"""pip3? install(?:\s+-\S+)*\s+\\?["']?jamp\b""")
+
+
+def test_no_install_line_names_the_other_jamp():
+    checked = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "mkdocs.yml"]
+    for folder, patterns in (
+        ("docs", ["*.md"]),
+        ("examples", ["*.py", "*.md"]),
+        ("jamp", ["*.py"]),
+        ("benchmarks", ["*.py", "*.md", "*.sh"]),
+        (".ci", ["*"]),
+    ):
+        for pattern in patterns:
+            checked += [p for p in (ROOT / folder).rglob(pattern) if p.is_file()]
+    found = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in checked
+        for m in INSTALLS_THE_OTHER_JAMP.finditer(p.read_text(errors="replace"))
+    ]
+    assert found == []
+    for line in ("pip install jamp", 'pip install "jamp[equinox]"', "pip install -U jamp"):
+        assert INSTALLS_THE_OTHER_JAMP.search(line), line
+    assert not INSTALLS_THE_OTHER_JAMP.search('pip install "jax-amp[equinox]"')

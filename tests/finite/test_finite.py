@@ -19,9 +19,9 @@ from jax.sharding import PartitionSpec as P
 
 import jamp
 from jamp._src import loss_scale as ls
-from jamp._src.finite import check_unscaled
-from jamp._src.finite_cpu import cpu_finite
-from jamp._src.finite_default import default_finite
+from jamp._src.finite.check import check_unscaled
+from jamp._src.finite.cpu import cpu_finite
+from jamp._src.finite.default import default_finite
 from jamp._src.leaves import float_leaves, unscale_leaf
 
 EAGER_AND_JIT = [pytest.param(lambda f: f, id="eager"), pytest.param(jax.jit, id="jit")]

@@ -79,11 +79,11 @@ honoured; a no-op conversion in the traced program stays a no-op.
                   dtype (bfloat16, or the policy's float16), so the rest of
                   the program runs as under ``autocast(fun, bfloat16)``; the
                   gradient of the output is quantised to ``float8_e5m2``
-                  (``jamp/_src/float8.py``, ``autocast_float8.py``).
+                  (``jamp/_src/float8.py``, ``autocast.float8.py``).
                   Convolutions and ``ragged_dot_general`` stay ``lower``.
 ================  ==========================================================
 
-Regions that must not be autocast are marked with [`autocast_disabled`][jamp.autocast_disabled]
+Regions that must not be autocast are marked with ``autocast(fun, enabled=False)``
 (a ``jax.named_scope`` the interpreter recognises); inside them every
 primitive runs as traced. An inner ``autocast`` inside an outer one marks its
 region the same way, so the innermost setting wins, as with nested
@@ -113,7 +113,7 @@ AS_TRACED = "as traced"
 # ---------------------------------------------------------------------------
 # The table: primitive names grouped by rule, each group with the torch ops it
 # mirrors. Sub-computations are handled structurally (see
-# autocast_interpreter.HIGHER_ORDER); they are not in the table.
+# autocast.interpreter.HIGHER_ORDER); they are not in the table.
 # ---------------------------------------------------------------------------
 
 # fmt: off
@@ -125,7 +125,7 @@ _LOWER_PRECISION = (
     "ragged_dot_general",
 )
 
-# float8 mode: these run with float8 operands (autocast_float8). XLA has no float8
+# float8 mode: these run with float8 operands (autocast.float8). XLA has no float8
 # convolution jamp can rely on, so conv_general_dilated stays in the autocast dtype.
 FLOAT8_PRIMITIVES = frozenset({"dot_general"})
 
@@ -197,14 +197,14 @@ _AS_TRACED = (
     "custom_linear_solve", "pure_callback", "io_callback", "ffi_call",
     # scatter carries an update jaxpr typed for the traced dtype (torch lists
     # scatter_add and index_put under "promote"; here they run as traced, except a
-    # scatter-add of half updates: in float32, its result low (autocast_sums)).
+    # scatter-add of half updates: in float32, its result low (autocast.sums)).
     "scatter", "scatter-add", "scatter_add", "scatter-sub", "scatter_sub",
     "scatter-mul", "scatter_mul", "scatter-min", "scatter_min", "scatter-max",
     "scatter_max",
 )
 
 # The unary elementwise float32-rule primitives: from a half-precision input
-# they are recomputed in the backward pass (autocast_residuals.recomputed).
+# they are recomputed in the backward pass (autocast.residuals.recomputed).
 RECOMPUTED = frozenset(
     {
         "exp", "exp2", "log", "log1p", "expm1", "sqrt", "rsqrt", "cbrt", "reciprocal",
@@ -225,7 +225,7 @@ RULES: Mapping[str, str] = types.MappingProxyType(
     }
 )
 """Primitive name -> rule. Primitives not in the table run as traced and are
-reported as unknown by [`autocast_report`][jamp.autocast_report]."""
+reported as unknown by [`autocast_report`][jamp.debug.autocast_report]."""
 
 _INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote (rule_of)
 
@@ -287,7 +287,7 @@ def rule_of(eqn: Any) -> str | None:
     ``x**3`` of gelu's tanh approximation, under both half dtypes: its
     derivative ``3 x**2`` overflows float16 from ``|x| = 148`` (and ``0 * inf``
     would make the gradient NaN), and computed from the half input in float32
-    and recomputed in the backward pass (``autocast_residuals``) it keeps
+    and recomputed in the backward pass (``autocast.residuals``) it keeps
     nothing but that input, which gelu keeps anyway. ``div`` is ``float32``
     here; dividing by a constant or a parameter promotes (``div_rule``).
     """

@@ -4,7 +4,7 @@
 activation, a constant, a statistic, a broadcast operand: ``categories``)
 and the constants' spans (``constants_allow``); ``out_infos`` says what each
 output is to its consumers (its kind, whether it is a low activation, its
-span). The interpreter (``autocast_interpreter``) calls them per equation.
+span). The interpreter (``autocast.interpreter``) calls them per equation.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import jax.core
 import numpy as np
 
-from jamp._src.autocast_rules import (
+from jamp._src.autocast.rules import (
     AFFINE,
     ARITHMETIC,
     ELIGIBLE,
@@ -35,7 +35,7 @@ from jamp._src.autocast_rules import (
     span_of,
     widest,
 )
-from jamp._src.autocast_values import CONST, LITERAL, Context, Info, is_float
+from jamp._src.autocast.values import CONST, LITERAL, Context, Info, is_float
 
 
 def known_span(x: Any, info: Info) -> Span | None:
@@ -70,7 +70,7 @@ def constants_allow(
 ) -> tuple[bool, bool]:
     """Whether the constants among the inputs may be narrowed to ``dtype``, and with saturation.
 
-    A constant that is not narrowed, or fits (``autocast_rules.fits``),
+    A constant that is not narrowed, or fits (``autocast.rules.fits``),
     is fine. One that does not fit stops the narrowing (the primitive runs
     in the wider dtype) unless the primitive is a select, max, min or clamp
     and the only misfits are +-finfo(float32).max: the mask-fill idiom, which
@@ -97,7 +97,7 @@ def promote_target(
     """The dtype a ``promote`` primitive runs in; whether a mask fill saturates; whether held.
 
     The widest floating input dtype (literals follow the others), or the low
-    dtype when ``autocast_rules.runs_low`` says so; float32 for
+    dtype when ``autocast.rules.runs_low`` says so; float32 for
     arithmetic feeding a float32-rule primitive; and no narrowing past a
     constant that does not fit (``constants_allow``).
     """

@@ -34,15 +34,15 @@ import numpy as np
 import optax
 
 from jamp._src import loss_scale as ls
-from jamp._src.config import check_config
-from jamp._src.finite import check_axis_name, check_unscaled, refuse_axis_name
-from jamp._src.finite import unscale_and_check as _unscale_and_check
+from jamp._src.finite.check import check_axis_name, check_unscaled, refuse_axis_name
+from jamp._src.finite.check import unscale_and_check as _unscale_and_check
+from jamp._src.grad_scaler.records import check_not_swapped, check_step, record
 from jamp._src.leaves import check_filter, is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import check_skip, optimizer_step
-from jamp._src.step_records import check_not_swapped, check_step, record
+from jamp._src.validate import check_config
 
 P = ParamSpec("P")
 R = TypeVar("R")

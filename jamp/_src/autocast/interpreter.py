@@ -1,7 +1,7 @@
 """The interpreter behind ``jamp.autocast``: a jaxpr evaluated primitive by primitive.
 
 Each equation is re-bound with its floating inputs cast as the rule table
-(``autocast_rules``) says. Every value carries a *kind*: whether it depends
+(``autocast.rules``) says. Every value carries a *kind*: whether it depends
 on the function's arguments (``TRACED``), is known when the function is
 traced (``CONST``), or comes from literals only (``LITERAL``). Under
 ``promote`` a literal follows the other inputs instead of widening them, as a
@@ -23,14 +23,14 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from jamp._src.autocast_flow import (
+from jamp._src.autocast.flow import (
     categories,
     constants_allow,
     known_span,
     out_infos,
     promote_target,
 )
-from jamp._src.autocast_residuals import (
+from jamp._src.autocast.residuals import (
     dropout_jaxpr,
     find_softmax,
     group_jaxpr,
@@ -40,7 +40,7 @@ from jamp._src.autocast_residuals import (
     softmax_keeping_low,
     softmax_matmul_keeping_low,
 )
-from jamp._src.autocast_rules import (
+from jamp._src.autocast.rules import (
     AS_TRACED,
     BOUNDED,
     ELIGIBLE,
@@ -56,7 +56,7 @@ from jamp._src.autocast_rules import (
     reaching_float32,
     rule_of,
 )
-from jamp._src.autocast_sums import (
+from jamp._src.autocast.sums import (
     SCATTER_ADD,
     bind_summing,
     broadcast_in_float32,
@@ -64,18 +64,15 @@ from jamp._src.autocast_sums import (
     summed_in_float32,
     upcast_in_backward,
 )
-from jamp._src.autocast_values import (
+from jamp._src.autocast.values import (
     CONST,
     FOLD_MAX,
     LITERAL,
     MARKER,
-    SCOPE_AUTOCAST,
-    SCOPE_DISABLED,
     TRACED,
     Casts,
     Context,
     Info,
-    Recorder,
     bind,
     cast,
     float0_zeros,
@@ -85,11 +82,6 @@ from jamp._src.autocast_values import (
     source,
     strong_cast,
 )
-
-__all__ = [  # what the other autocast modules import from here
-    "HIGHER_ORDER", "MARKER", "SCOPE_AUTOCAST", "SCOPE_DISABLED", "Context", "Info", "Recorder",
-    "cast", "eval_closed", "is_float", "kept_preferred_type", "scan_with",
-]  # fmt: skip
 
 # ---------------------------------------------------------------------------
 # The interpreter
@@ -106,8 +98,8 @@ def _eval_jaxpr(
     when the function is traced, or comes from literals only), whether it is
     derived from autocast's low-precision activations only, how many elements
     it had before broadcasting, and, for a constant, the span of its values.
-    The dtype flow of ``promote`` (``autocast_rules.runs_low``) and the
-    constant rule (``autocast_rules.fits``) decide from these.
+    The dtype flow of ``promote`` (``autocast.rules.runs_low``) and the
+    constant rule (``autocast.rules.fits``) decide from these.
     """
     env: dict[Any, tuple[Any, Info]] = {}
 
@@ -116,7 +108,8 @@ def _eval_jaxpr(
             val = v.val
             if not hasattr(val, "dtype"):
                 # a literal's aval is a ShapedArray, which jax types as AbstractValue
-                val = np.asarray(val, dtype=v.aval.dtype)  # pyright: ignore[reportAttributeAccessIssue]
+                dtype = v.aval.dtype  # pyright: ignore[reportAttributeAccessIssue]
+                val = np.asarray(val, dtype=dtype)
             return val, Info(kind=LITERAL)
         return env[v]
 
@@ -230,7 +223,7 @@ def _upcast(x: Any, info: Info, size: int = 2) -> bool:
 
 
 def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: Casts):
-    """A softmax whose backward pass keeps the low probabilities only (``autocast_residuals``)."""
+    """A softmax whose backward pass keeps the low probabilities only (``autocast.residuals``)."""
     with source(jaxpr.eqns[group.indices[-1]]):
         body, _, (out,) = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
         y, y_low = softmax_keeping_low(lambda x: body(x)[0], group.axes, ctx.dtype, z.dtype)(z)
@@ -376,7 +369,7 @@ def _eval_eqn(
         targets = {i: FLOAT32_DTYPE for i in float_in if np.dtype(invals[i].dtype) in ELIGIBLE}
         low = output_is_low(cats)
         if name in RECOMPUTED and targets == {0: FLOAT32_DTYPE} and _upcast(invals[0], infos[0]):
-            with source(eqn):  # the backward pass keeps the half input (autocast_residuals)
+            with source(eqn):  # the backward pass keeps the half input (autocast.residuals)
                 outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
             record(ctx, eqn, rule, outs, outs)
             return outs, out_infos(eqn, invals, infos, outs, low)
@@ -398,7 +391,7 @@ def _eval_eqn(
         for i, dtype in targets.items():
             if i not in wide and i not in up:
                 vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
-        if wide or up:  # summed in float32, half operands kept (autocast_sums)
+        if wide or up:  # summed in float32, half operands kept (autocast.sums)
             shape = eqn.outvars[0].aval.shape
             outs = bind_summing(
                 lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape, up
@@ -407,7 +400,7 @@ def _eval_eqn(
         record(ctx, eqn, rule, [vals[i] for i in targets if i not in wide] or outs, outs)
         return outs, out_infos(eqn, invals, infos, outs, low, held)
     if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
-        with source(eqn):  # its gradient is summed in float32 (autocast_sums)
+        with source(eqn):  # its gradient is summed in float32 (autocast.sums)
             outs = [summed_in_float32(vals[0], *_broadcast_args(eqn), vals[0].dtype)]
         record(ctx, eqn, rule, vals, outs)
         return outs, out_infos(eqn, invals, infos, outs, low, held)

@@ -17,7 +17,7 @@ from _autocast_helpers import (
 from jax import lax
 
 import jamp
-from jamp._src.autocast import RULES
+from jamp._src.autocast.api import RULES
 
 F32_ONLY = {
     "complex": lambda h: jnp.abs(lax.complex(h, 2.0 * h)),
@@ -40,7 +40,7 @@ def test_primitives_that_accept_only_float32_run_in_float32(op):
         return F32_ONLY[op](x @ w)  # the matmul output arrives in float16
 
     x, w = randn(0, 4, 4), randn(1, 4, 4, scale=0.5)
-    report = jamp.autocast_report(f, x, w, dtype=F16)
+    report = jamp.debug.autocast_report(f, x, w, dtype=F16)
     assert report.unknown == ()
     jaxpr = jax.make_jaxpr(jamp.autocast(f, F16))(x, w)
     assert in_dtypes(eqns_named(jaxpr, "dot_general")[0]) == [F16, F16]
@@ -61,7 +61,7 @@ def test_primitives_found_in_review_are_in_the_table():
         return (jnp.searchsorted(edges, h), jnp.linalg.solve(h + 4.0 * jnp.eye(4), h),
                 jnp.linalg.slogdet(h + 4.0 * jnp.eye(4))[1])  # fmt: skip
 
-    report = jamp.autocast_report(f, randn(0, 4, 4))
+    report = jamp.debug.autocast_report(f, randn(0, 4, 4))
     names = {row[0] for row in report.rows}
     assert {"le_to", "debug_print", "custom_linear_solve", "platform_index"} <= names
     assert report.unknown == ()

@@ -3,12 +3,12 @@
 In float8 mode every eligible ``dot_general`` (floating operands of float16,
 bfloat16 or float32; none in a disabled region) runs as a float8 product
 (``jamp/_src/float8.py``); everything else follows the half-precision rules
-of ``autocast_rules`` with the autocast dtype (bfloat16 unless a policy says
+of ``autocast.rules`` with the autocast dtype (bfloat16 unless a policy says
 float16), which is also the dtype of the products' outputs. Convolutions stay
 in that dtype: XLA has no float8 convolution that jamp can rely on.
 
-With [`DelayedScaling`][jamp.DelayedScaling], each such product owns a
-[`Float8State`][jamp.Float8State], kept in a dict keyed ``"<i>:<scope>"``
+With [`DelayedScaling`][jamp.float8.DelayedScaling], each such product owns a
+[`Float8State`][jamp.float8.Float8State], kept in a dict keyed ``"<i>:<scope>"``
 (``i`` counts the products in program order, ``scope`` is their name stack
 with ``/`` written ``.``, e.g. ``"0:MLP.Dense_0"``). ``sites`` finds them,
 statically, in the traced jaxpr, following the interpreter: into ``jit``, ``closed_call`` and
@@ -31,15 +31,9 @@ from typing import Any, NamedTuple
 import numpy as np
 from jax.extend import core as jex_core
 
-from jamp._src.autocast_interpreter import (
-    HIGHER_ORDER,
-    MARKER,
-    Context,
-    Info,
-    kept_preferred_type,
-    scan_with,
-)
-from jamp._src.autocast_rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
+from jamp._src.autocast.interpreter import HIGHER_ORDER, kept_preferred_type, scan_with
+from jamp._src.autocast.rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
+from jamp._src.autocast.values import MARKER, Context, Info
 from jamp._src.float8 import (
     E4M3,
     F32,
@@ -155,10 +149,10 @@ def init_states(found: Sequence[Site], recipe: DelayedScaling) -> dict[str, Floa
 
 def check_states(state: Any, found: Sequence[Site], recipe: DelayedScaling) -> None:
     """A clear error unless ``state`` has one well-formed Float8State per site."""
-    fix = "create it with jamp.float8_init(f, *args) from the function and arguments f takes"
+    fix = "create it with jamp.float8.init(f, *args) from the function and arguments f takes"
     if not isinstance(state, Mapping):
         raise TypeError(
-            f"Expected a dict of jamp.Float8State for the float8 state (the first argument "
+            f"Expected a dict of jamp.float8.Float8State for the float8 state (the first argument "
             f"of a delayed-scaling autocast function), got {type(state).__name__} instead; "
             f"{fix}."
         )
@@ -184,7 +178,7 @@ def check_states(state: Any, found: Sequence[Site], recipe: DelayedScaling) -> N
                 else type(entry).__name__
             )
             raise ValueError(
-                f"Expected a jamp.Float8State of float32 arrays with shapes {shapes} for "
+                f"Expected a jamp.float8.Float8State of float32 arrays with shapes {shapes} for "
                 f"float8 state entry {site.key!r} (amax_history_len={h}), got {described} "
                 f"instead; {fix}."
             )

@@ -45,7 +45,7 @@ Transform = Callable[[jax.Array], jax.Array] | None
 
 
 def _count(
-    path: Any, leaf: Any, transform: Transform = None, fn: str = "nonfinite_report"
+    path: Any, leaf: Any, transform: Transform = None, fn: str = "debug.nonfinite_report"
 ) -> NonfiniteCount:
     """The counts of ``transform(leaf)``, applied a chunk at a time (never to the whole leaf)."""
     if leaf_kind(path, leaf, fn) != FLOAT:
@@ -87,7 +87,7 @@ def nonfinite_report(tree: Any, *, filter: Filter = None) -> Any:
     """Per leaf of ``tree``, how many entries are inf and how many are NaN.
 
     Computed on device (no host sync); use it in a jitted step and log it, or
-    let [`log_nonfinite`][jamp.log_nonfinite] do that only on the steps that overflow.
+    let [`log_nonfinite`][jamp.debug.log_nonfinite] do that only on the steps that overflow.
 
     Args:
       tree: any pytree of arrays.
@@ -98,22 +98,25 @@ def nonfinite_report(tree: Any, *, filter: Filter = None) -> Any:
         a number.
 
     Returns:
-      A pytree of the same structure with a [`NonfiniteCount`][jamp.NonfiniteCount] (int32
+      A pytree of the same structure with a [`NonfiniteCount`][jamp.debug.NonfiniteCount] (int32
       scalars ``inf`` and ``nan``) in place of each array leaf; non-floating
       leaves count 0, ``None`` stays ``None``.
 
     Examples:
       >>> import jax.numpy as jnp, jamp
-      >>> r = jamp.nonfinite_report({"w": jnp.array([1.0, jnp.inf, jnp.nan, -jnp.inf])})
+      >>> r = jamp.debug.nonfinite_report({"w": jnp.array([1.0, jnp.inf, jnp.nan, -jnp.inf])})
       >>> int(r["w"].inf), int(r["w"].nan)
       (2, 1)
     """
-    check_filter(filter, "nonfinite_report")
+    check_filter(filter, "debug.nonfinite_report")
     return _report(tree, filter=filter)
 
 
 def _report(
-    tree: Any, transform: Transform = None, filter: Filter = None, fn: str = "nonfinite_report"
+    tree: Any,
+    transform: Transform = None,
+    filter: Filter = None,
+    fn: str = "debug.nonfinite_report",
 ) -> Any:
     def one(path: Any, leaf: Any) -> NonfiniteCount | None:
         return _count(path, leaf, transform, fn) if selected(filter, leaf) else None
@@ -200,14 +203,14 @@ def log_nonfinite(
       prefix: text put in front of the message (a model name, ``"grads: "``);
         a str, fixed when the function is traced.
       filter: a predicate on leaves, such as ``eqx.is_inexact_array``: only
-        the leaves it selects are counted (see [`nonfinite_report`][jamp.nonfinite_report]).
+        the leaves it selects are counted (see [`nonfinite_report`][jamp.debug.nonfinite_report]).
 
     Returns:
       A bool scalar: whether the tree was all finite.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
-      >>> finite = jax.jit(jamp.log_nonfinite)({"w": jnp.ones(2)})
+      >>> finite = jax.jit(jamp.debug.log_nonfinite)({"w": jnp.ones(2)})
       >>> bool(finite)
       True
     """
@@ -226,7 +229,7 @@ def log_nonfinite(
             f"Expected `prefix` to be a str, got {type(prefix).__name__} instead; a traced step "
             "number cannot go into it (log it with jamp.metrics, or count=/every=)."
         )
-    check_filter(filter, "log_nonfinite")
+    check_filter(filter, "debug.log_nonfinite")
     return log_counts(tree, every=every, count=count, prefix=prefix, filter=filter)
 
 
@@ -260,8 +263,8 @@ def log_counts(
     transform: Transform = None,
     filter: Filter = None,
 ) -> jax.Array:
-    """[`jamp.log_nonfinite`][] of ``transform`` applied to each leaf, chunk by chunk."""
-    report = _report(tree, transform, filter, "log_nonfinite")
+    """[`jamp.debug.log_nonfinite`][] of ``transform`` applied to each leaf, chunk by chunk."""
+    report = _report(tree, transform, filter, "debug.log_nonfinite")
     flat, _ = jax.tree_util.tree_flatten_with_path(
         report, is_leaf=lambda x: isinstance(x, NonfiniteCount)
     )

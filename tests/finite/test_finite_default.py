@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jamp._src import finite_default
+from jamp._src.finite import default as finite_default
 
 # Each shape takes a different path: small, reduced over its last axis, over its two
 # last axes, whole (trailing axes too short), 1-D, and a 4-D convolution kernel.

@@ -1,4 +1,4 @@
-"""jamp.autocast, autocast_disabled, autocast_report; and autocast_interpreter, reached via them."""
+"""jamp.autocast (enabled=False too), jamp.debug.autocast_report, and the interpreter via them."""
 
 import functools
 
@@ -618,7 +618,7 @@ def test_flax_dense_conv_and_attention_run_bias_and_activations_in_low_precision
 
     img, seq = randn(0, 2, 6, 6, 3), randn(1, 2, 5, 16)
     params = init_params(Net(), img, seq)
-    report = jamp.autocast_report(Net().apply, params, img, seq, dtype=BF16)
+    report = jamp.debug.autocast_report(Net().apply, params, img, seq, dtype=BF16)
     counts = report.counts
     assert counts["tanh"] == {"bfloat16": 1}  # gelu
     assert counts["exp"] == {"float32": 1} and set(counts["rsqrt"]) == {"float32"}
@@ -785,7 +785,7 @@ def test_report_lists_the_dtype_of_every_saved_residual():
 
     p = {"w": randn(0, 8, 32), "b": jnp.zeros(32), "v": randn(1, 32, 4)}
     x = randn(2, 16, 8)
-    report = jamp.autocast_report(mlp, p, x, dtype=BF16)
+    report = jamp.debug.autocast_report(mlp, p, x, dtype=BF16)
     hidden = [r for r in report.residuals if r.shape == (16, 32)]
     assert hidden and all(np.dtype(r.dtype) == BF16 for r in hidden)  # the gelu in bfloat16
     assert all(r.nbytes == r.count * np.prod(r.shape) * np.dtype(r.dtype).itemsize
@@ -796,7 +796,7 @@ def test_report_lists_the_dtype_of_every_saved_residual():
     assert "saved for the backward pass (arguments excluded): bfloat16" in text
     assert "(16, 32)" in text and "test_autocast.py" in text  # the user's source line
     # A function autocast cannot differentiate (a primitive without a derivative) says so.
-    opaque = jamp.autocast_report(lambda x: UNKNOWN.bind(x @ x.T), x)
+    opaque = jamp.debug.autocast_report(lambda x: UNKNOWN.bind(x @ x.T), x)
     assert opaque.residuals == () and opaque.residuals_note
     assert "saved for the backward pass: not computed" in str(opaque)
 
@@ -991,7 +991,7 @@ def test_policy_sets_compute_and_output_dtypes():
 
 
 def test_disabled_region_and_enabled_false_run_as_traced():
-    @jamp.autocast_disabled
+    @jamp.autocast(enabled=False)
     def sensitive(a, w):
         return jnp.tanh(a @ w)
 
@@ -1043,7 +1043,7 @@ def test_report_counts_dtypes_and_unknown_primitives():
         y = jax.nn.softmax(x @ x)
         return UNKNOWN.bind(y @ x), jnp.cumsum(y), jnp.abs(jnp.fft.rfft(y))
 
-    report = jamp.autocast_report(f, jnp.ones((4, 4)), dtype=jnp.float16)
+    report = jamp.debug.autocast_report(f, jnp.ones((4, 4)), dtype=jnp.float16)
     assert report.counts["dot_general"] == {"float16": 2}
     assert report.counts["exp"] == {"float32": 1}
     assert report.counts["cumsum"] == {"float32": 1}
@@ -1057,7 +1057,7 @@ def test_report_counts_dtypes_and_unknown_primitives():
     assert in_dtypes(eqns_named(jaxpr, "jamp_test_sin")[0]) == [F32]
     out = jamp.autocast(f, jnp.float16)(jnp.ones((4, 4)))
     assert tree_dtypes(out) == tree_dtypes(f(jnp.ones((4, 4))))
-    shaped = jamp.autocast_report(f, jax.ShapeDtypeStruct((4, 4), jnp.float32))
+    shaped = jamp.debug.autocast_report(f, jax.ShapeDtypeStruct((4, 4), jnp.float32))
     assert shaped.counts["dot_general"] == {"bfloat16": 2}
 
 
@@ -1067,10 +1067,10 @@ def test_report_keywords_belong_to_the_report():
 
     x = jnp.ones((2, 2))
     # dtype= is the autocast dtype; f keeps its default.
-    report = jamp.autocast_report(f, x, dtype=jnp.float16)
+    report = jamp.debug.autocast_report(f, x, dtype=jnp.float16)
     assert report.dtype == F16 and report.counts["dot_general"] == {"float16": 1}
     # f's own dtype argument: bound with functools.partial.
-    bound = jamp.autocast_report(functools.partial(f, dtype=jnp.int32), x, dtype=jnp.float16)
+    bound = jamp.debug.autocast_report(functools.partial(f, dtype=jnp.int32), x, dtype=jnp.float16)
     assert bound.counts["convert_element_type"] == {"int32": 1}
     assert bound.counts["dot_general"] == {"float16": 1}
 
@@ -1078,10 +1078,10 @@ def test_report_keywords_belong_to_the_report():
         return (x @ x).astype(dtype) * len(policy)
 
     with pytest.raises(TypeError, match=r"argument `dtype` of `fun`.*functools.partial"):
-        jamp.autocast_report(needs_dtype, x, dtype=jnp.float16, policy="p")
+        jamp.debug.autocast_report(needs_dtype, x, dtype=jnp.float16, policy="p")
     with pytest.raises(TypeError, match=r"argument `policy` of `fun`.*functools.partial"):
-        jamp.autocast_report(needs_dtype, x, policy="mixed_float16")
-    ok = jamp.autocast_report(
+        jamp.debug.autocast_report(needs_dtype, x, policy="mixed_float16")
+    ok = jamp.debug.autocast_report(
         functools.partial(needs_dtype, dtype=jnp.float32, policy="p"), x, dtype="f16"
     )
     assert ok.counts["dot_general"] == {"float16": 1}
@@ -1100,14 +1100,14 @@ def test_dtype_default_and_policy_agreement():
     assert _dot_dtypes(jamp.autocast(f), x, x) == [BF16]
     assert _dot_dtypes(jamp.autocast(f, None), x, x) == [BF16]
     assert _dot_dtypes(jamp.autocast(f, dtype=jnp.bfloat16), x, x) == [BF16]
-    assert _dot_dtypes(jamp.autocast(f, "half"), x, x) == [jamp.half_dtype()]
+    assert _dot_dtypes(jamp.autocast(f, "half"), x, x) == [jamp.compat.half_dtype()]
     assert _dot_dtypes(jamp.autocast(f, policy="mixed_float16"), x, x) == [F16]
     assert _dot_dtypes(jamp.autocast(f, "f16", policy="mixed_float16"), x, x) == [F16]
     # An explicit bfloat16 is not mistaken for the default.
     with pytest.raises(ValueError, match=r"policy's compute dtype float16, got bfloat16"):
         jamp.autocast(f, jnp.bfloat16, policy="mixed_float16")
     with pytest.raises(ValueError, match=r"policy's compute dtype float16, got bfloat16"):
-        jamp.autocast_report(f, x, x, dtype=jnp.bfloat16, policy="mixed_float16")
+        jamp.debug.autocast_report(f, x, x, dtype=jnp.bfloat16, policy="mixed_float16")
 
 
 # Every invalid argument of autocast and autocast_report: id -> (call, exception,
@@ -1169,19 +1169,19 @@ BAD_INPUT = {
         r"`dtype`",
     ),
     "autocast_report dtype=jnp.float32": (
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float32),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float32),
         ValueError,
         r"`dtype`",
     ),
     "autocast dtype='float32'": (lambda: jamp.autocast(jnp.sin, "float32"), ValueError, r"`dtype`"),
     "autocast_report dtype='float32'": (
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="float32"),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype="float32"),
         ValueError,
         r"`dtype`",
     ),
     "autocast dtype='full'": (lambda: jamp.autocast(jnp.sin, "full"), ValueError, r"`dtype`"),
     "autocast_report dtype='full'": (
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="full"),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype="full"),
         ValueError,
         r"`dtype`",
     ),
@@ -1191,13 +1191,13 @@ BAD_INPUT = {
         r"`dtype`",
     ),
     "autocast_report dtype=jnp.float64": (
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float64),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float64),
         ValueError,
         r"`dtype`",
     ),
     "autocast dtype='f64'": (lambda: jamp.autocast(jnp.sin, "f64"), ValueError, r"`dtype`"),
     "autocast_report dtype='f64'": (
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="f64"),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype="f64"),
         ValueError,
         r"`dtype`",
     ),
@@ -1207,7 +1207,7 @@ BAD_INPUT = {
         r"`dtype`",
     ),
     "autocast_report dtype=jnp.float8_e4m3fn": (
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float8_e4m3fn),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype=jnp.float8_e4m3fn),
         ValueError,
         r"`dtype`",
     ),
@@ -1217,7 +1217,7 @@ BAD_INPUT = {
         r"`dtype`",
     ),
     "autocast_report dtype='float8_e5m2'": (
-        lambda: jamp.autocast_report(jnp.sin, jnp.ones(2), dtype="float8_e5m2"),
+        lambda: jamp.debug.autocast_report(jnp.sin, jnp.ones(2), dtype="float8_e5m2"),
         ValueError,
         r"`dtype`",
     ),

@@ -785,7 +785,7 @@ def test_a_state_captured_from_outside_a_trace_is_not_marked():
 def test_the_stage_costs_nothing_in_the_compiled_step():
     """The jaxpr of a GradScaler iteration is the jaxpr of the same step written with
     the pieces it is made of: the stage and its checks leave no trace in it."""
-    from jamp._src.finite import check_unscaled
+    from jamp._src.finite.check import check_unscaled
     from jamp._src.skip import apply_or_keep
 
     scaler = jamp.GradScaler(init_scale=1024.0)

@@ -42,7 +42,7 @@ of its own. XLA:CPU compiles every kernel at a near-fixed cost (several ms
 each), so the check's kernels are few: a product per large leaf, one
 reduction over the vector, one per float16 or other leaf. A boolean ``all``
 is reduced through tiled kernels, hence the ``uint8`` max of the flags
-(``finite_default.exact``). The check waits for every gradient
+(``finite.default.exact``). The check waits for every gradient
 (an ``optimization_barrier``): otherwise XLA:CPU starts each reduction beside
 the backward pass's matrix products, which then lose a core. For float16,
 ``max(|x|)`` would write ``|x|`` first, so a float16 leaf's extremes are its
@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.finite_default import exact, replicated, sum32
+from jamp._src.finite.default import exact, replicated, sum32
 from jamp._src.leaves import unscale_leaf
 
 SMALL = 2**14

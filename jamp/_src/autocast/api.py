@@ -2,7 +2,7 @@
 
 ``autocast(fun)`` traces ``fun`` to a jaxpr and evaluates that jaxpr with an
 interpreter that decides, primitive by primitive, in which dtype it runs. The
-decision comes from one table, ``RULES`` (``jamp/_src/autocast_rules.py``,
+decision comes from one table, ``RULES`` (``jamp/_src/autocast.rules.py``,
 whose docstring states every rule), the JAX analogue of torch.autocast's op
 lists: matrix products and convolutions in the low dtype; exp, log, pow,
 rsqrt, sums and divisions (so softmax, norm statistics and losses) in
@@ -12,7 +12,7 @@ float32 residual stream or a norm statistic keeps it in float32 (and the
 scale and bias ending a norm of low activations apply in float32, as Flax's
 norms do, the next primitive reading the result in the low dtype). Constants
 that do not fit the low dtype are never narrowed, except the mask fill
-``finfo(float32).min``, which saturates. [`autocast_report`][jamp.autocast_report] shows what
+``finfo(float32).min``, which saturates. [`autocast_report`][jamp.debug.autocast_report] shows what
 ran in which dtype and what the backward pass saves.
 """
 
@@ -28,24 +28,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp._src.autocast_float8 import (
+from jamp._src.autocast.float8 import (
     check_states,
     current_rule,
     delayed_rule,
     init_states,
     sites,
 )
-from jamp._src.autocast_interpreter import (
+from jamp._src.autocast.interpreter import eval_closed
+from jamp._src.autocast.rules import RULES
+from jamp._src.autocast.values import (
     SCOPE_AUTOCAST,
     SCOPE_DISABLED,
     Context,
     Info,
     Recorder,
     cast,
-    eval_closed,
     is_float,
 )
-from jamp._src.autocast_rules import RULES
 from jamp._src.float8 import DelayedScaling, Float8State
 from jamp._src.policy import Policy, check_dtype, parse_policy
 
@@ -53,7 +53,6 @@ __all__ = [
     "RULES",
     "AutocastReport",
     "autocast",
-    "autocast_disabled",
     "autocast_report",
     "float8_init",
 ]
@@ -239,7 +238,7 @@ def _check_recipe(recipe: Any, float8: bool) -> None:
         return
     if not isinstance(recipe, DelayedScaling):
         raise TypeError(
-            f"Expected a jamp.DelayedScaling (or None, for current scaling) for `recipe`, "
+            f"Expected a jamp.float8.DelayedScaling (or None, for current scaling) for `recipe`, "
             f"got {recipe!r} (type {type(recipe).__name__}) instead."
         )
     if not float8:
@@ -264,10 +263,10 @@ def _check_state_first(fun: Callable, state: Any, args: tuple, kwargs: dict) -> 
         except TypeError:
             return  # a call error of fun's own, which fun will report
         raise TypeError(
-            "Expected the float8 state (a dict of jamp.Float8State from jamp.float8_init) as "
-            "the first argument of a delayed-scaling autocast function, then the arguments "
-            f"of {getattr(fun, '__name__', 'fun')}; got only the latter. Call f(state, "
-            "*args)."
+            "Expected the float8 state (a dict of jamp.float8.Float8State from "
+            "jamp.float8.init) as the first argument of a delayed-scaling autocast function, "
+            f"then the arguments of {getattr(fun, '__name__', 'fun')}; got only the latter. "
+            "Call f(state, *args)."
         ) from None
     except ValueError:  # no signature
         return
@@ -326,7 +325,6 @@ def _autocast(
 
     if recipe is not None:
 
-        @functools.wraps(fun)
         def delayed(state: Any, *args: Any, **kwargs: Any) -> Any:
             _check_state_first(fun, state, args, kwargs)
             closed, out_shape, dynamic = _trace(fun, args, kwargs)
@@ -334,8 +332,7 @@ def _autocast(
             check_states(state, found, recipe)
             return run(closed, out_shape, dynamic, delayed_rule(state, found, recipe))
 
-        delayed._jamp_float8 = fun, recipe  # for float8_init; wraps' type lacks it # pyright: ignore[reportAttributeAccessIssue]
-        return delayed
+        return DelayedFloat8(delayed, fun, recipe)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
@@ -345,6 +342,30 @@ def _autocast(
     return wrapped
 
 
+class DelayedFloat8:
+    """What ``autocast(f, "float8", recipe=...)`` returns: a function of ``(state, *args)``
+    that carries what [`jamp.float8.init`][] needs to make its first state.
+
+    It is called as ``f`` is, with the float8 state first, and passes ``jit``,
+    ``grad`` and ``vmap`` like any function; ``functools.wraps`` gives it
+    ``f``'s name and docstring.
+
+    Attributes:
+      traced: the function whose float8 products have states (``f``).
+      recipe: the [`jamp.float8.DelayedScaling`][] recipe.
+    """
+
+    def __init__(self, call: Callable, traced: Callable, recipe: DelayedScaling) -> None:
+        self._call, self.traced, self.recipe = call, traced, recipe
+        functools.update_wrapper(self, traced)
+
+    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+        return self._call(state, *args, **kwargs)
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # a method, as a function is
+        return self if obj is None else functools.partial(self, obj)
+
+
 _WRAPS_A_FUNCTION = (
     "jamp.autocast wraps a function; it is not a context manager and takes no device: where "
     "PyTorch has `with torch.autocast(device_type=..., dtype=torch.float16): out = fn(x)`, "
@@ -352,10 +373,10 @@ _WRAPS_A_FUNCTION = (
     "`@jamp.autocast(dtype=jnp.float16)`"
 )
 _MARKS_A_FUNCTION = (
-    "jamp.autocast_disabled marks a function; it is not a context manager: where PyTorch has "
-    "`with torch.autocast(device_type=..., enabled=False): out = fn(x)`, write "
-    "`out = jamp.autocast_disabled(fn)(x)`, or decorate the function with "
-    "`@jamp.autocast_disabled` (or `@jamp.autocast_disabled()`)"
+    "jamp.autocast(enabled=False) marks a function; it is not a context manager: where "
+    "PyTorch has `with torch.autocast(device_type=..., enabled=False): out = fn(x)`, write "
+    "`out = jamp.autocast(fn, enabled=False)(x)`, or decorate the function with "
+    "`@jamp.autocast(enabled=False)`"
 )
 
 
@@ -421,7 +442,7 @@ def autocast(
     ``autocast`` is a function transformation, the JAX analogue of
     ``torch.autocast``. It traces ``fun`` to a jaxpr and evaluates it with an
     interpreter that applies one table of rules (``RULES`` in
-    ``jamp/_src/autocast.py``, explained in ``docs/autocast.md``):
+    ``jamp/_src/autocast/api.py``, explained in ``docs/autocast.md``):
 
     * ``dot_general`` and ``conv_general_dilated`` (every matmul, einsum,
       Dense and Conv layer) run in ``dtype``, output included (a
@@ -451,7 +472,7 @@ def autocast(
       arguments are cast as they are, so their overflow reaches loss scaling;
       integers are never touched;
     * primitives the table does not know run as traced (float32 for a float32
-      program); [`autocast_report`][jamp.autocast_report] lists them.
+      program); [`autocast_report`][jamp.debug.autocast_report] lists them.
 
     The backward pass keeps half-precision values where JAX's rules would keep
     float32 ones: a unary float32 primitive of a ``dtype`` activation (``x**3``
@@ -484,30 +505,40 @@ def autocast(
     else as ``dtype=jnp.bfloat16`` (or the policy's compute dtype) would,
     the products' outputs included; convolutions stay bfloat16. The scales
     are computed from each tensor in the same step (current scaling), or,
-    with ``recipe=jamp.DelayedScaling(...)``, come from an amax history kept
+    with ``recipe=jamp.float8.DelayedScaling(...)``, come from an amax history kept
     in a state: the returned function then takes that state first,
-    ``f(state, *args)``, [`float8_init`][jamp.float8_init] creates it, and ``jax.grad``
+    ``f(state, *args)``, [`float8_init`][jamp.float8.init] creates it, and ``jax.grad``
     with respect to it returns the next state (``docs/float8.md``).
 
     Args:
       fun: the function to transform; left out, a decorator is returned.
       dtype: the low-precision dtype: ``jnp.bfloat16`` (the default) or
-        ``jnp.float16``; the short names of [`jamp.get_policy`][]
+        ``jnp.float16``; the short names of [`jamp.compat.get_policy`][]
         (``"bf16"``, ``"f16"``, ``"half"``) work too; or ``"float8"``. Left
         out (``None``) it is bfloat16, or the policy's compute dtype.
       policy: optional [`jamp.Policy`][] or policy string. Its
         ``compute_dtype`` (float16 or bfloat16) is the low-precision dtype
         (``dtype`` must then be left out or agree) and its ``output_dtype``
         the dtype of the floating outputs.
-      enabled: ``False`` returns ``autocast_disabled(fun)``: ``fun`` runs as
-        written, even inside another autocast function (with a ``recipe``,
-        it still takes a state first, and ignores it).
+      enabled: ``False`` marks ``fun`` as a region that an enclosing
+        autocast leaves alone: ``torch.autocast(enabled=False)`` nested in an
+        autocast region. Inside it every primitive runs in the dtypes it was
+        traced with (float32 for a float32 function): arguments arriving in
+        low precision are cast back first. Outside any autocast ``fun`` is
+        unchanged. The marker is a ``jax.named_scope``, so the region may
+        contain anything, ``jit``, loops and custom derivatives included.
+        Stacked over ``@jax.custom_vjp`` (or ``custom_jvp``), the returned
+        function keeps ``defvjp`` (``defjvp``), which defines the rule of the
+        function it wraps: the forward and backward passes then run as
+        written; under it (``@jax.custom_vjp`` outermost) only the primal
+        function is marked. With a ``recipe``, the function still takes a
+        state first, and ignores it.
       recipe: with ``dtype="float8"``: ``None`` (current scaling) or a
-        [`jamp.DelayedScaling`][].
+        [`jamp.float8.DelayedScaling`][].
 
     Returns:
       A function with the signature of ``fun``; with a ``recipe``, one that
-      takes the float8 state (a dict of [`jamp.Float8State`][]) first.
+      takes the float8 state (a dict of [`jamp.float8.Float8State`][]) first.
       Without ``fun``, a decorator that returns that function.
 
     Raises:
@@ -536,6 +567,17 @@ def autocast(
       ...   return x @ w
       >>> str(jax.make_jaxpr(g)(x, w).eqns[-2].outvars[0].aval.dtype)
       'float16'
+
+      A float32 region inside an autocast function (``enabled=False``):
+
+      >>> @jamp.autocast(enabled=False)
+      ... def gram(x):
+      ...   return x @ x.T  # stays float32 under autocast
+      >>> h = jamp.autocast(lambda x: gram(x) + x @ x.T)
+      >>> dots = [e for e in jax.make_jaxpr(h)(jnp.ones((2, 2))).eqns
+      ...         if e.primitive.name == "dot_general"]
+      >>> [str(e.outvars[0].aval.dtype) for e in dots]
+      ['float32', 'bfloat16']
     """
     if fun is not None:
         _check_fun(fun, "autocast")
@@ -546,7 +588,7 @@ def autocast(
     if fun is None:
         kwargs = dict(dtype=dtype, policy=policy, enabled=enabled, recipe=recipe)
         given = {k: v for k, v in kwargs.items() if v is not None and (k, v) != ("enabled", True)}
-        return _Decorator(autocast, _WRAPS_A_FUNCTION, **given)
+        return _Decorator(autocast, _WRAPS_A_FUNCTION if enabled else _MARKS_A_FUNCTION, **given)
     if not enabled:
         return _without_state(fun, recipe) if recipe else autocast_disabled(fun)
     return _autocast(fun, low, policy, None, float8, recipe)
@@ -556,49 +598,16 @@ def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
     """``enabled=False`` with a recipe: the signature kept, the state taken and ignored."""
     disabled = autocast_disabled(fun)
 
-    @functools.wraps(fun)
     def ignoring(state: Any, *args: Any, **kwargs: Any) -> Any:
         return disabled(*args, **kwargs)
 
-    ignoring._jamp_float8 = disabled, recipe  # float8_init: no product # pyright: ignore[reportAttributeAccessIssue]
-    return ignoring
+    return DelayedFloat8(ignoring, disabled, recipe)  # float8.init finds no product
 
 
 def autocast_disabled(fun: Callable | None = None) -> Callable:
-    """Marks ``fun`` as a region that an enclosing [`autocast`][jamp.autocast] leaves alone.
-
-    Inside the region every primitive runs in the dtypes it was traced with
-    (float32 for a float32 function): arguments arriving in low precision are
-    cast back first. This is ``torch.autocast(enabled=False)`` nested inside an
-    autocast region. Outside any autocast the function is unchanged. The
-    marker is a ``jax.named_scope``, so the region may contain anything,
-    including ``jit``, loops and custom derivatives, and works as a decorator,
-    written ``@jamp.autocast_disabled`` or ``@jamp.autocast_disabled()``.
-
-    Stacked over ``@jax.custom_vjp`` (or ``custom_jvp``), the returned function
-    keeps ``defvjp`` (``defjvp``), which defines the rule of the function it
-    wraps; the forward and backward passes then run as written, in the dtypes
-    they were traced with. Under it (``@jax.custom_vjp`` outermost), only the
-    primal function is marked: ``fwd`` and ``bwd`` are autocast like the rest.
-
-    Args:
-      fun: the function to exclude from autocasting; left out, a decorator
-        is returned.
-
-    Returns:
-      A function with the signature of ``fun``.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, jamp
-      >>> @jamp.autocast_disabled
-      ... def gram(x):
-      ...   return x @ x.T  # stays float32 under autocast
-      >>> f = jamp.autocast(lambda x: gram(x) + x @ x.T)
-      >>> dots = [e for e in jax.make_jaxpr(f)(jnp.ones((2, 2))).eqns
-      ...         if e.primitive.name == "dot_general"]
-      >>> [str(e.outvars[0].aval.dtype) for e in dots]
-      ['float32', 'bfloat16']
-    """
+    """``autocast(fun, enabled=False)``: ``fun`` marked as a region an enclosing autocast
+    leaves alone (see [`autocast`][jamp.autocast]'s ``enabled``). Its public name is
+    deprecated; ``jamp.autocast(fun, enabled=False)`` is the spelling."""
     if fun is None:
         return _Decorator(autocast_disabled, _MARKS_A_FUNCTION)
     _check_fun(fun, "autocast_disabled")
@@ -636,7 +645,7 @@ def _check_report_keywords(fun: Callable, args: tuple, kwargs: dict, **own: Any)
             raise TypeError(
                 f"Expected the argument `{name}` of `fun` to be given, got only "
                 f"autocast_report's own `{name}=` (the autocast {name}) instead. Bind "
-                f"fun's argument first: jamp.autocast_report(functools.partial(fun, "
+                f"fun's argument first: jamp.debug.autocast_report(functools.partial(fun, "
                 f"{name}=...), *args, {name}=...)."
             )
 
@@ -674,7 +683,7 @@ def autocast_report(
       **kwargs: its other keyword arguments.
 
     Returns:
-      An [`AutocastReport`][jamp.AutocastReport]; ``print`` it for a table.
+      An [`AutocastReport`][jamp.debug.AutocastReport]; ``print`` it for a table.
 
     Raises:
       TypeError: as [`autocast`][jamp.autocast], or ``fun`` requires an argument named
@@ -683,14 +692,14 @@ def autocast_report(
 
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
-      >>> report = jamp.autocast_report(
+      >>> report = jamp.debug.autocast_report(
       ...     lambda x: jax.nn.softmax(x @ x), jnp.ones((2, 2)), dtype=jnp.float16)
       >>> report.counts["dot_general"], report.counts["exp"]
       ({'float16': 1}, {'float32': 1})
       >>> sorted(report.residual_bytes)  # saved for the backward pass
       ['float16', 'float32']
     """
-    _check_fun(fun, "autocast_report")
+    _check_fun(fun, "debug.autocast_report")
     _check_report_keywords(fun, args, kwargs, dtype=dtype, policy=policy)
     low, policy, float8 = _resolve(dtype, policy)
     recorder = Recorder()
@@ -747,16 +756,16 @@ def _residuals(wrapped: Callable, args: tuple, kwargs: dict) -> tuple[tuple[Resi
 def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8State]:
     """The first float8 state of a delayed-scaling autocast function.
 
-    ``fun`` is what ``jamp.autocast(f, "float8", recipe=jamp.DelayedScaling(...))``
+    ``fun`` is what ``jamp.autocast(f, "float8", recipe=jamp.float8.DelayedScaling(...))``
     returned; ``args`` and ``kwargs`` are ``f``'s arguments (arrays or
     ``jax.ShapeDtypeStruct``), without the state. ``f`` is traced, not run.
-    The state holds one [`jamp.Float8State`][] per float8 matrix product,
+    The state holds one [`jamp.float8.Float8State`][] per float8 matrix product,
     keyed ``"<i>:<scope>"`` in program order (``scope`` is the product's name
     stack, e.g. a Flax module path, with ``.`` for ``/``: ``"0:MLP.Dense_0"``;
     ``"<i>:dot_general"`` without one), with an empty amax history and scales
     of 1, as Transformer Engine starts (0, "not measured yet", so that the
     first step uses current scales, with ``unmeasured="current"``: see
-    [`jamp.DelayedScaling`][]). A product inside a ``lax.scan`` of
+    [`jamp.float8.DelayedScaling`][]). A product inside a ``lax.scan`` of
     length ``n`` has ``n`` states, stacked along a leading axis; products
     inside ``while_loop``, ``cond`` and custom-derivative bodies use current
     scaling and have none.
@@ -777,9 +786,9 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
       >>> import jax, jax.numpy as jnp, jamp
       >>> def loss(w, x):
       ...   return jnp.sum(x @ w)
-      >>> f = jamp.autocast(loss, "float8", recipe=jamp.DelayedScaling(amax_history_len=4))
+      >>> f = jamp.autocast(loss, "float8", recipe=jamp.float8.DelayedScaling(amax_history_len=4))
       >>> w, x = jnp.full((3, 3), 0.5), jnp.ones((2, 3))
-      >>> state = jamp.float8_init(f, w, x)
+      >>> state = jamp.float8.init(f, w, x)
       >>> list(state), state["0:dot_general"].amax_history.shape
       (['0:dot_general'], (3, 4))
       >>> state, grads = jax.grad(f, argnums=(0, 1))(state, w, x)  # the next state
@@ -788,13 +797,11 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
       >>> state["0:dot_general"].scale  # 448 / 1, 448 / 0.5, 57344 / 1: the next step's
       Array([  448.,   896., 57344.], dtype=float32)
     """
-    meta = getattr(fun, "_jamp_float8", None)
-    if meta is None:
+    if not isinstance(fun, DelayedFloat8):
         raise TypeError(
             "Expected for `fun` a function returned by jamp.autocast(f, 'float8', "
-            f"recipe=jamp.DelayedScaling(...)), got {fun!r} instead; jamp.float8_init "
+            f"recipe=jamp.float8.DelayedScaling(...)), got {fun!r} instead; jamp.float8.init "
             "creates the state that such a function takes first."
         )
-    inner, recipe = meta
-    closed, _, _ = _trace(inner, args, kwargs, shapes=True)
-    return init_states(sites(closed), recipe)
+    closed, _, _ = _trace(fun.traced, args, kwargs, shapes=True)
+    return init_states(sites(closed), fun.recipe)

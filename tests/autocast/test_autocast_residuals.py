@@ -1,4 +1,4 @@
-"""What autocast's backward pass keeps (jamp/_src/autocast_residuals): half values, not float32.
+"""What autocast's backward pass keeps (jamp/_src/autocast/residuals.py): half values, not float32.
 
 Softmax: the forward pass is unchanged bit for bit; the backward pass computes
 softmax's rule in float32 from the probabilities the next matmul already
@@ -16,7 +16,7 @@ from flax import linen as nn
 from jax.ad_checkpoint import checkpoint_name
 
 import jamp
-from jamp._src.autocast_residuals import find_softmax, recomputed, softmax_keeping_low
+from jamp._src.autocast.residuals import find_softmax, recomputed, softmax_keeping_low
 
 B, H, T, D = 2, 2, 8, 16
 
@@ -41,7 +41,7 @@ def test_flax_attention_keeps_one_half_copy_of_the_probabilities(dtype):
     def loss(p, x):
         return jnp.sum(jnp.sin(model.apply(p, x, mask=mask)))
 
-    report = jamp.autocast_report(loss, params, x, dtype=dtype)
+    report = jamp.debug.autocast_report(loss, params, x, dtype=dtype)
     kept = _probability_residuals(report)
     # Before: exp's float32 output (4 bytes a probability) and the matmul's half copy.
     assert not any(np.dtype(r.dtype) == F32 for r in kept), kept
@@ -132,7 +132,7 @@ def test_a_softmax_that_feeds_a_loss_returns_float32_and_keeps_its_rule(dtype):
     q, v = randn(1, T, D), randn(3, T, D)
 
     f = _in_a_loss
-    report = jamp.autocast_report(f, q, v, dtype=dtype)
+    report = jamp.debug.autocast_report(f, q, v, dtype=dtype)
     assert any(r.shape == (T, T) and np.dtype(r.dtype) == F32 for r in report.residuals)
     got = jax.grad(jamp.autocast(f, dtype))(q, v)
     want = jax.grad(f)(q, v)
@@ -201,7 +201,7 @@ def test_flax_mlp_with_gelu_keeps_no_float32_hidden_activation(dtype):
     def loss(p, x):
         return jnp.sum(jnp.sin(model.apply(p, x)))
 
-    report = jamp.autocast_report(loss, params, x, dtype=dtype)
+    report = jamp.debug.autocast_report(loss, params, x, dtype=dtype)
     hidden = [r for r in report.residuals if r.shape == (B, T, 4 * D)]
     assert hidden and all(np.dtype(r.dtype) == np.dtype(dtype) for r in hidden), hidden
     assert report.counts["integer_pow"] == {"float32": 1}

@@ -31,8 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp._src.autocast_rules import FLOAT32_DTYPE
-from jamp._src.autocast_values import CONST, TRACED, Info, upcast
+from jamp._src.autocast.rules import FLOAT32_DTYPE
+from jamp._src.autocast.values import CONST, TRACED, Info, upcast
 
 # Elementwise primitives whose operands lax broadcasts itself (rank 0, or size-1 axes):
 # their transpose sums the cotangent of such an operand over the broadcast axes.
@@ -131,7 +131,7 @@ def broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> di
 def upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: dict) -> set:
     """The half-precision traced operands that ``eqn`` upcasts to float32 when its derivative
     reads them (``x * rsqrt(var)``, ``square(x)`` in a norm of half ``x``): the backward
-    pass keeps them in the half dtype and upcasts again (``autocast_sums.bind_summing``)."""
+    pass keeps them in the half dtype and upcasts again (``autocast.sums.bind_summing``)."""
     if eqn.primitive.name not in SAVES_OPERANDS:
         return set()
     return {

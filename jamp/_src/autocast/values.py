@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp._src.autocast_rules import Span, narrows, saturated, widest
+from jamp._src.autocast.rules import Span, narrows, saturated, widest
 
 try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
     from jax._src import source_info_util as _source_info_util
@@ -33,7 +33,7 @@ SCOPE_DISABLED = "jamp_autocast_disabled"
 SCOPE_AUTOCAST = "jamp_autocast"
 MARKER = "jamp_autocast"  # a substring of both
 
-# Where a value comes from (see autocast_interpreter). Ordered: an output has the
+# Where a value comes from (see autocast.interpreter). Ordered: an output has the
 # smallest kind of its inputs.
 TRACED = 0  # depends on the function's arguments: activations, parameters
 CONST = 1  # known when the function is traced: a concrete constant, or computed from those

@@ -65,8 +65,8 @@ import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 
-from jamp._src.autocast_rules import FLOAT32, FLOAT32_DTYPE, LOWER, rule_of
-from jamp._src.autocast_values import upcast
+from jamp._src.autocast.rules import FLOAT32, FLOAT32_DTYPE, LOWER, rule_of
+from jamp._src.autocast.values import upcast
 
 # The consumers that cast their floating operands to the low dtype under LOWER.
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})

@@ -36,7 +36,7 @@ def poisoned_trees(draw):
 @settings(max_examples=50, deadline=None)
 @given(poisoned_trees())
 def test_report_counts_equal_numpy(tree):
-    report = jax.jit(jamp.nonfinite_report)({k: jnp.asarray(v) for k, v in tree.items()})
+    report = jax.jit(jamp.debug.nonfinite_report)({k: jnp.asarray(v) for k, v in tree.items()})
     for k, v in tree.items():
         assert int(report[k].inf) == int(np.isinf(v).sum())
         assert int(report[k].nan) == int(np.isnan(v).sum())
@@ -53,17 +53,17 @@ def test_report_counts_large_leaves_chunk_by_chunk(n):
     for j, i in enumerate(sorted(spots)):
         x[i] = [np.inf, -np.inf, np.nan][j % 3]
     for shape in [(n,), (1, n)]:
-        r = jax.jit(jamp.nonfinite_report)({"x": jnp.asarray(x.reshape(shape))})["x"]
+        r = jax.jit(jamp.debug.nonfinite_report)({"x": jnp.asarray(x.reshape(shape))})["x"]
         assert (int(r.inf), int(r.nan)) == (int(np.isinf(x).sum()), int(np.isnan(x).sum()))
 
 
 def test_report_structure_and_non_float_leaves():
     tree = {"a": [jnp.ones(2), None], "i": jnp.arange(3)}
-    report = jamp.nonfinite_report(tree)
-    assert isinstance(report["a"][0], jamp.NonfiniteCount) and report["a"][1] is None
+    report = jamp.debug.nonfinite_report(tree)
+    assert isinstance(report["a"][0], jamp.debug.NonfiniteCount) and report["a"][1] is None
     assert int(report["i"].inf) == 0 and int(report["i"].nan) == 0
-    with pytest.raises(TypeError, match=r"`jamp.nonfinite_report`.*type str at path \['s'\]"):
-        jamp.nonfinite_report({"s": "x"})
+    with pytest.raises(TypeError, match=r"`jamp.debug.nonfinite_report`.*type str at path \['s'\]"):
+        jamp.debug.nonfinite_report({"s": "x"})
 
 
 # ---------------------------------------------------------------- log_nonfinite
@@ -72,7 +72,7 @@ def test_report_structure_and_non_float_leaves():
 def test_log_fires_only_on_overflow_and_names_the_path(caplog):
     @jax.jit
     def step(bad):
-        return jamp.log_nonfinite(grads_tree(bad), prefix="step: ")
+        return jamp.debug.log_nonfinite(grads_tree(bad), prefix="step: ")
 
     with caplog.at_level(logging.WARNING, logger="jamp"):
         ok = step(jnp.bool_(False))
@@ -89,7 +89,7 @@ def test_log_fires_only_on_overflow_and_names_the_path(caplog):
 def test_log_every_nth_overflow(caplog):
     @jax.jit
     def step(count):
-        return jamp.log_nonfinite({"g": jnp.array([jnp.nan])}, every=3, count=count)
+        return jamp.debug.log_nonfinite({"g": jnp.array([jnp.nan])}, every=3, count=count)
 
     with caplog.at_level(logging.WARNING, logger="jamp"):
         for c in range(7):
@@ -105,7 +105,7 @@ def test_log_every_nth_overflow(caplog):
 def test_complex_entries_are_counted_once():
     values = [complex(np.inf, 0), complex(0, np.nan), complex(np.inf, np.nan), 1 + 1j]
     v = jnp.array(values, jnp.complex64)
-    r = jax.jit(jamp.nonfinite_report)(v)
+    r = jax.jit(jamp.debug.nonfinite_report)(v)
     assert (int(r.inf), int(r.nan)) == (1, 2)  # inf+nanj is one NaN entry
 
 
@@ -114,7 +114,7 @@ def test_log_under_vmap_calls_back_only_when_a_member_overflows(caplog, nested):
     """A cond on a batched flag becomes a select, whose callback would run on
     every step for every member; jamp calls back once, only when one fires."""
     grads = {"w": jnp.ones((4, 3))}
-    fn = jax.vmap(lambda g: jamp.log_nonfinite(g, prefix="ens: "))
+    fn = jax.vmap(lambda g: jamp.debug.log_nonfinite(g, prefix="ens: "))
     if nested:
         fn = jax.vmap(fn)
         grads = {"w": jnp.ones((2, 4, 3))}
@@ -137,7 +137,9 @@ def test_log_under_vmap_calls_back_only_when_a_member_overflows(caplog, nested):
 
 def test_prefix_must_be_a_str():
     with pytest.raises(TypeError, match=r"`prefix` to be a str"):
-        jax.jit(lambda g, s: jamp.log_nonfinite(g, prefix=s))({"w": jnp.ones(2)}, jnp.int32(3))
+        jax.jit(lambda g, s: jamp.debug.log_nonfinite(g, prefix=s))(
+            {"w": jnp.ones(2)}, jnp.int32(3)
+        )
 
 
 # ---------------------------------------------------------------- bad input
@@ -145,43 +147,43 @@ def test_prefix_must_be_a_str():
 # Every invalid argument of log_nonfinite: id -> (call, exception, match).
 BAD_INPUT = {
     "every=0": (
-        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=0),
+        lambda: jamp.debug.log_nonfinite({"g": jnp.ones(1)}, every=0),
         ValueError,
         r"`every` to be an int >= 1, got every=0",
     ),
     "every=2 without count": (
-        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2),
+        lambda: jamp.debug.log_nonfinite({"g": jnp.ones(1)}, every=2),
         ValueError,
         r"Expected `count`",
     ),
     "prefix=3": (
-        lambda: jamp.log_nonfinite({"w": jnp.ones(2)}, prefix=3),
+        lambda: jamp.debug.log_nonfinite({"w": jnp.ones(2)}, prefix=3),
         TypeError,
         r"`prefix` to be a str",
     ),
     # issue #26: accepted, then an OverflowError inside jax; a string or an array for count
     "every=2**31": (
-        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2**31, count=jnp.int32(1)),
+        lambda: jamp.debug.log_nonfinite({"g": jnp.ones(1)}, every=2**31, count=jnp.int32(1)),
         ValueError,
         r"`every` to be an int >= 1, got every=2147483648 instead \(at most 2\*\*31 - 1",
     ),
     "count='abc'": (
-        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count="abc"),
+        lambda: jamp.debug.log_nonfinite({"g": jnp.ones(1)}, every=2, count="abc"),
         TypeError,
         r"`count` to be an integer scalar.*'abc' \(type str\)",
     ),
     "count=array": (
-        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count=jnp.ones(3, jnp.int32)),
+        lambda: jamp.debug.log_nonfinite({"g": jnp.ones(1)}, every=2, count=jnp.ones(3, jnp.int32)),
         ValueError,
         r"`count` to be a scalar.*shape \(3,\)",
     ),
     "count=float": (
-        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count=jnp.float32(2)),
+        lambda: jamp.debug.log_nonfinite({"g": jnp.ones(1)}, every=2, count=jnp.float32(2)),
         TypeError,
         r"`count` to be an integer scalar",
     ),
     "count=2**40": (
-        lambda: jamp.log_nonfinite({"g": jnp.ones(1)}, every=2, count=2**40),
+        lambda: jamp.debug.log_nonfinite({"g": jnp.ones(1)}, every=2, count=2**40),
         ValueError,
         r"`count` to fit in an int32",
     ),

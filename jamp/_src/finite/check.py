@@ -4,8 +4,8 @@ Each check is one boolean scalar computed on device, with no host sync, exact
 for every input (NaN and inf anywhere are found; large finite values are not
 mistaken for overflows), and a clean step reads each gradient once. The work
 is done by one of two branches chosen by the platform the step compiles for
-(``lax.platform_dependent``): ``finite_cpu.cpu_finite`` on CPUs and
-``finite_default.default_finite`` everywhere else; each module's docstring
+(``lax.platform_dependent``): ``finite.cpu.cpu_finite`` on CPUs and
+``finite.default.default_finite`` everywhere else; each module's docstring
 says how it reads the gradients. With ``axis_name`` the answer is agreed
 across the replicas of a ``shard_map``/``pmap`` axis.
 """
@@ -19,8 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.finite_cpu import cpu_finite
-from jamp._src.finite_default import default_finite
+from jamp._src.finite.cpu import cpu_finite
+from jamp._src.finite.default import default_finite
 from jamp._src.leaves import Filter, check_filter, float_leaves
 from jamp._src.loss_scale import LossScaleState, check_state, inverse_scale, unscale
 

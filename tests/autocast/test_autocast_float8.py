@@ -23,7 +23,7 @@ from test_float8 import numpy_recipe
 import jamp
 
 E4M3, E5M2 = jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2)
-RECIPE = jamp.DelayedScaling(amax_history_len=4)
+RECIPE = jamp.float8.DelayedScaling(amax_history_len=4)
 
 
 def mlp(params, x):
@@ -114,7 +114,7 @@ def test_a_float16_policy_runs_the_rest_in_float16_and_a_wider_preferred_type_is
 
 
 def test_autocast_report_shows_the_float8_products():
-    report = jamp.autocast_report(mlp, mlp_params(), randn(5, 4, 16), dtype="float8")
+    report = jamp.debug.autocast_report(mlp, mlp_params(), randn(5, 4, 16), dtype="float8")
     assert report.counts["dot_general"] == {"float8_e4m3fn": 2}
     assert ("dot_general", "float8", "float8_e4m3fn", 2) in report.rows
     assert report.counts["tanh"] == {"bfloat16": 1}
@@ -177,7 +177,7 @@ def test_mlp_error_against_float32_far_from_1_and_near_1e_minus_6(magnitude):
     x = randn(10, 32, 16, scale=magnitude)
     y = randn(11, 32, 8, scale=magnitude)
     (_, want_out), want_grads = _F32_STEP(params, x, y)
-    state = jamp.float8_init(_DELAYED, params, x)
+    state = jamp.float8.init(_DELAYED, params, x)
     for _ in range(2):  # TE's start (scale 1) flushes inputs near 1e-6, a layer per step
         _, (state, *_) = _DELAYED_STEP(state, params, x, y)
     (_, current_out), current_grads = _CURRENT_STEP(params, x, y)
@@ -206,7 +206,7 @@ def test_delayed_state_through_autocast_evolves_bit_exactly_as_the_numpy_recipe(
 
     g = jamp.autocast(f, "float8", recipe=RECIPE)
     w, x, ct = jnp.ones((6, 3)), jnp.ones((4, 6)), jnp.ones((4, 3))
-    state = jamp.float8_init(g, w, x, ct)
+    state = jamp.float8.init(g, w, x, ct)
     assert list(state) == ["0:dot_general"]
     history, scale = np.zeros((3, 4), np.float32), np.ones(3, np.float32)  # a fresh state
     step = jax.jit(jax.grad(g, argnums=0))
@@ -242,7 +242,7 @@ def test_a_product_in_a_scan_has_one_state_per_iteration_as_an_unrolled_loop_has
     ws, x = randn(0, 3, 8, 8, scale=0.5), randn(1, 5, 8, scale=4.0)
     f_scan = jamp.autocast(scan_model, "float8", recipe=RECIPE)
     f_loop = jamp.autocast(loop_model, "float8", recipe=RECIPE)
-    s_scan, s_loop = jamp.float8_init(f_scan, ws, x), jamp.float8_init(f_loop, ws, x)
+    s_scan, s_loop = jamp.float8.init(f_scan, ws, x), jamp.float8.init(f_loop, ws, x)
     assert [v.scale.shape for v in s_scan.values()] == [(3, 3)]
     assert len(s_loop) == 3 and all(v.scale.shape == (3,) for v in s_loop.values())
     # Both jitted: XLA may keep bfloat16 intermediates in float32 (excess precision), and
@@ -280,12 +280,12 @@ def test_sites_follow_jit_remat_and_scan_while_cond_and_custom_rules_use_current
         v, h0 = lax.stop_gradient((w, h))  # a while loop cannot be differentiated
         h = h + lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] @ v), (0, h0))[1]
         h = jax.nn.relu(h)  # a custom_jvp around no product
-        h = jamp.autocast_disabled(lambda h: h @ w)(h)
+        h = jamp.autocast(lambda h: h @ w, enabled=False)(h)
         return jnp.sum(h)
 
     g = jamp.autocast(f, "float8", recipe=RECIPE)
     w, x = randn(0, 6, 6, scale=0.4), randn(1, 3, 6)
-    state = jamp.float8_init(g, w, x)
+    state = jamp.float8.init(g, w, x)
     assert [(k.split(":")[0], v.scale.shape) for k, v in state.items()] == [
         ("0", (3,)), ("1", (3,)), ("2", (3,)), ("3", (2, 3)),
     ]  # fmt: skip
@@ -297,7 +297,7 @@ def test_sites_follow_jit_remat_and_scan_while_cond_and_custom_rules_use_current
         assert np.all(np.asarray(s.amax_history)[..., 0] > 0), key  # every product recorded
     assert np.isfinite(np.asarray(grads)).all()
     # Called again with other shapes, the same products have the same keys.
-    assert list(jamp.float8_init(g, w, randn(2, 7, 6))) == list(state)
+    assert list(jamp.float8.init(g, w, randn(2, 7, 6))) == list(state)
 
 
 def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_which_is_never_used():
@@ -311,7 +311,7 @@ def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_which_is_never
 
     g = jamp.autocast(f, "float8", recipe=RECIPE)
     w, x = randn(0, 4, 4), randn(1, 2, 4, scale=30.0)
-    state, _ = jax.jit(jax.grad(g, argnums=(0, 1)))(jamp.float8_init(g, w, x), w, x)
+    state, _ = jax.jit(jax.grad(g, argnums=(0, 1)))(jamp.float8.init(g, w, x), w, x)
     zero = {"0:dot_general": state["0:dot_general"]}
     assert not np.any(np.asarray(zero["0:dot_general"].scale))
 
@@ -319,9 +319,11 @@ def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_which_is_never
         return x @ w.T
 
     one = jamp.autocast(product, "float8", recipe=RECIPE)
-    current = jamp.autocast(product, "float8", recipe=jamp.DelayedScaling(4, unmeasured="current"))
+    current = jamp.autocast(
+        product, "float8", recipe=jamp.float8.DelayedScaling(4, unmeasured="current")
+    )
     pairs = (
-        (one(zero, w, x), one(jamp.float8_init(one, w, x), w, x)),  # as a fresh state
+        (one(zero, w, x), one(jamp.float8.init(one, w, x), w, x)),  # as a fresh state
         (current(zero, w, x), jamp.autocast(product, "float8")(w, x)),  # as current scaling
     )
     for got, want in pairs:
@@ -331,9 +333,11 @@ def test_a_product_that_does_not_reach_the_loss_gets_a_zero_state_which_is_never
 # --------------------------------------------------------------------------- restored states
 
 RECIPES = {
-    "max": jamp.DelayedScaling(4),
-    "most_recent, margin 2": jamp.DelayedScaling(4, margin=2, amax_compute_algo="most_recent"),
-    "current first": jamp.DelayedScaling(3, unmeasured="current"),
+    "max": jamp.float8.DelayedScaling(4),
+    "most_recent, margin 2": jamp.float8.DelayedScaling(
+        4, margin=2, amax_compute_algo="most_recent"
+    ),
+    "current first": jamp.float8.DelayedScaling(3, unmeasured="current"),
 }
 
 
@@ -349,7 +353,7 @@ def test_every_state_the_recipe_makes_is_valid_and_a_corrupted_restore_is_refuse
     model = jamp.autocast(mlp, "float8", recipe=recipe)
     loss = mse(model)
     next_state = jax.jit(jax.grad(loss))
-    f8 = jamp.float8_init(model, params, randn(0, 8, 16))
+    f8 = jamp.float8.init(model, params, randn(0, 8, 16))
     inputs = [randn(i, 8, 16, scale=10.0 ** (i - 3)) for i in range(6)]
     inputs += [jnp.zeros((8, 16)), randn(9, 8, 16).at[0, 0].set(jnp.inf)]
     for x in inputs:
@@ -394,7 +398,7 @@ def test_training_with_loss_scaling_skips_an_overflow_and_never_updates_the_stat
         optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)),
         jamp.dynamic_loss_scale(2.0**24, growth_interval=1000),
     )
-    f8, opt_state = jamp.float8_init(model, params, x), tx.init(params)
+    f8, opt_state = jamp.float8.init(model, params, x), tx.init(params)
 
     @jax.jit
     def step(params, f8, opt_state):
@@ -402,7 +406,9 @@ def test_training_with_loss_scaling_skips_an_overflow_and_never_updates_the_stat
         scaled = lambda s, p: jamp.scale(ls, loss(s, p, x, y))  # noqa: E731
         f8_next, grads = jax.grad(scaled, argnums=(0, 1))(f8, params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        f8 = jamp.select_tree(opt_state.last_finite, f8_next, f8)  # a skipped step: as it was
+        f8 = jamp.compat.select_tree(
+            opt_state.last_finite, f8_next, f8
+        )  # a skipped step: as it was
         return optax.apply_updates(params, updates), f8, opt_state
 
     losses, finite = [], []
@@ -424,7 +430,7 @@ def test_training_with_loss_scaling_skips_an_overflow_and_never_updates_the_stat
 def test_loss_scaling_refuses_a_float8_state_among_the_parameters_or_gradients():
     params, x = mlp_params(), randn(20, 4, 16)
     model = jamp.autocast(mlp, "float8", recipe=RECIPE)
-    tree = {"model": params, "float8": jamp.float8_init(model, params, x)}
+    tree = {"model": params, "float8": jamp.float8.init(model, params, x)}
     grads = jax.eval_shape(jax.grad(lambda t: jnp.sum(model(t["float8"], t["model"], x))), tree)
     tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale())
     where = r"Float8State in the {} .* at \['float8'\]\['0:dot_general'\]: .* not a parameter"
@@ -441,7 +447,7 @@ def test_eight_devices_with_a_sharded_batch_agree_with_one(axis_type):
     params, x = mlp_params(), randn(30, 16, 16)
     y = randn(31, 16, 8)
     model = jamp.autocast(mlp, "float8", recipe=RECIPE)
-    f8 = jamp.float8_init(model, params, x)
+    f8 = jamp.float8.init(model, params, x)
     grad = jax.jit(jax.grad(mse(model), argnums=(0, 1)))
     one = grad(f8, params, x, y)
     with jax.set_mesh(mesh):  # explicit axes need it, as for jax.grad of the float32 model
@@ -463,7 +469,7 @@ def test_remat_of_the_whole_step_gives_the_same_state_and_gradients():
     params, x = mlp_params(), randn(40, 8, 16)
     y = randn(41, 8, 8)
     model = jamp.autocast(mlp, "float8", recipe=RECIPE)
-    f8 = jamp.float8_init(model, params, x)
+    f8 = jamp.float8.init(model, params, x)
     plain = jax.jit(jax.grad(mse(model), argnums=(0, 1)))(f8, params, x, y)
     remat = jax.jit(jax.grad(jax.checkpoint(mse(model)), argnums=(0, 1)))(f8, params, x, y)
     for a, b in zip(jax.tree.leaves(plain[0]), jax.tree.leaves(remat[0]), strict=True):
@@ -487,7 +493,7 @@ BAD_INPUT = {
     "autocast recipe='delayed'": (
         lambda: jamp.autocast(mlp, "float8", recipe="delayed"),
         TypeError,
-        r"Expected a jamp.DelayedScaling .* for `recipe`, got 'delayed'",
+        r"Expected a jamp.float8.DelayedScaling .* for `recipe`, got 'delayed'",
     ),
     "autocast dtype=jnp.float8_e4m3fn names float8 mode": (
         lambda: jamp.autocast(mlp, jnp.float8_e4m3fn),
@@ -495,7 +501,7 @@ BAD_INPUT = {
         r"`dtype`.*float8_e4m3fn.*jamp.autocast\(fun, 'float8'\)",
     ),
     "float8_init of a current-scaling function": (
-        lambda: jamp.float8_init(jamp.autocast(mlp, "float8"), mlp_params(), jnp.ones((2, 16))),
+        lambda: jamp.float8.init(jamp.autocast(mlp, "float8"), mlp_params(), jnp.ones((2, 16))),
         TypeError,
         r"Expected for `fun` a function returned by jamp.autocast\(f, 'float8', recipe=",
     ),
@@ -507,17 +513,17 @@ BAD_INPUT = {
     "delayed function called with an array for the state": (
         lambda: _delayed()(jnp.ones(2), mlp_params(), jnp.ones((2, 16))),
         TypeError,
-        r"Expected a dict of jamp.Float8State for the float8 state .* got ArrayImpl",
+        r"Expected a dict of jamp.float8.Float8State for the float8 state .* got ArrayImpl",
     ),
     "delayed function with a state missing a product": (
         lambda: _delayed()({}, mlp_params(), jnp.ones((2, 16))),
         ValueError,
-        r"keys \['0:dot_general', '1:dot_general'\], got keys \[\].*jamp.float8_init",
+        r"keys \['0:dot_general', '1:dot_general'\], got keys \[\].*jamp.float8.init",
     ),
     "delayed function with a Float8State of lists": (
         lambda: _delayed()(
             {
-                k: jamp.Float8State([[0.0] * 4] * 3, [1.0, 1.0, 1.0])
+                k: jamp.float8.Float8State([[0.0] * 4] * 3, [1.0, 1.0, 1.0])
                 for k in ("0:dot_general", "1:dot_general")
             },
             mlp_params(),
@@ -530,7 +536,7 @@ BAD_INPUT = {
         lambda: _delayed()(
             {
                 k: v._replace(scale=jnp.full(3, 1e30, jnp.float32))
-                for k, v in jamp.float8_init(_delayed(), mlp_params(), jnp.ones((2, 16))).items()
+                for k, v in jamp.float8.init(_delayed(), mlp_params(), jnp.ones((2, 16))).items()
             },
             mlp_params(),
             jnp.ones((2, 16)),
@@ -540,8 +546,8 @@ BAD_INPUT = {
     ),
     "delayed function with another history length": (
         lambda: _delayed()(
-            jamp.float8_init(
-                jamp.autocast(mlp, "float8", recipe=jamp.DelayedScaling(8)),
+            jamp.float8.init(
+                jamp.autocast(mlp, "float8", recipe=jamp.float8.DelayedScaling(8)),
                 mlp_params(),
                 jnp.ones((2, 16)),
             ),
@@ -562,7 +568,7 @@ def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
 def test_disabled_with_a_recipe_keeps_the_signature_and_ignores_the_state():
     params, x = mlp_params(), randn(2, 4, 16)
     off = jamp.autocast(mlp, "float8", recipe=RECIPE, enabled=False)
-    assert jamp.float8_init(off, params, x) == {}
+    assert jamp.float8.init(off, params, x) == {}
     np.testing.assert_array_equal(off({}, params, x), mlp(params, x))
     dots = dot_dtypes(jax.make_jaxpr(off)({}, params, x))
     assert dots == [((F32, F32), F32)] * 2
@@ -574,7 +580,7 @@ def test_float8_init_takes_shapes_and_static_arguments():
 
     g = jamp.autocast(f, "float8", recipe=RECIPE)
     w = jax.ShapeDtypeStruct((4, 4), jnp.float32)
-    state = jamp.float8_init(g, w, jnp.ones((2, 4)), act=jnp.tanh)
+    state = jamp.float8.init(g, w, jnp.ones((2, 4)), act=jnp.tanh)
     assert state["0:dot_general"].amax_history.dtype == jnp.float32
     np.testing.assert_array_equal(state["0:dot_general"].scale, np.ones(3))  # TE's start
     jitted = functools.partial(jax.jit, static_argnames="act")(g)

@@ -26,7 +26,7 @@ per part). Measured on the H200 compile: the 24-leaf optimizer step launches
 the unscaled step launches 319 (``benchmarks/RESULTS.md``).
 
 ``exact``, ``sum32`` and ``replicated`` are shared with the CPU
-branch (``finite_cpu``).
+branch (``finite.cpu``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jamp._src import finite_cpu
+from jamp._src.finite import cpu as finite_cpu
 
 
 def test_cpu_leaf_kinds():

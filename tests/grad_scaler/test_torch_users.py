@@ -391,22 +391,21 @@ def test_autocast_as_a_decorator_is_written_as_torchs():
         jamp.autocast(dtype=jnp.float32)  # checked where the decorator is written
 
 
-def test_autocast_disabled_as_a_decorator_with_or_without_the_call():
+def test_autocast_disabled_as_a_decorator_or_a_call():
     """``@torch.autocast(device_type="cuda", enabled=False)`` on a helper inside an autocast
-    region; ``with jamp.autocast_disabled():`` names the decorator to write."""
+    region; ``with jamp.autocast(enabled=False):`` names the decorator to write."""
 
-    @jamp.autocast_disabled()
+    @jamp.autocast(enabled=False)
     def gram(x):
         return x @ x.T
 
-    @jamp.autocast_disabled
-    def gram2(x):
-        return x @ x.T
-
+    gram2 = jamp.autocast(lambda x: x @ x.T, enabled=False)
     f = jamp.autocast(lambda x: gram(x) + gram2(x) + x @ x.T)
     assert dot_dtypes(f, jnp.ones((2, 2))) == ["float32", "float32", "bfloat16"]
-    with pytest.raises(TypeError, match=r"not a context manager.*jamp\.autocast_disabled\(fn\)"):
-        with jamp.autocast_disabled():
+    with pytest.raises(
+        TypeError, match=r"not a context manager.*jamp\.autocast\(fn, enabled=False\)"
+    ):
+        with jamp.autocast(enabled=False):
             pass
 
 
@@ -422,10 +421,10 @@ def custom_gram(outer_disabled):
     def bwd(x, ct):
         return (ct @ x + ct.T @ x,)
 
-    if outer_disabled:  # @jamp.autocast_disabled over @jax.custom_vjp, then .defvjp
-        gram = jamp.autocast_disabled(jax.custom_vjp(gram))
-    else:  # @jax.custom_vjp over @jamp.autocast_disabled
-        gram = jax.custom_vjp(jamp.autocast_disabled(gram))
+    if outer_disabled:  # @jamp.autocast(enabled=False) over @jax.custom_vjp, then .defvjp
+        gram = jamp.autocast(jax.custom_vjp(gram), enabled=False)
+    else:  # @jax.custom_vjp over @jamp.autocast(enabled=False)
+        gram = jax.custom_vjp(jamp.autocast(gram, enabled=False))
     gram.defvjp(fwd, bwd)
     return gram
 
@@ -697,7 +696,7 @@ def test_a_skipped_step_keeps_linen_batch_stats_with_the_recipe(recipe):
         grads, batch_stats = jax.grad(scaled_loss, has_aux=True)(state.params)
         new = state.apply_gradients(grads=grads)
         if recipe:
-            batch_stats = jamp.select_tree(
+            batch_stats = jamp.compat.select_tree(
                 new.opt_state.last_finite, batch_stats, state.batch_stats
             )
         return new.replace(batch_stats=batch_stats)
@@ -741,7 +740,7 @@ def test_a_skipped_step_keeps_nnx_batchnorm_statistics_with_the_recipe(recipe):
         if recipe:
             finite = jamp.metrics(optimizer)["last_finite"]
             after = nnx.as_pure(nnx.state(model, nnx.BatchStat))
-            nnx.update(model, jamp.select_tree(finite, after, before))
+            nnx.update(model, jamp.compat.select_tree(finite, after, before))
 
     x, y = jnp.ones((8, 3)), jnp.zeros((8, 1))
     train_step(model, optimizer, x, y)

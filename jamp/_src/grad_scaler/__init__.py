@@ -1,0 +1,2 @@
+"""``jamp.GradScaler``: which step recorded each inf check (``records``) and the scaler
+itself (``scaler``)."""
