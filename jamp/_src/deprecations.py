@@ -23,9 +23,9 @@ from __future__ import annotations
 import functools
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple, TypeVar, cast
 
-F = TypeVar("F", bound=Callable[..., Any])
+F = TypeVar("F", bound=Callable[..., object])
 
 
 class Rename(NamedTuple):
@@ -44,7 +44,7 @@ class Rename(NamedTuple):
     """
 
     new: str
-    obj: Any
+    obj: object
     since: str
     removed_in: str | None = None
     how: str = "was renamed"
@@ -133,6 +133,6 @@ def renamed_arguments(
                 kwargs[new] = kwargs.pop(old)
             return fn(*args, **kwargs)
 
-        return wrapped  # type: ignore[return-value]
+        return cast(F, wrapped)  # fn's signature, and the old names besides
 
     return decorate

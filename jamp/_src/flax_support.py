@@ -18,25 +18,27 @@ from the target, as PyTorch's scaler may be saved only between iterations.
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.util
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from jamp._src import loss_scale as ls
+from jamp._src.types import PyTree
 from jamp._src.validate import MIN_SCALE, check_config, checked_floor
 
 _FIELDS = ("scale", "growth_tracker", "overflow_streak")
 
 
-def _to_state_dict(state: ls.LossScaleState) -> dict[str, Any]:
+def _to_state_dict(state: ls.LossScaleState) -> dict[str, PyTree]:
     from flax import serialization
 
     return {f: serialization.to_state_dict(getattr(state, f)) for f in _FIELDS}
 
 
-def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, Any]) -> ls.LossScaleState:
+def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, PyTree]) -> ls.LossScaleState:
     from flax import serialization
 
     missing = [f for f in _FIELDS if f not in state_dict]
@@ -59,7 +61,7 @@ def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, Any]) -> l
     )
 
 
-def register(serialization: Any) -> None:
+def register(serialization: types.ModuleType) -> None:
     """Register [`jamp.LossScaleState`][] and its subclasses with ``flax.serialization``."""
     # flax looks serializers up by exact type: register every subclass defined by now.
     pending, types = [ls.LossScaleState], []
@@ -76,7 +78,12 @@ class _OnImport(importlib.abc.MetaPathFinder):
     """Registers jamp's states once ``flax.serialization`` is imported: a one-shot hook on
     ``sys.meta_path`` that runs ``register`` right after that module has executed."""
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+    def find_spec(
+        self,
+        name: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
         if name != _MODULE:
             return None
         sys.meta_path.remove(self)

@@ -39,7 +39,7 @@ import dataclasses
 import functools
 import numbers
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.core
@@ -48,6 +48,9 @@ import numpy as np
 from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
+from jax.typing import DTypeLike
+
+from jamp._src.types import PyTree
 
 E4M3 = np.dtype(jnp.float8_e4m3fn)  # operands (forward)
 E5M2 = np.dtype(jnp.float8_e5m2)  # gradients (backward)
@@ -204,7 +207,7 @@ class DelayedScaling:
                 raise ValueError(f"Expected {choices} for `{name}`, got {value!r} instead.")
 
 
-def _concrete(x: Any) -> bool:
+def _concrete(x: object) -> bool:
     """Whether ``x`` holds values this process can read (not a tracer, not another host's)."""
     if isinstance(x, jax.core.Tracer):
         return False
@@ -231,7 +234,7 @@ def _matches(scale: np.ndarray, want: np.ndarray) -> np.ndarray:
         return np.isfinite(want) & (np.abs(scale / want - 1.0) <= _TOLERANCE)
 
 
-def check_values(state: Any, where: str, recipe: DelayedScaling | None = None) -> None:
+def check_values(state: Float8State, where: str, recipe: DelayedScaling | None = None) -> None:
     """A ``ValueError`` naming ``where`` unless ``state`` (a [`jamp.float8.Float8State`][]) holds
     values the recipe can have produced: the scale the next product quantises with.
 
@@ -362,7 +365,7 @@ def current_scale(amax: jax.Array, row: int) -> jax.Array:
     return ROW_MAX[row] / jnp.maximum(amax, _SMALLEST_AMAX[row])
 
 
-def quantize(x: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+def quantize(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
     """``clip(x * scale, +-finfo(dtype).max)`` in ``dtype``; inf and NaN stay non-finite."""
     big = np.float32(jnp.finfo(dtype).max)
     y = x.astype(F32) * scale
@@ -386,11 +389,11 @@ def _usable(scale: jax.Array, x_amax: jax.Array, row: int, recipe: DelayedScalin
 class Spec(NamedTuple):
     """What a float8 product needs besides its arrays (static, hashable)."""
 
-    dimension_numbers: Any
+    dimension_numbers: lax.DotDimensionNumbers
     out_dtype: np.dtype  # the dtype of the output (the autocast dtype, or a wider pet)
     lhs_dtype: np.dtype  # the dtypes the gradients come back in
     rhs_dtype: np.dtype
-    out_sharding: Any = None
+    out_sharding: NamedSharding | None = None  # dot_general's, as its equation holds it
     recipe: DelayedScaling | None = None
 
 
@@ -431,7 +434,7 @@ def _operand_grad(g, other, own, dimension_numbers, wrt_lhs: bool, inv):
     return lax.transpose(y * inv, tuple(int(i) for i in np.argsort(order)))
 
 
-def _sharding_as(own: jax.Array, order: Sequence[int]) -> Any:
+def _sharding_as(own: jax.Array, order: Sequence[int]) -> NamedSharding | None:
     """``own``'s sharding with its axes in ``order``; replicated on the current mesh when
     ``own`` has none (JAX's transpose of ``dot_general`` does the same); ``None`` when
     there is no mesh (the compiler decides)."""
@@ -517,7 +520,7 @@ def _delayed_bwd(spec, res, g):
 delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
 
 
-def refuse_in(tree: Any, what: str) -> None:
+def refuse_in(tree: PyTree, what: str) -> None:
     """A ``TypeError`` when ``tree`` holds a [`jamp.float8.Float8State`][]: not a parameter."""
     found = jax.tree_util.tree_flatten_with_path(
         tree, is_leaf=lambda x: isinstance(x, Float8State)

@@ -27,17 +27,20 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
+
+from jamp._src.types import PyTree
 
 __all__ = ["Policy", "get_policy", "half_dtype", "parse_dtype"]
 
 # Short and long names accepted wherever a dtype is expected. "half" is
 # resolved at call time (it depends on the default backend).
-_DTYPE_NAMES: dict[str, Any] = {
+_DTYPE_NAMES: dict[str, DTypeLike | None] = {
     "bf16": jnp.bfloat16,
     "bfloat16": jnp.bfloat16,
     "f16": jnp.float16,
@@ -80,7 +83,7 @@ def half_dtype() -> np.dtype:
     return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
 
 
-def _describe(value: Any) -> str:
+def _describe(value: object) -> str:
     if isinstance(value, str):
         return f"{value!r:.80}"
     return f"{value!r:.80} (type {type(value).__name__})"
@@ -164,7 +167,7 @@ def check_dtype(value: Any, what: str) -> np.dtype:
     return dtype
 
 
-def parse_dtype(value: Any, argname: str = "dtype") -> np.dtype:
+def parse_dtype(value: DTypeLike, argname: str = "dtype") -> np.dtype:
     """A supported floating ``np.dtype`` from a dtype-like or one of the short names.
 
     Supported are float16, bfloat16, float32 and float64, given as dtypes
@@ -195,10 +198,10 @@ def parse_dtype(value: Any, argname: str = "dtype") -> np.dtype:
     return check_dtype(value, f"`{argname}`")
 
 
-def _cast_tree(tree: Any, dtype: np.dtype) -> Any:
+def _cast_tree(tree: PyTree, dtype: np.dtype) -> PyTree:
     """Casts the floating array leaves of ``tree`` to ``dtype``; others untouched."""
 
-    def cast(leaf: Any) -> Any:
+    def cast(leaf: object) -> object:
         if isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and jnp.issubdtype(
             leaf.dtype, jnp.floating
         ):
@@ -236,9 +239,15 @@ class Policy:
       dtype(bfloat16)
     """
 
-    param_dtype: Any
-    compute_dtype: Any
-    output_dtype: Any
+    param_dtype: np.dtype
+    compute_dtype: np.dtype
+    output_dtype: np.dtype
+
+    if TYPE_CHECKING:  # the constructor takes any dtype-like; __post_init__ makes it np.dtype
+
+        def __init__(
+            self, param_dtype: DTypeLike, compute_dtype: DTypeLike, output_dtype: DTypeLike
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         # Policy is static metadata, never a pytree node, so validating here is
@@ -246,19 +255,19 @@ class Policy:
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, parse_dtype(getattr(self, field), field))
 
-    def cast_to_param(self, tree: Any) -> Any:
+    def cast_to_param(self, tree: PyTree) -> PyTree:
         """Casts the floating leaves of ``tree`` to ``param_dtype``."""
         return _cast_tree(tree, self.param_dtype)
 
-    def cast_to_compute(self, tree: Any) -> Any:
+    def cast_to_compute(self, tree: PyTree) -> PyTree:
         """Casts the floating leaves of ``tree`` to ``compute_dtype``."""
         return _cast_tree(tree, self.compute_dtype)
 
-    def cast_to_output(self, tree: Any) -> Any:
+    def cast_to_output(self, tree: PyTree) -> PyTree:
         """Casts the floating leaves of ``tree`` to ``output_dtype``."""
         return _cast_tree(tree, self.output_dtype)
 
-    def with_output_dtype(self, output_dtype: Any) -> Policy:
+    def with_output_dtype(self, output_dtype: DTypeLike) -> Policy:
         """A copy of this policy with another ``output_dtype``."""
         return dataclasses.replace(self, output_dtype=output_dtype)
 

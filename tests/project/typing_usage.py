@@ -10,6 +10,7 @@ from typing import Any, assert_type
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 import jamp
@@ -81,3 +82,25 @@ def decorated(params: Params, x: jax.Array) -> jax.Array:
 
 
 z = decorated(params, x)
+
+# The namespaces: float8's delayed scaling, the debug reports, the jmp/flax helpers.
+recipe = jamp.float8.DelayedScaling(amax_history_len=4)
+delayed = jamp.autocast(forward, "float8", recipe=recipe)
+float8_state = jamp.float8.init(delayed, params, x)
+assert_type(float8_state, dict[str, jamp.float8.Float8State])
+assert_type(float8_state["0:dot_general"].scale, jax.Array)
+report = jamp.debug.autocast_report(forward, params, x, dtype=jnp.float16)
+assert_type(report, jamp.debug.AutocastReport)
+assert_type(report.counts, dict[str, dict[str, int]])
+assert_type(report.residual_bytes, dict[str, int])
+assert_type(jamp.debug.nonfinite_report(grads), Any)  # a tree of NonfiniteCount, as grads
+assert_type(jamp.debug.log_nonfinite(grads, prefix="grads: "), jax.Array)
+policy = jamp.compat.get_policy("p=f32,c=bf16,o=f32")
+assert_type(policy, jamp.Policy)
+assert_type(policy.compute_dtype, np.dtype)
+assert_type(jamp.Policy(jnp.float32, "bf16", np.dtype("float32")), jamp.Policy)
+assert_type(policy.with_output_dtype(jnp.bfloat16), jamp.Policy)
+assert_type(jamp.compat.parse_dtype("bf16"), np.dtype)
+assert_type(jamp.compat.half_dtype(), np.dtype)
+flax_state = jamp.compat.from_flax_dynamic_scale({"fin_steps": 0, "scale": 2.0**15})
+assert_type(flax_state, jamp.LossScaleState)

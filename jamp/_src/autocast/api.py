@@ -21,12 +21,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ParamSpec, TypeVar
+from typing import cast as static_cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from jamp._src.autocast.float8 import (
     check_states,
@@ -43,11 +46,14 @@ from jamp._src.autocast.values import (
     Context,
     Info,
     Recorder,
+    Rule,
+    Value,
     cast,
     is_float,
 )
 from jamp._src.float8 import DelayedScaling, Float8State
 from jamp._src.policy import Policy, check_dtype, parse_policy
+from jamp._src.types import PyTree
 
 __all__ = [
     "RULES",
@@ -172,11 +178,11 @@ def _residual_lines(report: AutocastReport) -> list[str]:
 # ---------------------------------------------------------------------------
 
 
-def _is_array(leaf: Any) -> bool:
+def _is_array(leaf: object) -> bool:
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic))
 
 
-def _check_fun(fun: Any, name: str) -> None:
+def _check_fun(fun: object, name: str) -> None:
     if not callable(fun):
         raise TypeError(
             f"Expected a callable for `fun` of jamp.{name}, got {fun!r} "
@@ -187,7 +193,7 @@ def _check_fun(fun: Any, name: str) -> None:
 _HALF = (np.dtype(jnp.bfloat16), np.dtype(jnp.float16))
 
 
-def _low_dtype(value: Any, what: str) -> np.dtype:
+def _low_dtype(value: DTypeLike, what: str) -> np.dtype:
     dtype = check_dtype(value, what)
     if dtype not in _HALF:
         raise ValueError(
@@ -201,11 +207,13 @@ def _low_dtype(value: Any, what: str) -> np.dtype:
 FLOAT8 = "float8"  # the dtype argument of float8 mode
 
 
-def _is_float8(dtype: Any) -> bool:
+def _is_float8(dtype: object) -> bool:
     return isinstance(dtype, str) and dtype.strip().lower() == FLOAT8
 
 
-def _resolve(dtype: Any, policy: Any) -> tuple[np.dtype, Policy | None, bool]:
+def _resolve(
+    dtype: DTypeLike | None, policy: Policy | str | None
+) -> tuple[np.dtype, Policy | None, bool]:
     """The low-precision dtype, the policy and whether it is float8 mode.
 
     ``dtype=None`` means "not given"; in float8 mode the low-precision dtype
@@ -233,7 +241,7 @@ def _resolve(dtype: Any, policy: Any) -> tuple[np.dtype, Policy | None, bool]:
     return compute, policy, float8
 
 
-def _check_recipe(recipe: Any, float8: bool) -> None:
+def _check_recipe(recipe: object, float8: bool) -> None:
     if recipe is None:
         return
     if not isinstance(recipe, DelayedScaling):
@@ -249,7 +257,7 @@ def _check_recipe(recipe: Any, float8: bool) -> None:
         )
 
 
-def _check_state_first(fun: Callable, state: Any, args: tuple, kwargs: dict) -> None:
+def _check_state_first(fun: Callable, state: object, args: tuple, kwargs: dict) -> None:
     """A clear error when a delayed-scaling function is called without its state."""
     try:
         signature = inspect.signature(fun)
@@ -286,7 +294,7 @@ def _flat(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
     ]
     dynamic = [leaf for leaf, is_dyn in zip(leaves, mask, strict=True) if is_dyn]
 
-    def flat_fun(*xs: Any) -> Any:
+    def flat_fun(*xs: jax.Array) -> PyTree:
         it = iter(xs)
         full = [next(it) if is_dyn else leaf for leaf, is_dyn in zip(leaves, mask, strict=True)]
         a, k = jax.tree_util.tree_unflatten(treedef, full)
@@ -310,7 +318,9 @@ def _autocast(
     float8: bool = False,
     recipe: DelayedScaling | None = None,
 ):
-    def run(closed: Any, out_shape: Any, dynamic: list, rule: Any) -> Any:
+    def run(
+        closed: jex_core.ClosedJaxpr, out_shape: PyTree, dynamic: list[Value], rule: Rule | None
+    ) -> PyTree:
         ctx = Context(dtype=low, recorder=recorder, rule=rule)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         with jax.named_scope(SCOPE_AUTOCAST):
@@ -325,17 +335,18 @@ def _autocast(
 
     if recipe is not None:
 
-        def delayed(state: Any, *args: Any, **kwargs: Any) -> Any:
+        def delayed(state: object, *args: Any, **kwargs: Any) -> PyTree:
             _check_state_first(fun, state, args, kwargs)
             closed, out_shape, dynamic = _trace(fun, args, kwargs)
             found = sites(closed)
-            check_states(state, found, recipe)
-            return run(closed, out_shape, dynamic, delayed_rule(state, found, recipe))
+            check_states(state, found, recipe)  # a dict of Float8State from here on
+            states = static_cast(Mapping[str, Float8State], state)
+            return run(closed, out_shape, dynamic, delayed_rule(states, found, recipe))
 
         return DelayedFloat8(delayed, fun, recipe)
 
     @functools.wraps(fun)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> PyTree:
         closed, out_shape, dynamic = _trace(fun, args, kwargs)
         return run(closed, out_shape, dynamic, current_rule if float8 else None)
 
@@ -359,10 +370,11 @@ class DelayedFloat8:
         self._call, self.traced, self.recipe = call, traced, recipe
         functools.update_wrapper(self, traced)
 
-    def __call__(self, state: Any, *args: Any, **kwargs: Any) -> Any:
+    def __call__(self, state: object, *args: Any, **kwargs: Any) -> PyTree:
         return self._call(state, *args, **kwargs)
 
-    def __get__(self, obj: Any, objtype: Any = None) -> Any:  # a method, as a function is
+    # a method, as a function is
+    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., PyTree]:
         return self if obj is None else functools.partial(self, obj)
 
 
@@ -383,7 +395,7 @@ _MARKS_A_FUNCTION = (
 class _Decorator:
     """``autocast(dtype=...)``/``autocast_disabled()`` without a function; ``with`` refused."""
 
-    def __init__(self, transform: Callable, message: str, **kwargs: Any) -> None:
+    def __init__(self, transform: Callable, message: str, **kwargs: object) -> None:
         self._transform, self._message, self._kwargs = transform, message, kwargs
 
     def __call__(self, fun: Callable) -> Callable:
@@ -392,7 +404,7 @@ class _Decorator:
     def __enter__(self) -> None:
         raise TypeError(f"{self._message}.")
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
     def __repr__(self) -> str:
@@ -421,7 +433,7 @@ def _explains_torch_calls(autocast: Callable[P, R]) -> Callable[P, R]:
     return checked
 
 
-def _is_dtype(x: Any) -> bool:
+def _is_dtype(x: object) -> bool:
     """A dtype, or a scalar type such as ``jnp.float16`` (callable, yet not a function to run)."""
     if isinstance(x, type):
         return issubclass(x, np.generic) or isinstance(getattr(x, "dtype", None), np.dtype)
@@ -431,7 +443,7 @@ def _is_dtype(x: Any) -> bool:
 @_explains_torch_calls
 def autocast(
     fun: Callable | None = None,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     *,
     policy: Policy | str | None = None,
     enabled: bool = True,
@@ -598,7 +610,7 @@ def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
     """``enabled=False`` with a recipe: the signature kept, the state taken and ignored."""
     disabled = autocast_disabled(fun)
 
-    def ignoring(state: Any, *args: Any, **kwargs: Any) -> Any:
+    def ignoring(state: object, *args: Any, **kwargs: Any) -> Any:
         return disabled(*args, **kwargs)
 
     return DelayedFloat8(ignoring, disabled, recipe)  # float8.init finds no product
@@ -626,7 +638,7 @@ def autocast_disabled(fun: Callable | None = None) -> Callable:
     return wrapped
 
 
-def _check_report_keywords(fun: Callable, args: tuple, kwargs: dict, **own: Any) -> None:
+def _check_report_keywords(fun: Callable, args: tuple, kwargs: dict, **own: object) -> None:
     """A clear error when ``fun`` needs a ``dtype``/``policy`` the report took."""
     try:
         signature = inspect.signature(fun)
@@ -653,7 +665,7 @@ def _check_report_keywords(fun: Callable, args: tuple, kwargs: dict, **own: Any)
 def autocast_report(
     fun: Callable,
     *args: Any,
-    dtype: Any = None,
+    dtype: DTypeLike | None = None,
     policy: Policy | str | None = None,
     **kwargs: Any,
 ) -> AutocastReport:

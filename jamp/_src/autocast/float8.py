@@ -25,15 +25,16 @@ states.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.interpreter import HIGHER_ORDER, kept_preferred_type, scan_with
 from jamp._src.autocast.rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
-from jamp._src.autocast.values import MARKER, Context, Info
+from jamp._src.autocast.values import MARKER, Context, Evaluated, Info, JaxprLike, Rule, Value, aval
 from jamp._src.float8 import (
     E4M3,
     F32,
@@ -53,7 +54,7 @@ _CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2"
 _CURRENT_ONLY = frozenset(HIGHER_ORDER) - _CALLS - {"scan"}
 
 
-def eligible(eqn: Any) -> bool:
+def eligible(eqn: jex_core.JaxprEqn) -> bool:
     """Whether ``eqn`` runs in float8: a ``dot_general`` of float16/bfloat16/float32 operands.
 
     Decided from the traced dtypes, which autocast never moves in or out of
@@ -62,18 +63,23 @@ def eligible(eqn: Any) -> bool:
     if eqn.primitive.name not in FLOAT8_PRIMITIVES:
         return False
     pet = eqn.params.get("preferred_element_type")
-    dtypes = [np.dtype(v.aval.dtype) for v in eqn.invars]
+    dtypes = [np.dtype(aval(v).dtype) for v in eqn.invars]
     return all(d in ELIGIBLE for d in dtypes) and (pet is None or np.dtype(pet) in ELIGIBLE)
 
 
-def _out_dtype(eqn: Any, low: np.dtype) -> np.dtype:
+def _out_dtype(eqn: jex_core.JaxprEqn, low: np.dtype) -> np.dtype:
     """The autocast dtype, unless the program asked for a wider ``preferred_element_type``
     than its inputs (``bf16 x bf16 -> f32``), as the ``lower`` rule does."""
     kept = kept_preferred_type(eqn, range(len(eqn.invars)))
     return low if kept is None else kept
 
 
-def _spec(eqn: Any, invals: Sequence[Any], ctx: Context, recipe=None) -> Spec:
+def _spec(
+    eqn: jex_core.JaxprEqn,
+    invals: Sequence[Value],
+    ctx: Context,
+    recipe: DelayedScaling | None = None,
+) -> Spec:
     lhs, rhs = invals
     return Spec(
         dimension_numbers=eqn.params["dimension_numbers"],
@@ -85,14 +91,18 @@ def _spec(eqn: Any, invals: Sequence[Any], ctx: Context, recipe=None) -> Spec:
     )
 
 
-def _finish(eqn: Any, out: Any, infos: Sequence[Info], ctx: Context, rule: str):
+def _finish(
+    eqn: jex_core.JaxprEqn, out: jax.Array, infos: Sequence[Info], ctx: Context, rule: str
+) -> Evaluated:
     if ctx.recorder is not None:
         ctx.recorder.add(eqn.primitive.name, rule, E4M3.name)
     kind = min(i.kind for i in infos)
     return [out], [Info(kind=kind, low=True)]  # a low activation, as a lower-rule output
 
 
-def current_rule(eqn: Any, invals: list, infos: list, ctx: Context):
+def current_rule(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated | None:
     """The float8 rule with current scaling: an eligible product runs in float8."""
     if not eligible(eqn):
         return None
@@ -112,15 +122,20 @@ class Site(NamedTuple):
     stack: tuple[int, ...]  # the lengths of the scans around it: its state's leading axes
 
 
-def _jaxpr(value: Any) -> Any:
+def _jaxpr(value: JaxprLike) -> jex_core.Jaxpr:
     return value.jaxpr if isinstance(value, jex_core.ClosedJaxpr) else value
 
 
-def sites(closed: Any) -> list[Site]:
+def sites(closed: JaxprLike) -> list[Site]:
     """The products of ``closed`` that own a state, in program order (module docstring)."""
     found: list[Site] = []
 
-    def walk(jaxpr: Any, path: tuple, stack: tuple, scope: tuple) -> None:
+    def walk(
+        jaxpr: jex_core.Jaxpr,
+        path: tuple[int, ...],
+        stack: tuple[int, ...],
+        scope: tuple[str, ...],
+    ) -> None:
         for eqn in jaxpr.eqns:
             name_stack = str(eqn.source_info.name_stack)
             if MARKER in name_stack:  # a disabled region: runs as traced
@@ -131,7 +146,8 @@ def sites(closed: Any) -> list[Site]:
                 label = ".".join(here).replace("/", ".") or "dot_general"
                 found.append(Site(f"{len(found)}:{label}", (*path, id(eqn)), stack))
             elif name in _CALLS:
-                sub = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+                params = eqn.params
+                sub = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
                 call = eqn.params.get("name")
                 inner = (*here, call) if isinstance(call, str) and call else here
                 walk(_jaxpr(sub), (*path, id(eqn)), stack, inner)
@@ -147,7 +163,7 @@ def init_states(found: Sequence[Site], recipe: DelayedScaling) -> dict[str, Floa
     return {site.key: init_state(recipe, site.stack) for site in found}
 
 
-def check_states(state: Any, found: Sequence[Site], recipe: DelayedScaling) -> None:
+def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -> None:
     """A clear error unless ``state`` has one well-formed Float8State per site."""
     fix = "create it with jamp.float8.init(f, *args) from the function and arguments f takes"
     if not isinstance(state, Mapping):
@@ -185,13 +201,13 @@ def check_states(state: Any, found: Sequence[Site], recipe: DelayedScaling) -> N
         check_values(entry, f"float8 state entry {site.key!r}", recipe)
 
 
-def _is_array(x: Any, shape: tuple) -> bool:
+def _is_array(x: Any, shape: tuple[int, ...]) -> bool:  # any leaf: duck-typed
     """Whether ``x`` is a float32 array (or tracer) of ``shape``."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and np.dtype(dtype) == F32 and tuple(np.shape(x)) == shape
 
 
-def _describe(x: Any) -> Any:
+def _describe(x: Any) -> tuple[str, tuple[int, ...]] | str:  # any leaf: duck-typed
     if hasattr(x, "dtype") and hasattr(x, "shape"):
         return (np.dtype(x.dtype).name, tuple(np.shape(x)))
     return type(x).__name__
@@ -201,11 +217,13 @@ def _describe(x: Any) -> Any:
 class DelayedRule:
     """The float8 rule with delayed scaling: each product finds its state by its path."""
 
-    states: Mapping[tuple[int, ...], tuple[Any, Any]]  # path -> (amax_history, scale)
+    states: Mapping[tuple[int, ...], tuple[Value, Value]]  # path -> (amax_history, scale)
     recipe: DelayedScaling
     prefix: tuple[int, ...] = ()
 
-    def __call__(self, eqn: Any, invals: list, infos: list, ctx: Context):
+    def __call__(
+        self, eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+    ) -> Evaluated | None:
         name = eqn.primitive.name
         path = (*self.prefix, id(eqn))
         if eligible(eqn):
@@ -221,17 +239,26 @@ class DelayedRule:
             return self._scan(eqn, invals, infos, ctx, path)
         return None
 
-    def _recurse(self, eqn: Any, invals: list, infos: list, ctx: Context):
+    def _recurse(
+        self, eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+    ) -> Evaluated:
         if ctx.recorder is not None:
             ctx.recorder.add(eqn.primitive.name, "recurse", "-")
         return HIGHER_ORDER[eqn.primitive.name](eqn, invals, infos, ctx)
 
-    def _scan(self, eqn: Any, invals: list, infos: list, ctx: Context, path: tuple):
+    def _scan(
+        self,
+        eqn: jex_core.JaxprEqn,
+        invals: list[Value],
+        infos: list[Info],
+        ctx: Context,
+        path: tuple[int, ...],
+    ) -> Evaluated:
         """Each iteration gets its slice of the stacked states of the products inside."""
         inside = [p for p in self.states if p[: len(path)] == path]
         extra = [x for p in inside for x in self.states[p]]
 
-        def body_ctx(ctx: Context, slices: list) -> Context:
+        def body_ctx(ctx: Context, slices: list[Value]) -> Context:
             states = {p: (slices[2 * i], slices[2 * i + 1]) for i, p in enumerate(inside)}
             return dataclasses.replace(ctx, rule=DelayedRule(states, self.recipe, path))
 
@@ -242,7 +269,7 @@ class DelayedRule:
 
 def delayed_rule(
     state: Mapping[str, Float8State], found: Sequence[Site], recipe: DelayedScaling
-) -> Callable[..., Any]:
+) -> Rule:
     # check_states made each entry a Float8State
     states = {s.path: (state[s.key].amax_history, state[s.key].scale) for s in found}
     return DelayedRule(states, recipe)

@@ -10,11 +10,12 @@ span). The interpreter (``autocast.interpreter``) calls them per equation.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 import jax.core
 import numpy as np
+from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from jamp._src.autocast.rules import (
     AFFINE,
@@ -35,10 +36,10 @@ from jamp._src.autocast.rules import (
     span_of,
     widest,
 )
-from jamp._src.autocast.values import CONST, LITERAL, Context, Info, is_float
+from jamp._src.autocast.values import CONST, LITERAL, Context, Info, Value, is_float
 
 
-def known_span(x: Any, info: Info) -> Span | None:
+def known_span(x: Value, info: Info) -> Span | None:
     """The span of a constant's values; ``None`` when it is traced and unknown."""
     if info.span is not None:
         return info.span
@@ -47,7 +48,9 @@ def known_span(x: Any, info: Info) -> Span | None:
     return span_of(x)
 
 
-def categories(invals: Sequence[Any], infos: Sequence[Info], float_in: Sequence[int], ctx):
+def categories(
+    invals: Sequence[Value], infos: Sequence[Info], float_in: Sequence[int], ctx: Context
+) -> list[str]:
     biggest = max(int(np.prod(np.shape(invals[i]))) for i in float_in)
     return [
         category(
@@ -61,12 +64,16 @@ def categories(invals: Sequence[Any], infos: Sequence[Info], float_in: Sequence[
     ]
 
 
-def unbroadcast_size(x: Any, info: Info) -> int:
+def unbroadcast_size(x: Value, info: Info) -> int:
     return int(np.prod(np.shape(x))) if info.size is None else info.size
 
 
 def constants_allow(
-    name: str, invals: Sequence[Any], infos: Sequence[Info], float_in: Sequence[int], dtype: Any
+    name: str,
+    invals: Sequence[Value],
+    infos: Sequence[Info],
+    float_in: Sequence[int],
+    dtype: DTypeLike,
 ) -> tuple[bool, bool]:
     """Whether the constants among the inputs may be narrowed to ``dtype``, and with saturation.
 
@@ -86,14 +93,14 @@ def constants_allow(
 
 
 def promote_target(
-    eqn: Any,
-    invals: Sequence[Any],
+    eqn: jex_core.JaxprEqn,
+    invals: Sequence[Value],
     infos: Sequence[Info],
     float_in: Sequence[int],
     cats: Sequence[str],
     ctx: Context,
     feeds_float32: bool,
-) -> tuple[Any, bool, bool]:
+) -> tuple[np.dtype | None, bool, bool]:
     """The dtype a ``promote`` primitive runs in; whether a mask fill saturates; whether held.
 
     The widest floating input dtype (literals follow the others), or the low
@@ -126,13 +133,13 @@ def promote_target(
 
 
 def out_infos(
-    eqn: Any,
-    invals: Sequence[Any],
+    eqn: jex_core.JaxprEqn,
+    invals: Sequence[Value],
     infos: Sequence[Info],
-    outs: Sequence[Any],
+    outs: Sequence[Value],
     low: bool,
     held: bool = False,
-) -> list:
+) -> list[Info]:
     kind = min((i.kind for i in infos), default=CONST)
     name = eqn.primitive.name
     size = None

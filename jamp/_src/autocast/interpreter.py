@@ -15,7 +15,8 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TypeAlias
+from typing import cast as static_cast
 
 import jax
 import jax.core
@@ -31,6 +32,7 @@ from jamp._src.autocast.flow import (
     promote_target,
 )
 from jamp._src.autocast.residuals import (
+    Group,
     dropout_jaxpr,
     find_softmax,
     group_jaxpr,
@@ -72,7 +74,11 @@ from jamp._src.autocast.values import (
     TRACED,
     Casts,
     Context,
+    Evaluated,
     Info,
+    JaxprLike,
+    Value,
+    aval,
     bind,
     cast,
     float0_zeros,
@@ -89,8 +95,12 @@ from jamp._src.autocast.values import (
 
 
 def _eval_jaxpr(
-    jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], infos: Sequence[Info], ctx: Context
-) -> tuple[list, list]:
+    jaxpr: jex_core.Jaxpr,
+    consts: Sequence[Value],
+    args: Sequence[Value],
+    infos: Sequence[Info],
+    ctx: Context,
+) -> Evaluated:
     """Evaluates ``jaxpr`` with the rules; returns outputs and their ``Info``.
 
     Every value carries an ``Info``: its *kind* (``TRACED``, ``CONST``
@@ -101,15 +111,13 @@ def _eval_jaxpr(
     The dtype flow of ``promote`` (``autocast.rules.runs_low``) and the
     constant rule (``autocast.rules.fits``) decide from these.
     """
-    env: dict[Any, tuple[Any, Info]] = {}
+    env: dict[jex_core.Var, tuple[Value, Info]] = {}
 
-    def read(v: Any) -> tuple[Any, Info]:
+    def read(v: jax.core.Atom) -> tuple[Value, Info]:
         if isinstance(v, jex_core.Literal):
             val = v.val
             if not hasattr(val, "dtype"):
-                # a literal's aval is a ShapedArray, which jax types as AbstractValue
-                dtype = v.aval.dtype  # pyright: ignore[reportAttributeAccessIssue]
-                val = np.asarray(val, dtype=dtype)
+                val = np.asarray(val, dtype=aval(v).dtype)
             return val, Info(kind=LITERAL)
         return env[v]
 
@@ -136,6 +144,7 @@ def _eval_jaxpr(
         if (
             group is not None
             and group.dot is not None
+            and group.x is not None
             and not sub.as_traced
             and _upcast(*read(group.x))
         ):
@@ -175,17 +184,23 @@ def _eval_jaxpr(
     return [x for x, _ in outs], [i for _, i in outs]
 
 
-def _fusable(z: Any, info: Info, ctx: Context) -> bool:
+def _fusable(z: Value, info: Info, ctx: Context) -> bool:
     return not ctx.as_traced and _upcast(z, info, 4)
 
 
 def _softmax_matmul(
-    jaxpr: Any, group: Any, read: Callable, v_in: tuple, ctx: Context, from_x: bool
-) -> tuple[Any, Info]:
+    jaxpr: jex_core.Jaxpr,
+    group: Group,
+    read: Callable[[jax.core.Atom], tuple[Value, Info]],
+    v_in: tuple[Value, Info],
+    ctx: Context,
+    from_x: bool,
+) -> tuple[Value, Info]:
     """``dropout(softmax(z)) @ v`` as one custom_vjp (``softmax_matmul_keeping_low``),
     from the shift's half input ``x`` where ``from_x`` (recomputed in the backward pass)."""
-    dot = jaxpr.eqns[group.dot]
-    (z, info), (v, v_info) = read(group.x if from_x else group.z), v_in
+    dot = jaxpr.eqns[static_cast(int, group.dot)]  # fused: the group has a dot
+    start = group.x if from_x and group.x is not None else group.z  # from_x: it has an x
+    (z, info), (v, v_info) = read(start), v_in
     params = _lower_params(dot, [0, 1], ctx)
     with source(jaxpr.eqns[group.indices[-1]]):
         body, _, _ = _under_rules(group_jaxpr(jaxpr, group, from_x), [z], [info], ctx)
@@ -197,7 +212,7 @@ def _softmax_matmul(
 
     runs = [ctx]  # the first run records; later ones (the backward pass's) do not
 
-    def drop(y: Any, *xs: Any) -> Any:  # under the rules
+    def drop(y: Value, *xs: Value) -> Value:  # under the rules
         run, runs[0] = runs[0], quiet
         return eval_closed(drop_jaxpr, [y, *xs], [Info(low=True), *o_infos], run)[0][0]
 
@@ -217,12 +232,14 @@ def _softmax_matmul(
     return out, Info(low=True)
 
 
-def _upcast(x: Any, info: Info, size: int = 2) -> bool:
+def _upcast(x: Value, info: Info, size: int = 2) -> bool:
     """Whether ``x``, an activation, is float16/bfloat16 (``size`` 2) or float32 too (4)."""
     return info.kind == TRACED and np.dtype(x.dtype) in ELIGIBLE and x.dtype.itemsize <= size
 
 
-def _softmax(jaxpr: Any, group: Any, z: Any, info: Info, ctx: Context, casts: Casts):
+def _softmax(
+    jaxpr: jex_core.Jaxpr, group: Group, z: Value, info: Info, ctx: Context, casts: Casts
+) -> tuple[Value, Info]:
     """A softmax whose backward pass keeps the low probabilities only (``autocast.residuals``)."""
     with source(jaxpr.eqns[group.indices[-1]]):
         body, _, (out,) = _under_rules(group_jaxpr(jaxpr, group), [z], [info], ctx)
@@ -238,7 +255,7 @@ _MESH_AXIS = frozenset(
 )
 
 
-def _foldable(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
+def _foldable(eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info]) -> bool:
     """Whether ``eqn`` computes a small constant from constants (``jnp.sqrt(d)``).
 
     It is then computed when ``fun`` is traced, so the constant rule sees its
@@ -252,13 +269,13 @@ def _foldable(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
         and eqn.primitive.name not in _MESH_AXIS
         and all(i.kind >= CONST for i in infos)
         and not any(isinstance(x, jax.core.Tracer) for x in invals)
-        and sum(int(np.prod(v.aval.shape)) for v in eqn.outvars) <= FOLD_MAX
+        and sum(int(np.prod(aval(v).shape)) for v in eqn.outvars) <= FOLD_MAX
     )
 
 
 def eval_closed(
-    closed: Any, args: Sequence[Any], infos: Sequence[Info], ctx: Context
-) -> tuple[list, list]:
+    closed: JaxprLike, args: Sequence[Value], infos: Sequence[Info], ctx: Context
+) -> Evaluated:
     if isinstance(closed, jex_core.ClosedJaxpr):
         return _eval_jaxpr(closed.jaxpr, closed.consts, args, infos, ctx)
     return _eval_jaxpr(closed, (), args, infos, ctx)
@@ -270,10 +287,10 @@ def _const_kind(infos: Sequence[Info]) -> int:
 
 
 def _as_traced(
-    eqn: Any, invals: Sequence[Any], infos: Sequence[Info], ctx: Context, rule: str
-) -> tuple[list, list]:
+    eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info], ctx: Context, rule: str
+) -> Evaluated:
     vals = [
-        cast(x, v.aval.dtype) if is_float(x.dtype) and is_float(v.aval.dtype) else x
+        cast(x, aval(v).dtype) if is_float(x.dtype) and is_float(aval(v).dtype) else x
         for x, v in zip(invals, eqn.invars, strict=True)
     ]
     outs = bind(eqn, vals)
@@ -281,7 +298,7 @@ def _as_traced(
     return outs, [Info(kind=_const_kind(infos))] * len(outs)
 
 
-def kept_preferred_type(eqn: Any, float_in: Sequence[int]) -> np.dtype | None:
+def kept_preferred_type(eqn: jex_core.JaxprEqn, float_in: Sequence[int]) -> np.dtype | None:
     """A dot's ``preferred_element_type`` when wider than its traced floating inputs.
 
     One wider than the inputs (``bf16 x bf16 -> f32``, as
@@ -292,11 +309,13 @@ def kept_preferred_type(eqn: Any, float_in: Sequence[int]) -> np.dtype | None:
     pet = eqn.params.get("preferred_element_type")
     if pet is None or not is_float(pet):
         return None
-    traced = max(np.dtype(eqn.invars[i].aval.dtype).itemsize for i in float_in)
+    traced = max(np.dtype(aval(eqn.invars[i]).dtype).itemsize for i in float_in)
     return np.dtype(pet) if np.dtype(pet).itemsize > traced else None
 
 
-def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[str, Any]:
+def _lower_params(
+    eqn: jex_core.JaxprEqn, float_in: Sequence[int], ctx: Context
+) -> Mapping[str, object]:
     """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
     params = eqn.params
     pet = params.get("preferred_element_type")
@@ -306,14 +325,15 @@ def _lower_params(eqn: Any, float_in: Sequence[int], ctx: Context) -> Mapping[st
 
 
 def _eval_eqn(
-    eqn: Any,
-    invals: list,
-    infos: list,
+    eqn: jex_core.JaxprEqn,
+    invals: list[Value],
+    infos: list[Info],
     ctx: Context,
     feeds_float32: bool = False,
     casts: Casts | None = None,
-    mask: tuple[Any, Any] | None = None,  # select_n's mask: (its source, the broadcast)
-) -> tuple[list, list]:
+    # select_n's mask: (its source, the broadcast)
+    mask: tuple[Value, jex_core.JaxprEqn] | None = None,
+) -> Evaluated:
     name = eqn.primitive.name
     if ctx.as_traced:
         return _as_traced(eqn, invals, infos, ctx, "disabled")
@@ -382,9 +402,9 @@ def _eval_eqn(
         return outs, out_infos(eqn, invals, infos, outs, output_is_low(cats), held=True)
     else:  # promote; lower with float64 or a constant that does not fit
         target, fill, held = promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
-        targets = {i: target for i in float_in}
+        targets = {} if target is None else {i: target for i in float_in}  # None: no float in
         low = output_is_low(cats)
-    outs = []  # bound by bind_summing when `wide or up`
+    outs: list[Value] = []  # bound by bind_summing when `wide or up`
     with source(eqn):  # the casts carry the user's source line (autocast_report)
         wide = broadcast_in_float32(eqn, vals, targets, infos)
         up = upcast_in_backward(eqn, vals, targets, infos, wide)
@@ -392,7 +412,7 @@ def _eval_eqn(
             if i not in wide and i not in up:
                 vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
         if wide or up:  # summed in float32, half operands kept (autocast.sums)
-            shape = eqn.outvars[0].aval.shape
+            shape = aval(eqn.outvars[0]).shape
             outs = bind_summing(
                 lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape, up
             )
@@ -416,15 +436,17 @@ def _eval_eqn(
     return outs, out_infos(eqn, invals, infos, outs, low, held)
 
 
-def _broadcast_args(eqn: Any) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _broadcast_args(eqn: jex_core.JaxprEqn) -> tuple[tuple[int, ...], tuple[int, ...]]:
     p = eqn.params
     return tuple(p["shape"]), tuple(p["broadcast_dimensions"])
 
 
-def _convert_element_type(eqn: Any, invals: list, infos: list, ctx: Context):
+def _convert_element_type(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
     (x,) = invals
     new_dtype = eqn.params["new_dtype"]
-    if eqn.invars[0].aval.dtype == new_dtype and is_float(new_dtype):
+    if aval(eqn.invars[0]).dtype == new_dtype and is_float(new_dtype):
         # A no-op in the traced program (at most a weak-type change): keep the
         # autocast dtype instead of undoing it.
         record(ctx, eqn, "no-op cast", [x], [x])
@@ -442,16 +464,21 @@ def _convert_element_type(eqn: Any, invals: list, infos: list, ctx: Context):
 # ---------------------------------------------------------------------------
 
 
-def _call(eqn: Any, invals: list, infos: list, ctx: Context):
-    closed = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+def _call(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
+    params = eqn.params
+    closed = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
     return eval_closed(closed, invals, infos, ctx)
 
 
-def _remat(eqn: Any, invals: list, infos: list, ctx: Context):
+def _remat(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
     params = eqn.params
-    out_infos: list = []
+    out_infos: list[Info] = []
 
-    def body(*xs: Any) -> list:
+    def body(*xs: Value) -> list[Value]:
         outs, out_infos[:] = eval_closed(params["jaxpr"], xs, infos, ctx)
         return outs
 
@@ -463,19 +490,19 @@ def _remat(eqn: Any, invals: list, infos: list, ctx: Context):
 
 
 def scan_with(
-    eqn: Any,
-    invals: list,
-    infos: list,
+    eqn: jex_core.JaxprEqn,
+    invals: list[Value],
+    infos: list[Info],
     ctx: Context,
-    extra: Sequence[Any] = (),
-    body_ctx: Callable[[Context, list], Context] | None = None,
-) -> tuple[list, list]:
+    extra: Sequence[Value] = (),
+    body_ctx: Callable[[Context, list[Value]], Context] | None = None,
+) -> Evaluated:
     """A ``scan`` under the rules; ``extra`` arrays are scanned over too (one slice per
     iteration), and ``body_ctx(ctx, slices)`` is the context the body runs in."""
     p = eqn.params
     n_consts, n_carry = p["num_consts"], p["num_carry"]
     consts = invals[:n_consts]
-    carry_dtypes = [v.aval.dtype for v in eqn.invars[n_consts : n_consts + n_carry]]
+    carry_dtypes = [aval(v).dtype for v in eqn.invars[n_consts : n_consts + n_carry]]
     init = [
         strong_cast(x, d)
         for x, d in zip(invals[n_consts : n_consts + n_carry], carry_dtypes, strict=True)
@@ -483,9 +510,9 @@ def scan_with(
     xs = invals[n_consts + n_carry :]
     x_infos = [i._replace(size=None) for i in infos[n_consts + n_carry :]]  # slices
     body_infos = [*infos[:n_consts], *([Info()] * n_carry), *x_infos]
-    y_infos: list = []
+    y_infos: list[Info] = []
 
-    def body(carry: list, x: list) -> tuple[list, list]:
+    def body(carry: list[jax.Array], x: list[Value]) -> tuple[list[jax.Array], list[Value]]:
         x, slices = x[: len(xs)], x[len(xs) :]
         inner = ctx if body_ctx is None else body_ctx(ctx, slices)
         outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, inner)
@@ -503,20 +530,22 @@ def _traced(info: Info) -> Info:
     return Info(low=info.low, statistic=info.statistic)
 
 
-def _while(eqn: Any, invals: list, infos: list, ctx: Context):
+def _while(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
     p = eqn.params
     nc, nb = p["cond_nconsts"], p["body_nconsts"]
     cond_consts, body_consts = invals[:nc], invals[nc : nc + nb]
-    carry_dtypes = [v.aval.dtype for v in eqn.invars[nc + nb :]]
+    carry_dtypes = [aval(v).dtype for v in eqn.invars[nc + nb :]]
     init = [strong_cast(x, d) for x, d in zip(invals[nc + nb :], carry_dtypes, strict=True)]
     n_carry = len(init)
     cond_infos = [*infos[:nc], *([Info()] * n_carry)]
     body_infos = [*infos[nc : nc + nb], *([Info()] * n_carry)]
 
-    def cond_fun(carry: list) -> Any:
+    def cond_fun(carry: list[jax.Array]) -> Value:
         return eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_infos, ctx)[0][0]
 
-    def body_fun(carry: list) -> list:
+    def body_fun(carry: list[jax.Array]) -> list[jax.Array]:
         outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_infos, ctx)
         return [strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
 
@@ -524,11 +553,13 @@ def _while(eqn: Any, invals: list, infos: list, ctx: Context):
     return list(outs), [Info()] * len(outs)
 
 
-def _cond(eqn: Any, invals: list, infos: list, ctx: Context):
+def _cond(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
     index, ops = invals[0], invals[1:]
-    out_dtypes = [v.aval.dtype for v in eqn.outvars]
+    out_dtypes = [aval(v).dtype for v in eqn.outvars]
 
-    def branch(closed: Any, *xs: Any) -> list:
+    def branch(closed: JaxprLike, *xs: Value) -> list[jax.Array]:
         outs, _ = eval_closed(closed, xs, infos[1:], ctx)
         return [strong_cast(o, d) for o, d in zip(outs, out_dtypes, strict=True)]
 
@@ -537,12 +568,14 @@ def _cond(eqn: Any, invals: list, infos: list, ctx: Context):
     return list(outs), [Info()] * len(outs)
 
 
-def _under_rules(jaxpr: Any, invals: list, infos: list, ctx: Context):
+def _under_rules(
+    jaxpr: JaxprLike, invals: Sequence[Value], infos: Sequence[Info], ctx: Context
+) -> tuple[Callable[..., tuple[Value, ...]], list[np.dtype], list[Info]]:
     """``jaxpr`` evaluated under the rules and traced once (a custom rule's body, a fused
     softmax): a function computing that trace, its output dtypes and infos."""
-    out_infos: list = []
+    out_infos: list[Info] = []
 
-    def primal(*xs: Any) -> list:
+    def primal(*xs: Value) -> list[Value]:
         outs, out_infos[:] = eval_closed(jaxpr, xs, infos, ctx)
         return outs
 
@@ -552,7 +585,7 @@ def _under_rules(jaxpr: Any, invals: list, infos: list, ctx: Context):
     return (lambda *xs: tuple(body(*xs))), dtypes, [_traced(i) for i in out_infos]
 
 
-def _like(values: Sequence[Any], avals: Sequence[Any]) -> list:
+def _like(values: Sequence[Value], avals: Sequence[jax.core.ShapedArray]) -> list[Value]:
     """``values`` in the traced dtypes of ``avals``, to trace a rule on: unlike shape structs,
     they keep the sharding and the varying mesh axes (``shard_map``'s check_vma) of the
     values the rule is applied to."""
@@ -560,7 +593,9 @@ def _like(values: Sequence[Any], avals: Sequence[Any]) -> list:
     return [cast(x, a.dtype) if is_float(a.dtype) else x for x, a in pairs]
 
 
-def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
+def _custom_jvp(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
     """custom_jvp: the body and the jvp rule both evaluated with the rules.
 
     The primal runs the body under the rules. The jvp rule is JAX's jvp of the
@@ -568,8 +603,8 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     under the rules too; primal and tangent outputs are cast to the dtypes of
     the autocast primal so the two agree.
     """
-    in_avals = [v.aval for v in eqn.invars]
-    out_avals = [v.aval for v in eqn.outvars]
+    in_avals = [aval(v) for v in eqn.invars]
+    out_avals = [aval(v) for v in eqn.outvars]
     diff_in = [i for i, a in enumerate(in_avals) if is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if is_inexact(a.dtype)]
     diff_avals = [in_avals[i] for i in diff_in]
@@ -577,7 +612,7 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_jvp(primal)
 
-    def original_jvp(*args: Any) -> list:
+    def original_jvp(*args: jax.Array) -> list[jax.Array]:
         primals, diff_tangents = args[:n], iter(args[n:])
         tangents = [
             next(diff_tangents) if i in diff_in else float0_zeros(a) for i, a in enumerate(in_avals)
@@ -609,7 +644,13 @@ def _custom_jvp(eqn: Any, invals: list, infos: list, ctx: Context):
     return list(outs), out_infos
 
 
-def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
+# jax.vjp's pullback of a custom_vjp's call: the cotangents of its inputs from its outputs'.
+_Pullback: TypeAlias = Callable[[list[jax.Array]], tuple[jax.Array, ...]]
+
+
+def _custom_vjp(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
     """custom_vjp: body, forward and backward passes all evaluated with the rules.
 
     The forward pass is ``jax.vjp`` of the original call (so the user's ``fwd``
@@ -618,18 +659,18 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
     evaluated under the rules as well, type-checks. Cotangents come back in
     the dtypes of the inputs.
     """
-    in_avals = [v.aval for v in eqn.invars]
-    out_avals = [v.aval for v in eqn.outvars]
+    in_avals = [aval(v) for v in eqn.invars]
+    out_avals = [aval(v) for v in eqn.outvars]
     diff_in = [i for i, a in enumerate(in_avals) if is_inexact(a.dtype)]
     diff_out = [j for j, a in enumerate(out_avals) if is_inexact(a.dtype)]
     in_dtypes = [x.dtype for x in invals]
     primal, out_dtypes, out_infos = _under_rules(eqn.params["call_jaxpr"], invals, infos, ctx)
     fun = jax.custom_vjp(primal)
 
-    def original_vjp(*primals: Any) -> tuple:
+    def original_vjp(*primals: jax.Array) -> tuple[list[Value], _Pullback]:
         return jax.vjp(lambda *xs: bind(eqn, xs), *primals)
 
-    def fwd(*xs: Any) -> tuple[tuple, Any]:
+    def fwd(*xs: jax.Array) -> tuple[tuple[Value, ...], _Pullback]:
         traced, shapes = jax.make_jaxpr(original_vjp, return_shape=True)(*_like(xs, in_avals))
         leaves, tree = jax.tree_util.tree_flatten(shapes)
         outs, _ = eval_closed(traced, xs, infos, ctx)
@@ -637,11 +678,11 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
         p_out, pullback = jax.tree_util.tree_unflatten(tree, outs)
         return tuple(cast(x, d) for x, d in zip(p_out, out_dtypes, strict=True)), pullback
 
-    def bwd(pullback: Any, cts: tuple) -> tuple:
+    def bwd(pullback: _Pullback, cts: tuple[jax.Array, ...]) -> tuple[Value, ...]:
         res, res_tree = jax.tree_util.tree_flatten(pullback)
         n_res = len(res)
 
-        def original_bwd(*args: Any) -> list:
+        def original_bwd(*args: jax.Array) -> list[jax.Array]:
             residuals, diff_cts = args[:n_res], iter(args[n_res:])
             cts_full = [
                 next(diff_cts) if j in diff_out else float0_zeros(a)
@@ -666,7 +707,9 @@ def _custom_vjp(eqn: Any, invals: list, infos: list, ctx: Context):
     return list(outs), out_infos
 
 
-HIGHER_ORDER: dict[str, Callable[..., tuple[list, list]]] = {
+HIGHER_ORDER: dict[
+    str, Callable[[jex_core.JaxprEqn, list[Value], list[Info], Context], Evaluated]
+] = {
     "pjit": _call,
     "jit": _call,
     "closed_call": _call,

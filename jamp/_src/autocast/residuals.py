@@ -56,17 +56,20 @@ in. Float32 JAX and Flax's module dtype keep both.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Mapping, Sequence, Set
+from typing import NamedTuple, TypeAlias
+from typing import cast as static_cast
 
 import jax
+import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from jamp._src.autocast.rules import FLOAT32, FLOAT32_DTYPE, LOWER, rule_of
-from jamp._src.autocast.values import upcast
+from jamp._src.autocast.values import Value, aval, upcast
 
 # The consumers that cast their floating operands to the low dtype under LOWER.
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
@@ -77,18 +80,18 @@ class Group(NamedTuple):
     """A softmax found in a jaxpr: its equations' indices, input, output and axes."""
 
     indices: tuple[int, ...]  # exp, reduce_sum, broadcast/reshape, div
-    z: Any  # the input of exp
-    y: Any  # the output of div
+    z: jax.core.Atom  # the input of exp
+    y: jex_core.Var  # the output of div
     axes: tuple[int, ...]  # the summed axes
     dot: int | None = None  # the matmul contracting those axes that y reaches (fused too)
     drop: tuple[int, ...] = ()  # the dropout between them: linear in y, one use each
-    p: Any = None  # the operand of the dot: y, or the dropout's output
+    p: jex_core.Var | None = None  # the operand of the dot: y, or the dropout's output
     pre: tuple[int, ...] = ()  # z = x - stop_gradient(max(x)): reduce_max ... sub
-    x: Any = None  # the input of that shift (the masked scores)
+    x: jax.core.Atom | None = None  # the input of that shift (the masked scores)
     mask: tuple[int, ...] = ()  # a multiplier computed from a boolean mask: mask / keep
 
 
-def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
+def find_softmax(jaxpr: jex_core.Jaxpr, dtype: DTypeLike) -> dict[int, Group]:
     """The softmaxes of ``jaxpr`` whose output only feeds low-precision matmuls (through
     dropout, perhaps).
 
@@ -98,7 +101,7 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
     """
     if np.dtype(dtype).itemsize >= 4:
         return {}
-    uses: dict[Any, list[int]] = {}
+    uses: dict[jax.core.Atom, list[int]] = {}
     for k, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if not isinstance(v, jex_core.Literal):
@@ -106,7 +109,7 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
     outs = {v for v in jaxpr.outvars if not isinstance(v, jex_core.Literal)}
     eqns = jaxpr.eqns
 
-    def only(v: Any, n: int) -> list[int] | None:
+    def only(v: jax.core.Atom, n: int) -> list[int] | None:
         found = uses.get(v, [])
         return found if len(found) == n and v not in outs else None
 
@@ -127,8 +130,8 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
             continue
         keep = eqns[b_uses[0]]
         axes = tuple(int(a) for a in red.params["axes"])
-        shape = tuple(1 if i in axes else n for i, n in enumerate(e.aval.shape))
-        if tuple(keep.outvars[0].aval.shape) != shape or only(keep.outvars[0], 1) != [d_k]:
+        shape = tuple(1 if i in axes else n for i, n in enumerate(aval(e).shape))
+        if tuple(aval(keep.outvars[0]).shape) != shape or only(keep.outvars[0], 1) != [d_k]:
             continue
         kept = tuple(i for i in range(len(shape)) if i not in axes)
         if keep.primitive.name == "broadcast_in_dim" and (
@@ -154,10 +157,16 @@ def find_softmax(jaxpr: Any, dtype: Any) -> dict[int, Group]:
 _SHIFT_CHAIN = frozenset({"max", "broadcast_in_dim", "reshape", "stop_gradient"})
 
 
-def _shift(z: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: set):
+def _shift(
+    z: jax.core.Atom,
+    axes: Sequence[int],
+    eqns: Sequence[jex_core.JaxprEqn],
+    uses: Mapping[jax.core.Atom, list[int]],
+    outs: Set[jex_core.Var],
+) -> tuple[tuple[int, ...], jax.core.Atom | None]:
     """``(indices, x)`` when ``z = x - stop_gradient(max(x))`` over ``axes`` (jax.nn.softmax's
     shift), every intermediate used once and ``x`` by the shift only; else ``((), None)``."""
-    made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    made: dict[jax.core.Atom, int] = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     k = made.get(z)
     if k is None or len(uses.get(z, [])) != 1 or eqns[k].primitive.name != "sub":
         return (), None
@@ -181,7 +190,13 @@ def _shift(z: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: s
     return (), None
 
 
-def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, outs: set):
+def _contracting(
+    y: jex_core.Var,
+    axes: Sequence[int],
+    eqns: Sequence[jex_core.JaxprEqn],
+    uses: Mapping[jax.core.Atom, list[int]],
+    outs: Set[jex_core.Var],
+) -> tuple[int | None, tuple[int, ...], jex_core.Var | None]:
     """``(dot, dropout, p)``: the index of the ``dot_general`` contracting exactly the
     softmax's axes of ``y`` (attention's probabilities @ values) that ``y`` reaches alone or
     through dropout linear in ``y`` (``_linear_dropout``) and reshapes that keep those axes
@@ -200,7 +215,7 @@ def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, o
                 return found[0], tuple(drop), v
             break
         if _keeps_last(eqn, v, axes):
-            n = eqn.outvars[0].aval.ndim
+            n = aval(eqn.outvars[0]).ndim
             axes = tuple(range(n - len(axes), n))
         elif not _linear_dropout(eqn, v, eqns):
             break
@@ -209,13 +224,13 @@ def _contracting(y: Any, axes: Sequence[int], eqns: Sequence[Any], uses: dict, o
     return None, (), None
 
 
-def _keeps_last(eqn: Any, v: Any, axes: Sequence[int]) -> bool:
+def _keeps_last(eqn: jex_core.JaxprEqn, v: jex_core.Var, axes: Sequence[int]) -> bool:
     """Whether ``eqn`` reshapes ``v`` keeping the softmax's ``axes``, its last ones, last and
     whole: ``(B, T, N, S) -> (B, T, K, G, S)``, Gemma's probabilities for grouped KV heads.
     A row of the softmax is then a row of the reshaped value."""
     if eqn.primitive.name != "reshape" or eqn.params.get("dimensions") is not None:
         return False
-    old, new, k = tuple(v.aval.shape), tuple(eqn.outvars[0].aval.shape), len(axes)
+    old, new, k = tuple(aval(v).shape), tuple(aval(eqn.outvars[0]).shape), len(axes)
     last = tuple(range(len(old) - k, len(old)))
     return 0 < k < len(new) and tuple(sorted(axes)) == last and new[-k:] == old[-k:]
 
@@ -225,13 +240,17 @@ _MASK_CHAIN = frozenset({"convert_element_type", "mul", "div", "broadcast_in_dim
 
 
 def _mask_chains(
-    drop: Sequence[int], y: Any, eqns: Sequence[Any], uses: dict, outs: set
+    drop: Sequence[int],
+    y: jex_core.Var,
+    eqns: Sequence[jex_core.JaxprEqn],
+    uses: Mapping[jax.core.Atom, list[int]],
+    outs: Set[jex_core.Var],
 ) -> tuple[int, ...]:
     """The equations computing a dropout multiplier from a non-floating mask, in order:
     Flax's ``keep.astype(dtype) / keep_prob``. Each value on the way has one use and the
     chain reads literals besides the mask, so the fused rule can keep the mask (1 byte
     per element) and recompute the float32 multiplier (4 bytes) where it is needed."""
-    made = {v: i for i, e in enumerate(eqns) for v in e.outvars}
+    made: dict[jex_core.Var, int] = {v: i for i, e in enumerate(eqns) for v in e.outvars}
     inside = {eqns[i].outvars[0] for i in drop}
     found: list[int] = []
     for i in drop:
@@ -239,7 +258,7 @@ def _mask_chains(
             if isinstance(u, jex_core.Literal) or u is y or u in inside:
                 continue
             chain, v = [], u
-            while jnp.issubdtype(v.aval.dtype, jnp.floating):
+            while jnp.issubdtype(aval(v).dtype, jnp.floating):
                 k = made.get(v)
                 if k is None or len(uses.get(v, [])) != 1 or v in outs:
                     chain = []
@@ -259,12 +278,14 @@ def _mask_chains(
     return tuple(sorted(set(found)))
 
 
-def _linear_dropout(eqn: Any, v: Any, eqns: Sequence[Any]) -> bool:
+def _linear_dropout(
+    eqn: jex_core.JaxprEqn, v: jex_core.Var, eqns: Sequence[jex_core.JaxprEqn]
+) -> bool:
     """Whether ``eqn`` is dropout linear in ``v``: ``v * m``, ``v / c`` or ``where(keep, v,
     0)``, elementwise (``v`` keeps its shape and dtype), ``v`` used once. Linear, the
     row sums of the softmax's backward pass are the output's (``sum(g_o * o)``)."""
-    name, ins, out = eqn.primitive.name, eqn.invars, eqn.outvars[0].aval
-    if sum(u is v for u in ins) != 1 or (out.shape, out.dtype) != (v.aval.shape, v.aval.dtype):
+    name, ins, out, here = eqn.primitive.name, eqn.invars, aval(eqn.outvars[0]), aval(v)
+    if sum(u is v for u in ins) != 1 or (out.shape, out.dtype) != (here.shape, here.dtype):
         return False
     if name == "mul":
         return True
@@ -275,7 +296,7 @@ def _linear_dropout(eqn: Any, v: Any, eqns: Sequence[Any]) -> bool:
     return _is_zero(ins[1] if ins[2] is v else ins[2], eqns)
 
 
-def _is_zero(u: Any, eqns: Sequence[Any]) -> bool:
+def _is_zero(u: jax.core.Atom, eqns: Sequence[jex_core.JaxprEqn]) -> bool:
     """Whether ``u`` is a literal zero or a broadcast of one (``jnp.zeros_like``)."""
     if isinstance(u, jex_core.Literal):
         return not np.any(np.asarray(u.val))
@@ -285,11 +306,12 @@ def _is_zero(u: Any, eqns: Sequence[Any]) -> bool:
     return False
 
 
-def dropout_jaxpr(jaxpr: Any, group: Group) -> tuple[Any, list]:
+def dropout_jaxpr(jaxpr: jex_core.Jaxpr, group: Group) -> tuple[jex_core.Jaxpr, list[jex_core.Var]]:
     """The group's dropout as a jaxpr from ``(y, *others)`` to the dot's operand, and the
     ``others``: the variables it reads besides ``y`` (a broadcast zero and a multiplier
     computed from a mask, ``group.mask``, are computed in it; the mask is an other)."""
-    eqns, others = [], []
+    eqns: list[jex_core.JaxprEqn] = []
+    others: list[jex_core.Var] = []
     made = {jaxpr.eqns[i].outvars[0] for i in (*group.mask, *group.drop)}
     for i in (*group.mask, *group.drop):
         eqn = jaxpr.eqns[i]
@@ -305,7 +327,8 @@ def dropout_jaxpr(jaxpr: Any, group: Group) -> tuple[Any, list]:
         eqns.append(eqn)
     info = jaxpr.debug_info
     info = info and info._replace(arg_names=("y",) * (1 + len(others)), result_paths=("p",))
-    return jex_core.Jaxpr([], [group.y, *others], [group.p], eqns, debug_info=info), others
+    p = static_cast(jex_core.Var, group.p)  # a group with a dropout has a dot, and its operand
+    return jex_core.Jaxpr([], [group.y, *others], [p], eqns, debug_info=info), others
 
 
 # Between a softmax and its matmuls: dropout (``y * mask / keep``, ``where(keep, y / p, 0)``).
@@ -313,7 +336,13 @@ _DROPOUT = frozenset({"mul", "div", "select_n"})
 _DROPOUT_DEPTH = 3
 
 
-def _feeds_matmuls(v: Any, eqns: Sequence[Any], uses: dict, outs: set, depth: int) -> bool:
+def _feeds_matmuls(
+    v: jex_core.Var,
+    eqns: Sequence[jex_core.JaxprEqn],
+    uses: Mapping[jax.core.Atom, list[int]],
+    outs: Set[jex_core.Var],
+    depth: int,
+) -> bool:
     """Whether every use of ``v`` is a low-precision matmul, or dropout on the way to one.
 
     Dropout is a ``mul`` by, a ``div`` of ``v`` by, or a ``select_n`` of ``v`` against
@@ -343,7 +372,7 @@ def _feeds_matmuls(v: Any, eqns: Sequence[Any], uses: dict, outs: set, depth: in
     return True
 
 
-def group_jaxpr(jaxpr: Any, group: Group, from_x: bool = False) -> Any:
+def group_jaxpr(jaxpr: jex_core.Jaxpr, group: Group, from_x: bool = False) -> jex_core.Jaxpr:
     """The group's four equations as a jaxpr from ``z`` to ``y``; from ``x`` (the shift
     too) where ``from_x``."""
     indices = (*group.pre, *group.indices) if from_x else group.indices
@@ -351,12 +380,15 @@ def group_jaxpr(jaxpr: Any, group: Group, from_x: bool = False) -> Any:
     info = jaxpr.debug_info
     info = info and info._replace(arg_names=("z",), result_paths=("softmax",))
     start = group.x if from_x else group.z
+    # a group is evaluated from a traced value (interpreter: ``_upcast``): a variable, and
+    # ``from_x`` only where the group has a shift, so an ``x``
+    start = static_cast(jex_core.Var, start)
     return jex_core.Jaxpr([], [start], [group.y], eqns, debug_info=info)
 
 
 def softmax_keeping_low(
-    body: Callable[[Any], Any], axes: Sequence[int], low: Any, z_dtype: Any
-) -> Callable[[Any], tuple[Any, Any]]:
+    body: Callable[[jax.Array], Value], axes: Sequence[int], low: DTypeLike, z_dtype: DTypeLike
+) -> Callable[[Value], tuple[Value, jax.Array]]:
     """``z -> (y, y in low)``, ``y = body(z)``, whose backward pass keeps only ``y in low``.
 
     ``body`` computes the float32 softmax. The cotangents of both outputs
@@ -365,7 +397,7 @@ def softmax_keeping_low(
     """
     low, z_dtype, axes = np.dtype(low), np.dtype(z_dtype), tuple(axes)
 
-    def primal(z: Any) -> tuple[Any, Any]:
+    def primal(z: jax.Array) -> tuple[Value, jax.Array]:
         y = body(z)
         # The barrier makes the rounding explicit: XLA's excess precision would otherwise
         # read the float32 y (and keep exp's float32 output) where y_low is read.
@@ -373,11 +405,11 @@ def softmax_keeping_low(
 
     fun = jax.custom_vjp(primal)
 
-    def fwd(z: Any) -> tuple[tuple[Any, Any], Any]:
+    def fwd(z: jax.Array) -> tuple[tuple[Value, jax.Array], jax.Array]:
         y, y_low = primal(z)
         return (y, y_low), y_low
 
-    def bwd(y_low: Any, cts: tuple[Any, Any]) -> tuple[Any]:
+    def bwd(y_low: jax.Array, cts: tuple[jax.Array, jax.Array]) -> tuple[jax.Array]:
         g, g_low = (lax.convert_element_type(c, FLOAT32_DTYPE) for c in cts)
         y = lax.convert_element_type(y_low, FLOAT32_DTYPE)
         g = g + g_low
@@ -388,10 +420,10 @@ def softmax_keeping_low(
     return fun
 
 
-def recomputed(fun: Callable[[Any], Any], x: Any) -> Any:
+def recomputed(fun: Callable[[jax.Array], Value], x: Value) -> Value:
     """``fun(x upcast to float32)``; the backward pass keeps ``x`` and recomputes the rest."""
 
-    def upcast_then(x: Any) -> Any:
+    def upcast_then(x: Value) -> Value:
         return fun(upcast(x, FLOAT32_DTYPE))
 
     # prevent_cse=False: no optimization barrier around the recomputation, which would make
@@ -401,11 +433,12 @@ def recomputed(fun: Callable[[Any], Any], x: Any) -> Any:
     )(x)
 
 
-def mask_broadcasts(jaxpr: Any) -> dict[int, Any]:
+def mask_broadcasts(jaxpr: jex_core.Jaxpr) -> dict[int, jex_core.JaxprEqn]:
     """``{k: b}``: the ``select_n`` equations ``k`` whose mask is the output of the
     ``broadcast_in_dim`` equation ``b`` of a smaller value, used by ``k`` alone
     (``jnp.where(causal_mask, scores, fill)``)."""
-    made, uses = {}, {}
+    made: dict[jax.core.Atom, jex_core.JaxprEqn] = {}
+    uses: dict[jax.core.Atom, int] = {}
     for eqn in jaxpr.eqns:
         for v in eqn.invars:
             if not isinstance(v, jex_core.Literal):
@@ -424,8 +457,11 @@ def mask_broadcasts(jaxpr: Any) -> dict[int, Any]:
 
 
 def select_keeping_mask(
-    select: Callable[..., Any], which: Any, cases: Sequence[Any], widen: Callable | None = None
-) -> Any:
+    select: Callable[..., Value],
+    which: Value,
+    cases: Sequence[Value],
+    widen: Callable[[Value], Value] | None = None,
+) -> Value:
     """``select(which, *cases)``, ``which`` the mask (or ``widen(which)``, the broadcast of a
     smaller one), whose backward pass keeps the mask as it came in and nothing else.
 
@@ -437,23 +473,28 @@ def select_keeping_mask(
     select of the cotangent. The values are those of ``select``.
     """
 
-    def fun(w: Any, *cs: Any) -> Any:
+    def fun(w: Value, *cs: Value) -> Value:
         return select(w if widen is None else widen(w), *cs)
 
     policy = jax.checkpoint_policies.nothing_saveable
     return jax.checkpoint(fun, policy=policy, prevent_cse=False)(which, *cases)
 
 
+# What the fused rule's backward pass keeps: the probabilities (or the scores), the values,
+# the output and the dropout's other operands.
+_Kept: TypeAlias = tuple[jax.Array, jax.Array, Value, tuple[jax.Array, ...]]
+
+
 def softmax_matmul_keeping_low(
-    body: Callable[[Any], Any],
-    low: Any,
-    z_dtype: Any,
-    matmul: Callable[[Any, Any], Any],
+    body: Callable[[jax.Array], Value],
+    low: DTypeLike,
+    z_dtype: DTypeLike,
+    matmul: Callable[[Value, Value], Value],
     y_is_lhs: bool,
-    dimension_numbers: Any,
-    drop: Callable[..., Any] | None = None,
+    dimension_numbers: lax.DotDimensionNumbers,
+    drop: Callable[..., Value] | None = None,
     recompute: bool = False,
-) -> Callable[..., Any]:
+) -> Callable[..., Value]:
     """``(z, v, *others) -> matmul(drop(softmax(z) in low, *others), v)``: attention's
     softmax, its dropout and the product with the values, whose backward pass keeps the low
     probabilities (or, where ``recompute``, the low scores ``z`` they are recomputed from),
@@ -477,24 +518,24 @@ def softmax_matmul_keeping_low(
     (lc, rc), (lb, rb) = dimension_numbers
     drop = drop or (lambda y: y)
 
-    def probabilities(z: Any) -> Any:
+    def probabilities(z: jax.Array) -> jax.Array:
         y = lax.convert_element_type(body(z), low)
         return y if recompute else lax.optimization_barrier(y)
 
-    def product(p: Any, v: Any) -> Any:
+    def product(p: Value, v: Value) -> Value:
         p = p if p.dtype == low else lax.convert_element_type(p, low)
         return matmul(p, v) if y_is_lhs else matmul(v, p)
 
     @jax.custom_vjp
-    def fun(z: Any, v: Any, *others: Any) -> Any:
+    def fun(z: jax.Array, v: jax.Array, *others: jax.Array) -> Value:
         return product(drop(probabilities(z), *others), v)
 
-    def fwd(z: Any, v: Any, *others: Any) -> tuple[Any, Any]:
+    def fwd(z: jax.Array, v: jax.Array, *others: jax.Array) -> tuple[Value, _Kept]:
         y_low = probabilities(z)
         out = product(drop(y_low, *others), v)
         return out, (z if recompute else y_low, v, out, others)
 
-    def bwd(res: Any, g: Any) -> tuple[Any, ...]:
+    def bwd(res: _Kept, g: jax.Array) -> tuple[Value, ...]:
         kept, v, out, others = res
         y_low = probabilities(kept) if recompute else kept
         p, drop_vjp = jax.vjp(drop, y_low, *others)
@@ -521,5 +562,5 @@ def softmax_matmul_keeping_low(
     return fun
 
 
-def _f32(x: Any) -> Any:
+def _f32(x: Value) -> jax.Array:
     return lax.convert_element_type(x, FLOAT32_DTYPE)

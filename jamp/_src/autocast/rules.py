@@ -94,7 +94,7 @@ from __future__ import annotations
 
 import types
 from collections.abc import Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.core
@@ -102,6 +102,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
+from jax.typing import ArrayLike, DTypeLike
 
 LOWER = "lower"
 FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
@@ -256,20 +257,22 @@ def widest(dtypes: Sequence[np.dtype]) -> np.dtype:
     return FLOAT32_DTYPE if size < 4 else np.dtype(jnp.float64)
 
 
-def narrows(src: Any, dst: Any) -> bool:
+def narrows(src: DTypeLike, dst: DTypeLike) -> bool:
     """Whether casting floating ``src`` to ``dst`` can overflow to inf."""
     floats = jnp.issubdtype(src, jnp.floating) and jnp.issubdtype(dst, jnp.floating)
     return bool(floats) and bool(jnp.finfo(dst).max < jnp.finfo(src).max)
 
 
-def saturated(x: Any, dtype: Any) -> Any:
+def saturated(
+    x: jax.Array | np.ndarray | np.number | np.bool_, dtype: DTypeLike
+) -> jax.Array | np.ndarray | np.number | np.bool_:
     """``x`` with its finite values clipped to ``dtype``'s finite range.
 
     Infinities and NaN are kept. A concrete value (a literal, a constant
     array) is checked and clipped at trace time, and returned as it is when
     nothing needs clipping; a traced one gets a clamp that XLA folds.
     """
-    big = np.asarray(jnp.finfo(dtype).max, dtype=x.dtype)  # exact in the wider dtype
+    big: np.ndarray = np.asarray(jnp.finfo(dtype).max, dtype=x.dtype)  # exact in the wider dtype
     if not isinstance(x, jax.core.Tracer):
         a = np.asarray(x)
         over = np.isfinite(a) & (np.abs(a) > big)
@@ -279,7 +282,7 @@ def saturated(x: Any, dtype: Any) -> Any:
     return lax.select(lax.is_finite(x), lax.clamp(-big, x, big), x)
 
 
-def rule_of(eqn: Any) -> str | None:
+def rule_of(eqn: jex_core.JaxprEqn) -> str | None:
     """The rule of ``eqn``'s primitive, or ``None`` for a primitive the table does not know.
 
     ``integer_pow`` depends on its exponent: ``x**0``, ``x**1`` and ``x**2``
@@ -357,7 +360,7 @@ def runs_low(categories: Sequence[str]) -> bool:
 AFFINE = frozenset({"add", "sub", "mul"})
 
 
-def norm_affine(categories: Sequence[str], dtypes: Sequence[Any], low: Any) -> bool:
+def norm_affine(categories: Sequence[str], dtypes: Sequence[DTypeLike], low: DTypeLike) -> bool:
     """Whether a ``promote`` primitive that runs low is a norm's scale or bias: float32
     derived from low activations (or a low activation held in float32) meeting a broadcast
     parameter, with no low activation in the low dtype."""
@@ -411,7 +414,7 @@ class Span(NamedTuple):
     fill: bool  # whether +-finfo(float32).max occurs: the mask-fill idiom
 
 
-def span_of(value: Any) -> Span:
+def span_of(value: ArrayLike) -> Span:
     a = np.abs(np.asarray(value).astype(np.float64)).ravel()
     a = a[np.isfinite(a)]
     fill = a == _F32_MAX
@@ -432,7 +435,7 @@ def merge_spans(spans: Sequence[Span]) -> Span:
     )
 
 
-def fits(span: Span | None, dtype: Any, *, mask_fill: bool = False) -> bool:
+def fits(span: Span | None, dtype: DTypeLike, *, mask_fill: bool = False) -> bool:
     """Whether a constant with ``span`` keeps its value, to rounding, in ``dtype``.
 
     A value that would overflow to inf or flush below ``dtype``'s smallest
@@ -449,7 +452,7 @@ def fits(span: Span | None, dtype: Any, *, mask_fill: bool = False) -> bool:
     )
 
 
-def float32_operands(jaxpr: Any) -> set:
+def float32_operands(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
     """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
 
     ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
@@ -461,7 +464,7 @@ def float32_operands(jaxpr: Any) -> set:
     return found
 
 
-def reaching_float32(jaxpr: Any) -> set:
+def reaching_float32(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
     """Where a bounded activation (sigmoid, tanh) runs in float32: the operands of a
     float32-rule primitive that is not a sum (``log``, ``exp``, ``pow``...), and the inputs
     of the add/sub/mul whose result is one (``log(1 - p)``). A sum of squares of tanh

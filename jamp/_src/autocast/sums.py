@@ -24,15 +24,16 @@ tensors in float32 the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from jamp._src.autocast.rules import FLOAT32_DTYPE
-from jamp._src.autocast.values import CONST, TRACED, Info, upcast
+from jamp._src.autocast.values import CONST, TRACED, Info, Value, aval, upcast
 
 # Elementwise primitives whose operands lax broadcasts itself (rank 0, or size-1 axes):
 # their transpose sums the cotangent of such an operand over the broadcast axes.
@@ -42,7 +43,7 @@ IMPLICIT_BROADCAST = frozenset(
 )  # fmt: skip
 
 
-def half(dtype: Any) -> bool:
+def half(dtype: DTypeLike) -> bool:
     """Whether ``dtype`` is a floating dtype narrower than float32."""
     return bool(jnp.issubdtype(dtype, jnp.floating)) and np.dtype(dtype).itemsize < 4
 
@@ -61,7 +62,9 @@ def broadcast_operand(shape: Sequence[int], out_shape: Sequence[int]) -> tuple[i
     return None
 
 
-def summed_in_float32(x: Any, out_shape: Sequence[int], dims: Sequence[int], dtype: Any) -> Any:
+def summed_in_float32(
+    x: Value, out_shape: Sequence[int], dims: Sequence[int], dtype: DTypeLike
+) -> jax.Array:
     """``x`` broadcast to ``out_shape`` and cast to ``dtype``, broadcast in float32.
 
     The values are those of the plain broadcast; the transpose sums the
@@ -81,14 +84,14 @@ SAVES_OPERANDS = frozenset(
 
 
 def bind_summing(
-    bind: Callable[[list], list],
+    bind: Callable[[list[Value]], list[Value]],
     name: str,
-    vals: Sequence[Any],
-    targets: Mapping[int, Any],
+    vals: Sequence[Value],
+    targets: Mapping[int, DTypeLike],
     wide: Mapping[int, Sequence[int]],
     out_shape: Sequence[int],
     up: Collection[int] = (),
-) -> list:
+) -> list[Value]:
     """``bind(vals)`` with the operands in ``wide`` broadcast in float32 and cast to their
     ``targets`` dtype first (``summed_in_float32``).
 
@@ -99,7 +102,7 @@ def bind_summing(
     are kept in the half dtype the same way.
     """
 
-    def run(*xs: Any) -> list:
+    def run(*xs: Value) -> list[Value]:
         ys = list(xs)
         for i, dims in wide.items():
             ys[i] = summed_in_float32(xs[i], out_shape, dims, targets[i])
@@ -113,12 +116,17 @@ def bind_summing(
     return list(jax.checkpoint(run, policy=policy, prevent_cse=False)(*vals))
 
 
-def broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> dict:
+def broadcast_in_float32(
+    eqn: jex_core.JaxprEqn,
+    vals: Sequence[Value],
+    targets: Mapping[int, DTypeLike],
+    infos: Sequence[Info],
+) -> dict[int, tuple[int, ...]]:
     """``{operand: broadcast_dimensions}``: the traced operands that ``eqn``'s primitive would
     broadcast itself in half precision (so its transpose would sum them in half precision)."""
     if eqn.primitive.name not in IMPLICIT_BROADCAST:
         return {}
-    out_shape = eqn.outvars[0].aval.shape
+    out_shape = aval(eqn.outvars[0]).shape
     wide = {}
     for i, dtype in targets.items():
         if half(dtype) and infos[i].kind == TRACED:
@@ -128,7 +136,13 @@ def broadcast_in_float32(eqn: Any, vals: list, targets: dict, infos: list) -> di
     return wide
 
 
-def upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: dict) -> set:
+def upcast_in_backward(
+    eqn: jex_core.JaxprEqn,
+    vals: Sequence[Value],
+    targets: Mapping[int, DTypeLike],
+    infos: Sequence[Info],
+    wide: Mapping[int, tuple[int, ...]],
+) -> set[int]:
     """The half-precision traced operands that ``eqn`` upcasts to float32 when its derivative
     reads them (``x * rsqrt(var)``, ``square(x)`` in a norm of half ``x``): the backward
     pass keeps them in the half dtype and upcasts again (``autocast.sums.bind_summing``)."""
@@ -144,12 +158,12 @@ def upcast_in_backward(eqn: Any, vals: list, targets: dict, infos: list, wide: d
 SCATTER_ADD = frozenset({"scatter-add", "scatter_add"})
 
 
-def scatters_half(eqn: Any, invals: Sequence[Any], infos: Sequence[Info]) -> bool:
+def scatters_half(eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info]) -> bool:
     """A float32 scatter-add of half-precision updates (low activations) into a constant
     (``segment_sum``'s zeros) or a low activation."""
     updates = invals[2]
     return (
-        np.dtype(eqn.invars[0].aval.dtype) == FLOAT32_DTYPE
+        np.dtype(aval(eqn.invars[0]).dtype) == FLOAT32_DTYPE
         and infos[2].kind == TRACED
         and half(updates.dtype)
         and infos[2].low

@@ -13,13 +13,16 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeAlias
+from typing import cast as static_cast
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.extend import core as jex_core
+from jax.typing import DTypeLike
 
 from jamp._src.autocast.rules import Span, narrows, saturated, widest
 
@@ -41,6 +44,19 @@ LITERAL = 2  # computed from literals only (Python scalars): also follows under 
 
 FOLD_MAX = 4096  # elements: constants this small are computed when traced
 
+Value: TypeAlias = jax.Array | np.ndarray | np.number | np.bool_
+"""What a variable holds as the interpreter evaluates it: a tracer or a concrete array, or a
+NumPy constant or literal."""
+
+JaxprLike: TypeAlias = jex_core.Jaxpr | jex_core.ClosedJaxpr
+"""A jaxpr as sub-computations carry it: open, or closed over its constants."""
+
+
+def aval(v: jax.core.Atom) -> jax.core.ShapedArray:
+    """``v``'s abstract value, with its shape and dtype: jax types it as an ``AbstractValue``,
+    in the jaxprs autocast evaluates (arrays, no tokens or references) it is a ``ShapedArray``."""
+    return static_cast(jax.core.ShapedArray, v.aval)
+
 
 class Info(NamedTuple):
     """What the interpreter knows about a value besides the value itself."""
@@ -57,7 +73,7 @@ class Recorder:
     """Counts, per (primitive, rule, dtype), the equations evaluated; and unknown primitives."""
 
     def __init__(self) -> None:
-        self.counts: collections.Counter = collections.Counter()
+        self.counts: collections.Counter[tuple[str, str, str]] = collections.Counter()
         self.unknown: set[str] = set()
 
     def add(self, prim: str, rule: str, dtype: str) -> None:
@@ -71,7 +87,14 @@ class Context:
     as_traced: bool = False
     # A rule tried before the table (float8: autocast_float8): (eqn, invals, infos, ctx) ->
     # (outs, infos), or None to leave the equation to the table.
-    rule: Callable[..., tuple[list, list] | None] | None = None
+    rule: Rule | None = None
+
+
+Evaluated: TypeAlias = tuple[list[Value], list[Info]]
+"""What evaluating an equation or a jaxpr under the rules gives: its outputs and their infos."""
+
+Rule: TypeAlias = Callable[[jex_core.JaxprEqn, list[Value], list[Info], Context], Evaluated | None]
+"""A rule tried before the table: an equation's outputs, or ``None`` to leave it to the table."""
 
 
 # ---------------------------------------------------------------------------
@@ -79,19 +102,19 @@ class Context:
 # ---------------------------------------------------------------------------
 
 
-def is_float(dtype: Any) -> bool:
+def is_float(dtype: DTypeLike) -> bool:
     return jnp.issubdtype(dtype, jnp.floating)
 
 
-def is_inexact(dtype: Any) -> bool:
+def is_inexact(dtype: DTypeLike) -> bool:
     return jnp.issubdtype(dtype, jnp.inexact)
 
 
-def cast(x: Any, dtype: Any) -> Any:
+def cast(x: Value, dtype: DTypeLike) -> Value:
     return x if x.dtype == dtype else lax.convert_element_type(x, dtype)
 
 
-def upcast(x: Any, dtype: Any) -> Any:
+def upcast(x: Value, dtype: DTypeLike) -> jax.Array:
     """``x`` cast to ``dtype``; a half-precision value going up keeps its rounding explicit.
 
     Under ``jit`` XLA's excess precision (on by default, on GPUs too) may skip
@@ -107,7 +130,7 @@ def upcast(x: Any, dtype: Any) -> Any:
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
-def _rounded(y: Any, half: np.dtype) -> Any:
+def _rounded(y: jax.Array, half: np.dtype) -> jax.Array:
     """``y`` rounded to ``half``'s precision; its derivative is the identity (the cotangent
     is not rounded: reduce_precision's own transpose would flush float16 gradients)."""
     info = jnp.finfo(half)
@@ -128,9 +151,9 @@ class Casts:
     """
 
     def __init__(self) -> None:
-        self._done: dict[tuple[int, np.dtype, bool], tuple[Any, Any]] = {}
+        self._done: dict[tuple[int, np.dtype, bool], tuple[Value, Value]] = {}
 
-    def __call__(self, x: Any, dtype: Any, info: Info, saturate: bool = False) -> Any:
+    def __call__(self, x: Value, dtype: DTypeLike, info: Info, saturate: bool = False) -> Value:
         if x.dtype == dtype:
             return x
         key = (id(x), np.dtype(dtype), saturate)
@@ -147,17 +170,17 @@ class Casts:
         self._done[key] = (x, y)  # keeps x alive, so its id is not reused
         return y
 
-    def prime(self, x: Any, dtype: Any, y: Any) -> None:
+    def prime(self, x: Value, dtype: DTypeLike, y: Value) -> None:
         """Makes ``y`` the cast of ``x`` to ``dtype`` (a fused softmax's own cast)."""
         self._done[(id(x), np.dtype(dtype), False)] = (x, y)
 
 
-def strong_cast(x: Any, dtype: Any) -> Any:
+def strong_cast(x: Value, dtype: DTypeLike) -> jax.Array:
     """A cast that also drops weak typing (loop carries must type-check)."""
     return lax.convert_element_type(x, dtype)
 
 
-def source(eqn: Any) -> contextlib.AbstractContextManager:
+def source(eqn: jex_core.JaxprEqn) -> contextlib.AbstractContextManager:
     stack = contextlib.ExitStack()
     if _source_info_util is not None:
         name_stack = _source_info_util.current_name_stack() + eqn.source_info.name_stack
@@ -170,10 +193,12 @@ def source(eqn: Any) -> contextlib.AbstractContextManager:
     return stack
 
 
-def bind(eqn: Any, vals: Sequence[Any], params: Mapping[str, Any] | None = None) -> list:
+def bind(
+    eqn: jex_core.JaxprEqn, vals: Sequence[Value], params: Mapping[str, object] | None = None
+) -> list[Value]:
     """Binds ``eqn``'s primitive on ``vals`` (as ``jax.core.eval_jaxpr`` does)."""
     bind_params = eqn.primitive.get_bind_params(dict(eqn.params if params is None else params))
-    subfuns: Sequence[Any] = ()
+    subfuns: Sequence[object] = ()
     if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
         subfuns, bind_params = bind_params
     with source(eqn):
@@ -181,15 +206,15 @@ def bind(eqn: Any, vals: Sequence[Any], params: Mapping[str, Any] | None = None)
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def sds(aval: Any) -> jax.ShapeDtypeStruct:
+def sds(aval: jax.core.ShapedArray) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
 
 
-def float0_zeros(aval: Any) -> np.ndarray:
+def float0_zeros(aval: jax.core.ShapedArray) -> np.ndarray:
     return np.zeros(aval.shape, dtype=jax.dtypes.float0)
 
 
-def ran_in(vals: Sequence[Any], outs: Sequence[Any]) -> str:
+def ran_in(vals: Sequence[Value], outs: Sequence[Value]) -> str:
     floats = [np.dtype(x.dtype) for x in vals if is_float(x.dtype)]
     if floats:
         return widest(floats).name
@@ -198,6 +223,8 @@ def ran_in(vals: Sequence[Any], outs: Sequence[Any]) -> str:
     return "-"
 
 
-def record(ctx: Context, eqn: Any, rule: str, vals: Sequence[Any], outs: Sequence[Any]) -> None:
+def record(
+    ctx: Context, eqn: jex_core.JaxprEqn, rule: str, vals: Sequence[Value], outs: Sequence[Value]
+) -> None:
     if ctx.recorder is not None:
         ctx.recorder.add(eqn.primitive.name, rule, ran_in(vals, outs))

@@ -55,7 +55,6 @@ gathers them just the same).
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -63,6 +62,7 @@ from jax import lax
 
 from jamp._src.finite.default import exact, replicated, sum32
 from jamp._src.leaves import unscale_leaf
+from jamp._src.types import Scalar
 
 SMALL = 2**14
 ROWS_MIN_COLS = 32
@@ -71,7 +71,7 @@ _GATHERED = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)
 DOT_WEIGHT = 2.0**-40
 
 
-def kind(x: Any) -> str:
+def kind(x: jax.Array) -> str:
     """``"small"``, ``"rows"``, ``"half"`` or ``"other"``: how the CPU check reads ``x``."""
     if x.size < SMALL and x.dtype in _GATHERED:
         return "small"
@@ -112,7 +112,7 @@ def _unscaled_max_finite(leaves: list[jax.Array], inv: jax.Array) -> jax.Array:
     return functools.reduce(jnp.logical_and, ok, jnp.asarray(True))
 
 
-def cpu_finite(*leaves: jax.Array, inv: Any = None) -> jax.Array:
+def cpu_finite(*leaves: jax.Array, inv: Scalar | None = None) -> jax.Array:
     """Whether every leaf (times ``inv``, when given) is finite, as the module docstring says.
 
     Args:

@@ -33,12 +33,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from jamp._src.leaves import is_sharded, unscale_leaf
+from jamp._src.types import Scalar
 
 SMALL = 2**14  # leaves below this many elements are joined as they are
 ROW = 256  # a large leaf is reduced over trailing axes holding at least this many elements
@@ -104,7 +104,7 @@ def _parts(x: jax.Array) -> list[jax.Array]:
     return out
 
 
-def default_finite(*leaves: jax.Array, inv: Any = None) -> jax.Array:
+def default_finite(*leaves: jax.Array, inv: Scalar | None = None) -> jax.Array:
     """Whether every leaf (times ``inv``, when given) is finite, from one read, exactly.
 
     Args:

@@ -5,14 +5,17 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.tree_util import KeyPath
+from jax.typing import ArrayLike
 
 from jamp._src.leaves import FLOAT, Filter, check_filter, is_sharded, leaf_kind, selected
+from jamp._src.types import PyTree
 
 logger = logging.getLogger("jamp")
 
@@ -45,7 +48,7 @@ Transform = Callable[[jax.Array], jax.Array] | None
 
 
 def _count(
-    path: Any, leaf: Any, transform: Transform = None, fn: str = "debug.nonfinite_report"
+    path: KeyPath, leaf: object, transform: Transform = None, fn: str = "debug.nonfinite_report"
 ) -> NonfiniteCount:
     """The counts of ``transform(leaf)``, applied a chunk at a time (never to the whole leaf)."""
     if leaf_kind(path, leaf, fn) != FLOAT:
@@ -83,7 +86,7 @@ def _count(
     return c
 
 
-def nonfinite_report(tree: Any, *, filter: Filter = None) -> Any:
+def nonfinite_report(tree: PyTree, *, filter: Filter = None) -> PyTree:
     """Per leaf of ``tree``, how many entries are inf and how many are NaN.
 
     Computed on device (no host sync); use it in a jitted step and log it, or
@@ -113,23 +116,23 @@ def nonfinite_report(tree: Any, *, filter: Filter = None) -> Any:
 
 
 def _report(
-    tree: Any,
+    tree: PyTree,
     transform: Transform = None,
     filter: Filter = None,
     fn: str = "debug.nonfinite_report",
-) -> Any:
-    def one(path: Any, leaf: Any) -> NonfiniteCount | None:
+) -> PyTree:
+    def one(path: KeyPath, leaf: object) -> NonfiniteCount | None:
         return _count(path, leaf, transform, fn) if selected(filter, leaf) else None
 
     return jax.tree_util.tree_map_with_path(one, tree)
 
 
-def _path_name(path: Any) -> str:
+def _path_name(path: KeyPath) -> str:
     return jax.tree_util.keystr(path, simple=True, separator="/") or "<root>"
 
 
 def _emit(
-    prefix: str, names: tuple[str, ...], members: Any, infs: np.ndarray, nans: np.ndarray
+    prefix: str, names: tuple[str, ...], members: np.ndarray, infs: np.ndarray, nans: np.ndarray
 ) -> None:
     """One log line per firing member: one line, unless the report ran under ``vmap``.
 
@@ -168,7 +171,9 @@ def _sender(prefix: str, names: tuple[str, ...]) -> Callable[..., jax.Array]:
         return fire
 
     @send.def_vmap
-    def _batched(axis_size: int, in_batched: list[bool], *args: jax.Array) -> Any:
+    def _batched(
+        axis_size: int, in_batched: list[bool], *args: jax.Array
+    ) -> tuple[jax.Array, bool]:
         args = tuple(
             a if b else jnp.broadcast_to(a, (axis_size, *a.shape))
             for a, b in zip(args, in_batched, strict=True)
@@ -181,7 +186,12 @@ def _sender(prefix: str, names: tuple[str, ...]) -> Callable[..., jax.Array]:
 
 
 def log_nonfinite(
-    tree: Any, *, every: int = 1, count: Any = None, prefix: str = "", filter: Filter = None
+    tree: PyTree,
+    *,
+    every: int = 1,
+    count: ArrayLike | None = None,
+    prefix: str = "",
+    filter: Filter = None,
 ) -> jax.Array:
     """Log the paths of leaves holding inf/NaN, only on steps that have them.
 
@@ -233,7 +243,7 @@ def log_nonfinite(
     return log_counts(tree, every=every, count=count, prefix=prefix, filter=filter)
 
 
-def _check_count(count: Any) -> None:
+def _check_count(count: ArrayLike) -> None:
     """``count`` must be an integer scalar: a Python int or an integer 0-d array."""
     if isinstance(count, int) and not isinstance(count, bool):
         if not -(2**31) <= count <= 2**31 - 1:
@@ -255,10 +265,10 @@ def _check_count(count: Any) -> None:
 
 
 def log_counts(
-    tree: Any,
+    tree: PyTree,
     *,
     every: int = 1,
-    count: Any = None,
+    count: ArrayLike | None = None,
     prefix: str = "",
     transform: Transform = None,
     filter: Filter = None,
