@@ -585,3 +585,23 @@ def test_float8_init_takes_shapes_and_static_arguments():
     np.testing.assert_array_equal(state["0:dot_general"].scale, np.ones(3))  # TE's start
     jitted = functools.partial(jax.jit, static_argnames="act")(g)
     assert jitted(state, jnp.ones((4, 4)), jnp.ones((2, 4)), act=jnp.tanh).shape == (2, 4)
+
+
+def test_a_delayed_scaling_method_takes_the_state_first():
+    """``@jamp.autocast(dtype="float8", recipe=...)`` on a method: ``m.f(state, x)`` passes the
+    state first and ``m`` as ``self``, as the function ``f(state, m, x)`` would."""
+
+    class Model:
+        def __init__(self, w):
+            self.w = w
+
+        @jamp.autocast(dtype="float8", recipe=RECIPE)
+        def apply(self, x):
+            return jnp.sum(x @ self.w)
+
+    m, x = Model(jnp.full((3, 3), 0.5)), jnp.ones((2, 3))
+    state = jamp.float8.init(m.apply, x)
+    assert state.keys() == jamp.float8.init(Model.apply, m, x).keys() == {"0:dot_general"}
+    np.testing.assert_array_equal(m.apply(state, x), Model.apply(state, m, x))
+    new, _ = jax.grad(lambda s, x: m.apply(s, x), argnums=(0, 1))(state, x)
+    np.testing.assert_array_equal(new["0:dot_general"].amax_history[:, 0], [1.0, 0.5, 1.0])

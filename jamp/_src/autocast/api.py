@@ -359,7 +359,8 @@ class DelayedFloat8:
 
     It is called as ``f`` is, with the float8 state first, and passes ``jit``,
     ``grad`` and ``vmap`` like any function; ``functools.wraps`` gives it
-    ``f``'s name and docstring.
+    ``f``'s name and docstring. As a method it takes the state first too:
+    ``model.f(state, x)``, and ``jamp.float8.init(model.f, x)`` makes it.
 
     Attributes:
       traced: the function whose float8 products have states (``f``).
@@ -373,9 +374,15 @@ class DelayedFloat8:
     def __call__(self, state: object, *args: Any, **kwargs: Any) -> PyTree:
         return self._call(state, *args, **kwargs)
 
-    # a method, as a function is
-    def __get__(self, obj: object, objtype: type | None = None) -> Callable[..., PyTree]:
-        return self if obj is None else functools.partial(self, obj)
+    def __get__(self, obj: object, objtype: type | None = None) -> DelayedFloat8:
+        """As a method: ``model.f(state, x)`` is ``f(state, model, x)``, the state first."""
+        if obj is None:
+            return self
+
+        def call(state: object, *args: Any, **kwargs: Any) -> PyTree:
+            return self._call(state, obj, *args, **kwargs)
+
+        return DelayedFloat8(call, functools.partial(self.traced, obj), self.recipe)
 
 
 _WRAPS_A_FUNCTION = (
