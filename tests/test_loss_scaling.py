@@ -524,7 +524,7 @@ BAD_INPUT = {
     ),
     "skip=None": (
         lambda: jamp.loss_scaling(SGD, None, skip=None),
-        ValueError,
+        TypeError,  # a wrong kind; a wrong string is a ValueError
         r"`skip` to be one of .*got None",
     ),
     "update(state=dict)": (
@@ -637,7 +637,7 @@ BAD_INPUT = {
     "multi_steps use_grad_mean='yes'": (
         lambda: jamp.multi_steps(SGD, 2, use_grad_mean="yes"),
         TypeError,
-        r"`use_grad_mean` to be a bool, got 'yes'",
+        r"`use_grad_mean` to be a bool, got use_grad_mean='yes'",
     ),
     "multi_steps update(state=dict)": (
         lambda: jamp.multi_steps(SGD, 2).update(params0(), {}),

@@ -15,6 +15,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp._src.types import Filter
+
 FLOAT = "float"  # a leaf that is scaled, unscaled and checked
 PASS = "pass"  # a leaf returned as it is (integer, boolean, float0)
 
@@ -50,22 +52,9 @@ def is_half(dtype: Any) -> bool:
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
-Filter = Callable[[Any], Any] | None  # a predicate on leaves, e.g. eqx.is_inexact_array
-
-
 def is_inexact_array(leaf: Any) -> bool:
     """A floating or complex JAX/NumPy array: Equinox's ``eqx.is_inexact_array``."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and is_float_dtype(leaf.dtype)
-
-
-def check_filter(filter: Any, fn: str) -> Filter:
-    """``filter`` if it is ``None`` or callable, else a TypeError naming ``jamp.{fn}``."""
-    if filter is None or callable(filter):
-        return filter
-    raise TypeError(
-        f"`jamp.{fn}` expected `filter` to be a function of a leaf that returns a bool, such as "
-        f"eqx.is_inexact_array, got {filter!r:.60} (type {type(filter).__name__}) instead."
-    )
 
 
 def selected(filter: Filter, leaf: Any) -> bool:
@@ -203,27 +192,3 @@ def combine(chosen: Any, rest: Any) -> Any:
     return jax.tree_util.tree_map(
         lambda a, b: b if a is None else a, chosen, rest, is_leaf=lambda x: x is None
     )
-
-
-def check_bool_scalar(value: Any, name: str, source: str) -> jax.Array:
-    """``value`` as a boolean scalar array, or a TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool):
-        return jnp.asarray(value)
-    dtype = getattr(value, "dtype", None)
-    shape = getattr(value, "shape", None)
-    if dtype is None or shape is None:
-        raise TypeError(
-            f"Expected `{name}` to be a boolean scalar array ({source}), got "
-            f"{type(value).__name__} instead."
-        )
-    if dtype != jnp.bool_:
-        raise TypeError(
-            f"Expected `{name}` to be a boolean scalar, got dtype {dtype} instead; pass the "
-            f"flag {source}."
-        )
-    if tuple(shape) != ():
-        raise ValueError(
-            f"Expected `{name}` to be a scalar (shape ()), got shape {tuple(shape)} instead; "
-            "reduce it over the whole tree with jamp.all_finite."
-        )
-    return value

@@ -17,10 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp._src.float8 import Float8State, check_values
-from jamp._src.leaves import check_bool_scalar
 from jamp._src.loss_scale import STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
-from jamp._src.validate import checked_counter, checked_scale
+from jamp._src.validate import check_bool_scalar, checked_counter, checked_scale
 from jamp._src.value_and_grad import ScaledValueAndGrad
 
 

@@ -16,16 +16,19 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-from jamp._src.leaves import (
-    Filter,
-    check_bool_scalar,
-    check_filter,
-    map_floating,
-    scale_leaf,
-    unscale_leaf,
-)
+from jamp._src.leaves import map_floating, scale_leaf, unscale_leaf
 from jamp._src.torch_rounding import mul_as_torch
-from jamp._src.validate import INT32_MAX, MAX_SCALE, MIN_SCALE, NO_SCALE, Config, check_config
+from jamp._src.types import Filter, PyTree
+from jamp._src.validate import (
+    INT32_MAX,
+    MAX_SCALE,
+    MIN_SCALE,
+    NO_SCALE,
+    Config,
+    check_bool_scalar,
+    check_config,
+    check_filter,
+)
 
 # The static configuration: metadata of the pytree, arguments of check_config.
 CONFIG_FIELDS = (
@@ -378,6 +381,11 @@ def scale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     """
     check_state(state, "scale")
     check_filter(filter, "scale")
+    return scale_tree(state, tree, filter)
+
+
+def scale_tree(state: LossScaleState, tree: PyTree, filter: Filter = None) -> PyTree:
+    """``jamp.scale``, unchecked: for callers that checked ``state`` and ``filter``."""
     if not state.enabled:
         map_floating(lambda x: x, tree, "scale", filter)  # validate leaves all the same
         return tree
@@ -417,6 +425,12 @@ def unscale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     """
     check_state(state, "unscale")
     check_filter(filter, "unscale")
+    return unscale_tree(state, tree, filter)
+
+
+def unscale_tree(state: LossScaleState, tree: PyTree, filter: Filter = None) -> PyTree:
+    """``jamp.unscale``, unchecked: for callers that checked ``state`` and ``filter`` (a
+    step unscales inside the branch that applies the update)."""
     if not state.enabled:
         map_floating(lambda x: x, tree, "unscale", filter)
         return tree
@@ -457,6 +471,12 @@ def update(state: StateT, finite: Any) -> StateT:
     """
     check_state(state, "update")
     finite = check_bool_scalar(finite, "finite", "from jamp.all_finite / jamp.unscale_and_check")
+    return update_state(state, finite)
+
+
+def update_state(state: StateT, finite: jax.Array) -> StateT:
+    """``jamp.update``, unchecked: for callers whose ``finite`` is their own boolean
+    scalar (a step's finite check) and whose ``state`` is checked."""
     if not state.is_dynamic:
         return state
     s, tracker, streak = state.scale, state.growth_tracker, state.overflow_streak
@@ -493,9 +513,8 @@ def backoff(state: StateT) -> StateT:
 
     Unlike ``update(state, False)`` this ignores ``hysteresis``: retrying at the
     same scale would overflow again. A static or disabled state is returned
-    unchanged.
+    unchanged. Internal (``value_and_grad``'s retries), so unchecked.
     """
-    check_state(state, "backoff")
     if not state.is_dynamic:
         return state
     lo = jnp.float32(state.min_scale)

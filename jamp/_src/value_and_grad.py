@@ -17,11 +17,18 @@ import jax.core
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.finite.check import check_axis_name, unscale_and_check
-from jamp._src.leaves import check_bool_scalar, combine, is_inexact_array, partition
-from jamp._src.loss_scale import LossScaleState, backoff, scale, update
-from jamp._src.skip import check_skip, optimizer_step
-from jamp._src.validate import INT32_MAX
+from jamp._src.finite.check import unscaled_and_finite
+from jamp._src.leaves import combine, is_inexact_array, partition
+from jamp._src.loss_scale import LossScaleState, backoff, scale_tree, update_state
+from jamp._src.skip import optimizer_step
+from jamp._src.validate import (
+    INT32_MAX,
+    check_axis_name,
+    check_bool_scalar,
+    check_flag,
+    check_skip,
+    check_step_arguments,
+)
 
 
 class ScaledValueAndGrad(NamedTuple):
@@ -229,24 +236,19 @@ def step_if_finite(
       {'w': Array([1., 1.], dtype=float32)}
     """
     finite = check_bool_scalar(finite, "finite", "the `finite` of jamp.value_and_grad")
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
-        raise TypeError(
-            "Expected `tx` to be an optax.GradientTransformation, got "
-            f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
-        )
     check_skip(skip)
+    check_step_arguments(tx, grads, opt_state, params, filter=filter, fn="step_if_finite")
     return optimizer_step(
         finite,
         tx,
         lambda: grads,
         opt_state,
         params,
+        grads=grads,
         filter=filter,
         skip=skip,
         extra_args=extra_args,
         fn="step_if_finite",
-        grads=grads,
     )
 
 
@@ -281,11 +283,7 @@ def _check_options(fun: Any, axis_name: Any, max_retries: Any, has_aux: Any) -> 
             f"Expected `max_retries` <= 2**31 - 1 (retries are counted in an int32), got "
             f"max_retries={shown} instead."
         )
-    if not isinstance(has_aux, bool):
-        raise TypeError(
-            f"Expected `has_aux` to be a bool (True when `fun` returns (loss, aux)), got "
-            f"has_aux={has_aux!r:.60} instead."
-        )
+    check_flag("has_aux", has_aux, " (True when `fun` returns (loss, aux))")
 
 
 def _check_loss_scale(loss_scale: Any, fn: str) -> None:
@@ -307,7 +305,7 @@ def _scaled(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
                 f"{type(out).__name__} instead."
             )
         loss, aux = out if has_aux else (out, None)
-        return scale(state, loss), (loss, aux)
+        return scale_tree(state, loss), (loss, aux)
 
     return scaled
 
@@ -323,7 +321,7 @@ def _run(
 
     def attempt(state: LossScaleState) -> tuple[Any, Any, Any, jax.Array]:
         grads, (loss, aux) = grad_fn(state)
-        grads, finite = unscale_and_check(state, grads, axis_name=axis_name)
+        grads, finite = unscaled_and_finite(state, grads, axis_name)
         return loss, aux, grads, finite
 
     retries = jnp.zeros((), jnp.int32)
@@ -345,7 +343,7 @@ def _run(
         retries, loss_scale, (loss, aux, grads, finite) = lax.while_loop(
             cond, body, (retries, loss_scale, (loss, aux, grads, finite))
         )
-    new_scale = update(loss_scale, finite)
+    new_scale = update_state(loss_scale, finite)
     if retrying:
         # The last failed attempt backs off too, ignoring hysteresis.
         backed_off = backoff(loss_scale).scale

@@ -12,7 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jamp._src.leaves import FLOAT, Filter, check_filter, is_sharded, leaf_kind, selected
+from jamp._src.leaves import FLOAT, Filter, is_sharded, leaf_kind, selected
+from jamp._src.validate import check_filter
 
 logger = logging.getLogger("jamp")
 

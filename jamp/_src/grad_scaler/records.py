@@ -134,16 +134,3 @@ def check_step(records: tuple, tx: Any, params: Any) -> None:
                 "function. (Two models of the same structure stepped in separately jitted "
                 "functions meet this too: step both in one, then update.)"
             )
-
-
-def check_not_swapped(grads: Any, opt_state: Any, params: Any) -> None:
-    """A TypeError if ``opt_state`` is shaped like the gradients and ``params`` is not."""
-    structure = jax.tree_util.tree_structure
-    if structure(opt_state) == structure(grads) != structure(params):
-        raise TypeError(
-            "`GradScaler.step(state, tx, grads, opt_state, params)` got an `opt_state` shaped "
-            "like the gradients and `params` shaped otherwise: the parameters and the optimizer "
-            "state look swapped. The optimizer state (from `tx.init(params)`) comes before the "
-            "parameters, as in `tx.update(grads, opt_state, params)`: write "
-            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
-        )

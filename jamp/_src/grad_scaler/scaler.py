@@ -34,15 +34,22 @@ import numpy as np
 import optax
 
 from jamp._src import loss_scale as ls
-from jamp._src.finite.check import check_axis_name, check_unscaled, refuse_axis_name
-from jamp._src.finite.check import unscale_and_check as _unscale_and_check
-from jamp._src.grad_scaler.records import check_not_swapped, check_step, record
-from jamp._src.leaves import check_filter, is_real_number
+from jamp._src.finite.check import check_unscaled, unscaled_and_finite
+from jamp._src.grad_scaler.records import check_step, record
+from jamp._src.leaves import is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
-from jamp._src.skip import check_skip, optimizer_step
-from jamp._src.validate import check_config
+from jamp._src.skip import optimizer_step
+from jamp._src.validate import (
+    check_axis_name,
+    check_config,
+    check_flag,
+    check_not_swapped,
+    check_skip,
+    check_step_arguments,
+    refuse_axis_name,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -359,8 +366,7 @@ class GradScaler:
 
     def __post_init__(self) -> None:
         # GradScaler is configuration, not a pytree, so validating here is safe.
-        if not isinstance(self.enabled, bool):
-            raise TypeError(f"Expected `enabled` to be a bool, got {self.enabled!r} instead.")
+        check_flag("enabled", self.enabled)
         if isinstance(self.init_scale, str):
             raise TypeError(
                 f"Expected `init_scale` to be a real number, got {self.init_scale!r} instead; "
@@ -461,7 +467,7 @@ class GradScaler:
     @_takes_state("scaler.scale(state, loss)")
     def scale(self, state: ls.LossScaleState, outputs: Any) -> Any:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
-        return ls.scale(_check_state(state, "scale"), outputs)
+        return ls.scale_tree(_check_state(state, "scale"), outputs)
 
     @overload
     def unscale(self, state: GradScalerState, grads: Any) -> tuple[Any, GradScalerState]: ...
@@ -494,7 +500,7 @@ class GradScaler:
                 "optimizers, step each one's gradients before unscaling the next one's: "
                 f"`{_CALLS['unscale']}`, then `{_CALLS['step']}`, for each optimizer in turn."
             )
-        unscaled, finite = _unscale_and_check(state, grads, axis_name=self.axis_name)
+        unscaled, finite = unscaled_and_finite(state, grads, self.axis_name)
         _passed(state, "unscale", grads)
         found_infs = (*_found_infs(state), jnp.logical_not(finite))
         return unscaled, _with_checks(state, found_infs, UNSCALED, (*_checked_by(state), None))
@@ -571,15 +577,9 @@ class GradScaler:
             ``opt_state`` are swapped, or ``found_inf=`` was passed.
         """
         state = _check_state(state, "step")
-        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-            hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
-            raise TypeError(
-                "Expected `tx` to be an optax.GradientTransformation, got "
-                f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
-            )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
-        check_filter(filter, "GradScaler.step")
         check_not_swapped(grads, opt_state, params)
+        check_step_arguments(tx, grads, opt_state, params, filter=filter, fn="GradScaler.step")
 
         def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
             return optimizer_step(
@@ -588,11 +588,11 @@ class GradScaler:
                 grads_fn,
                 opt_state,
                 params,
+                grads=grads,
                 filter=filter,
                 skip=self.skip,
                 extra_args=extra_args,
                 fn="GradScaler.step",
-                grads=grads,
             )
 
         if not self.enabled:
@@ -611,7 +611,7 @@ class GradScaler:
                 state, grads, axis_name=self.axis_name, filter=filter, fn="GradScaler.step"
             )
             found_inf = None
-            unscaled = lambda: ls.unscale(state, grads, filter=filter)  # noqa: E731
+            unscaled = lambda: ls.unscale_tree(state, grads, filter)  # noqa: E731
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
         new_params, new_opt_state = step(finite, unscaled)
@@ -696,7 +696,7 @@ class GradScaler:
                     f"`{_CALLS['step']}`, then `{_CALLS['update']}`, once per iteration. To set "
                     "the scale without a step, pass `new_scale`."
                 )
-            new = ls.update(state, jnp.logical_not(_any(found_infs)))
+            new = ls.update_state(state, jnp.logical_not(_any(found_infs)))
         if _found_infs(state):  # a ready state (new_scale only) can be reused harmlessly
             _passed(state, "update", _found_infs(state))
         return _ready(new)
