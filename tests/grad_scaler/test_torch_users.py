@@ -325,6 +325,40 @@ def test_dropping_the_state_step_returns_is_refused():
         run(iteration)
 
 
+def test_a_consumed_state_is_marked_openly_and_a_clone_of_it_is_usable():
+    """The guard is a declared field, ``GradScalerState.consumed_by``, outside the pytree;
+    its error says how to reuse a state on purpose: clone it (flatten, unflatten)."""
+    params, x, y = problem()
+    state, opt_state = SCALER.init(), TX.init(params)
+    grads = scaled_grads(state, params, x, y)
+    p1, _, stepped = SCALER.step(state, TX, grads, opt_state, params)
+    assert (state.consumed_by, stepped.consumed_by) == ("step", None)
+    # Not a leaf, not metadata: a jitted step given either state compiles the same program.
+    assert jax.tree.structure(state) == jax.tree.structure(SCALER.init())
+    with pytest.raises(
+        RuntimeError,
+        match=r"^step\(\) has already been called.*clone it first: "
+        r"`state = jax\.tree_util\.tree_map\(lambda x: x, state\)`",
+    ):
+        SCALER.step(state, TX, grads, opt_state, params)
+    clone = jax.tree_util.tree_map(lambda x: x, state)
+    assert clone.consumed_by is None
+    p2, _, replayed = SCALER.step(clone, TX, grads, opt_state, params)  # the step, replayed
+    assert leaves_close(p2, p1, atol=0) and replayed.stage == "stepped"
+    assert clone.consumed_by == "step"
+
+
+def test_a_plain_loss_scale_state_has_no_stage_and_is_never_consumed():
+    """As GradScalerState's docstring says: each method takes a plain state as a ready one."""
+    params, x, y = problem()
+    plain, opt_state = jamp.dynamic_loss_scale(2.0**10), TX.init(params)
+    grads = scaled_grads(plain, params, x, y)
+    p1, _, stepped = SCALER.step(plain, TX, grads, opt_state, params)
+    p2, _, _ = SCALER.step(plain, TX, grads, opt_state, params)
+    assert leaves_close(p1, p2, atol=0) and type(stepped) is jamp.GradScalerState
+    assert not hasattr(plain, "consumed_by")
+
+
 # ================================================================ 2. calls written the torch way
 
 

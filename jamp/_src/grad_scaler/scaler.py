@@ -130,11 +130,36 @@ class GradScalerState(ls.LossScaleState):
     step is traced and cost nothing when it runs. After ``update`` the state
     is ``"ready"`` again with no ``found_infs``: a jitted iteration returns a
     state of the structure it took, and ``lax.scan`` can carry it.
+
+    A state passed to [`GradScaler.unscale`][jamp.GradScaler.unscale],
+    [`GradScaler.step`][jamp.GradScaler.step] or
+    [`GradScaler.update`][jamp.GradScaler.update] is *consumed*: the method
+    returns the state to go on with, and given the old one again, any of them
+    raises a ``RuntimeError`` in torch's words (it would unscale twice, or
+    lose an inf check). The mark is ``consumed_by``, the one field a method
+    sets on the object it took: it is not part of the pytree (not a leaf,
+    not metadata, not compared), so it never reaches a computation, and
+    every new state object starts unconsumed. To reuse a consumed state on
+    purpose (to replay a step), clone it: ``jax.tree_util.tree_map(lambda x:
+    x, state)`` is a new, usable object with the same values. A state
+    captured from outside the function being traced (a global, while the
+    method's other arguments are traced) is not marked: the next trace
+    would see the mark. A plain [`jamp.LossScaleState`][] given to these
+    methods carries no stage and is never consumed: each method takes it as
+    a ready state, so start from [`GradScaler.init`][jamp.GradScaler.init]
+    to have its reuse refused.
+
+    Attributes:
+      consumed_by: ``None``, or the method (``"unscale"``, ``"step"`` or
+        ``"update"``) that took this state object and returned its successor.
     """
 
     found_infs: tuple = ()
     stage: str = dataclasses.field(default=READY, metadata=dict(static=True))
     checked_by: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # Not a pytree field (init=False: jax.tree_util.register_dataclass leaves it out), not
+    # compared: a flatten / unflatten, or dataclasses.replace, makes an unconsumed object.
+    consumed_by: str | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
 
 _LOSS_SCALE_FIELDS = [f.name for f in dataclasses.fields(ls.LossScaleState)]
@@ -223,37 +248,42 @@ _CALLS = {
     "update": "state = scaler.update(state)",
 }
 
-_PASSED_TO = "_jamp_passed_to"  # set on a state object that a method took and replaced
+_CLONE = "jax.tree_util.tree_map(lambda x: x, state)"
 
 
 def _is_tracer(x: Any) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _passed(state: ls.LossScaleState, method: str, others: Any = ()) -> None:
-    """Remember, on the state object itself, that ``method`` took it and returned its successor.
+def _consume(state: ls.LossScaleState, method: str, others: Any = ()) -> None:
+    """Mark ``state`` consumed by ``method``, which took it and returned its successor
+    (``GradScalerState.consumed_by``).
 
     torch keeps its stage in the scaler, so reusing the scaler after
     ``unscale_`` is safe; here the old state object still exists, and passing
     it on instead of the one returned would unscale twice or lose a check.
     Nothing of this reaches the computation. A state captured from outside
     the function being traced (concrete, among traced ``others``) is not
-    marked: the next trace would see the mark.
+    marked: the next trace would see the mark. A plain loss-scale state has
+    no stage and is never consumed.
     """
+    if not isinstance(state, GradScalerState):
+        return
     if _is_tracer(state.scale) or not any(map(_is_tracer, jax.tree_util.tree_leaves(others))):
-        object.__setattr__(state, _PASSED_TO, method)
+        object.__setattr__(state, "consumed_by", method)
 
 
-def _check_not_passed(state: ls.LossScaleState, method: str) -> None:
+def _check_not_consumed(state: ls.LossScaleState, method: str) -> None:
     """A RuntimeError, in torch's words, if a method already took ``state`` and replaced it."""
-    used = state.__dict__.get(_PASSED_TO)
+    used = state.consumed_by if isinstance(state, GradScalerState) else None
     if used is None:
         return
     sentence = _SENTENCES.get((used, method), _AFTER_UPDATE)
     raise RuntimeError(
         f"{sentence} This state was already passed to `scaler.{used}`, which returned the one "
         f"to use from then on: write `{_CALLS[used]}` and pass that state on. An iteration is "
-        f"`{_LOOP}`."
+        f"`{_LOOP}`. To reuse this state on purpose (to replay a step), clone it first: "
+        f"`state = {_CLONE}` is a new, unconsumed object with the same values."
     )
 
 
@@ -492,7 +522,7 @@ class GradScaler:
         state = _check_state(state, "unscale")
         if not self.enabled:
             return grads, state
-        _check_not_passed(state, "unscale")
+        _check_not_consumed(state, "unscale")
         if _stage(state) == UNSCALED:
             raise RuntimeError(
                 f"{_UNSCALED_TWICE} `scaler.unscale` returned gradients that are unscaled already, "
@@ -501,7 +531,7 @@ class GradScaler:
                 f"`{_CALLS['unscale']}`, then `{_CALLS['step']}`, for each optimizer in turn."
             )
         unscaled, finite = unscaled_and_finite(state, grads, self.axis_name)
-        _passed(state, "unscale", grads)
+        _consume(state, "unscale", grads)
         found_infs = (*_found_infs(state), jnp.logical_not(finite))
         return unscaled, _with_checks(state, found_infs, UNSCALED, (*_checked_by(state), None))
 
@@ -598,7 +628,7 @@ class GradScaler:
         if not self.enabled:
             params, opt_state = step(None, lambda: grads)
             return params, opt_state, state
-        _check_not_passed(state, "step")
+        _check_not_consumed(state, "step")
         found_infs, checked_by = _found_infs(state), _checked_by(state)
         check_step(checked_by, tx, params)
         if _stage(state) == UNSCALED:  # grads unscaled by scaler.unscale, its check recorded
@@ -617,7 +647,7 @@ class GradScaler:
         new_params, new_opt_state = step(finite, unscaled)
         if found_inf is None:
             found_inf = jnp.logical_not(finite)
-        _passed(state, "step", grads)
+        _consume(state, "step", grads)
         checked_by = (*checked_by, record(tx, params, new_params))
         new_state = _with_checks(state, (*found_infs, found_inf), STEPPED, checked_by)
         return new_params, new_opt_state, new_state
@@ -663,7 +693,7 @@ class GradScaler:
                 f"{type(new_scale).__name__} {new_scale!r:.40} instead; `update` reads the inf "
                 "checks from the state, so it takes no list of found_inf flags either."
             )
-        _check_not_passed(state, "update")
+        _check_not_consumed(state, "update")
         if new_scale is not None:
             if isinstance(new_scale, jax.core.Tracer):
                 dtype = np.dtype(new_scale.dtype)
@@ -698,7 +728,7 @@ class GradScaler:
                 )
             new = ls.update_state(state, jnp.logical_not(_any(found_infs)))
         if _found_infs(state):  # a ready state (new_scale only) can be reused harmlessly
-            _passed(state, "update", _found_infs(state))
+            _consume(state, "update", _found_infs(state))
         return _ready(new)
 
     @_takes_state("scaler.found_inf(state)")
