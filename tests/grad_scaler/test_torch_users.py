@@ -7,6 +7,7 @@ jamp refuses it with PyTorch's words and the call to write, or computes what
 one device would.
 """
 
+import gc
 from typing import Any
 
 import jax
@@ -298,6 +299,30 @@ def test_a_gan_iteration_steps_d_then_scales_gs_loss_with_the_stepped_state():
     for _ in range(2):
         carry = iteration(*carry)
     assert carry[0].stage == "ready" and int(carry[0].growth_tracker) == 2
+
+
+def test_a_new_array_at_the_address_of_a_freed_returned_one_is_not_taken_for_it():
+    """The record of a step refers to the arrays it returned weakly, not by ``id``: once
+    one is freed, CPython gives its id to the next array allocated, which a set of ids took
+    for a returned one, refusing a second model's step ("step() has already been
+    called")."""
+    params, x, y = problem()
+    state, opt_state = SCALER.init(), TX.init(params)
+    grads = scaled_grads(state, params, x, y)
+    returned, opt_state, state = SCALER.step(state, TX, grads, opt_state, params)
+    freed = {id(a) for a in jax.tree.leaves(returned)}
+    del returned
+    gc.collect()
+    other = None
+    for _ in range(1000):  # CPython reuses a freed address at once: one try, in practice
+        candidate = jax.tree.map(lambda a: a + 1.0, params)  # another model, of one shape
+        if any(id(a) in freed for a in jax.tree.leaves(candidate)):
+            other = candidate
+            break
+    assert other is not None, "no new array took a freed array's id"
+    assert not any(r() is not None for r in state.checked_by[0].outputs)  # all freed
+    _, _, state = SCALER.step(state, TX, grads, opt_state, other)  # two models, one tx
+    assert len(state.found_infs) == 2 and state.stage == "stepped"
 
 
 def test_stepping_one_model_twice_in_an_iteration_is_refused_in_torchs_words():

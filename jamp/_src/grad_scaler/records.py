@@ -6,8 +6,10 @@ has already been called since the last update()". An Optax transformation is
 stateless and may serve several models, so here one optimizer is a
 transformation *and* the parameters it steps: each check ``GradScaler.step``
 records carries a ``StepRecord`` (static metadata) naming the
-transformation, the structure of the parameters and the arrays the step
-returned. ``check_step`` refuses, while the step is traced:
+transformation, the structure of the parameters and weak references to the
+arrays the step returned (not their ``id``s: an id is reused once its array
+is freed, and a new array would pass for a returned one). ``check_step``
+refuses, while the step is traced:
 
 - the same transformation stepping the parameters its recorded step returned
   (a loop that forgot ``scaler.update``, or one model stepped twice); and
@@ -24,11 +26,14 @@ step other parameters (or another structure).
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Any
 
 import jax
 import jax.core
 import jax.extend.core
+
+from jamp._src.types import Params
 
 _LOOP = (
     "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`, then "
@@ -46,12 +51,13 @@ def _trace_state() -> Any:
     return jax.extend.core.get_opaque_trace_state(convention="jamp")
 
 
-def _array_ids(tree: Any) -> set[int]:
-    return {
-        id(leaf)
+def _arrays(tree: Params) -> list[jax.Array]:
+    """The arrays (and tracers) among ``tree``'s leaves."""
+    return [
+        leaf
         for leaf in jax.tree_util.tree_leaves(tree)
         if isinstance(leaf, (jax.Array, jax.core.Tracer))
-    }
+    ]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,9 +68,11 @@ class StepRecord:
       tx: the Optax transformation, held so that its identity stays unique
         while the check is recorded.
       structure: the tree structure of the parameters it stepped.
-      outputs: ``id`` of each array the step returned as parameters (and
-        did not pass through unchanged): the arrays a second step of the
-        same optimizer would be given.
+      outputs: a weak reference to each array the step returned as
+        parameters (and did not pass through unchanged): the arrays a second
+        step of the same optimizer would be given. Weak, so the record keeps
+        no array alive, and a freed one matches nothing (where its ``id``
+        would match the next array given its address).
       trace: the JAX trace the step ran in (an opaque token; the eager
         trace when not traced).
 
@@ -75,7 +83,7 @@ class StepRecord:
 
     tx: Any
     structure: Any
-    outputs: frozenset
+    outputs: tuple[weakref.ref[jax.Array], ...]
     trace: Any
 
     def __eq__(self, other: object) -> bool:
@@ -91,13 +99,19 @@ class StepRecord:
     def __repr__(self) -> str:
         return f"StepRecord(tx={type(self.tx).__name__} at {id(self.tx):#x}, {self.structure})"
 
+    def returned_any_of(self, arrays: list[jax.Array]) -> bool:
+        """Whether one of ``arrays`` is an array this step returned (and is still alive)."""
+        given = {id(a) for a in arrays}  # alive while compared: an id names one object
+        return any((out := ref()) is not None and id(out) in given for ref in self.outputs)
 
-def record(tx: Any, params: Any, new_params: Any) -> StepRecord:
+
+def record(tx: object, params: Params, new_params: Params) -> StepRecord:
     """The record of a step of ``tx`` from ``params`` to ``new_params``."""
+    given = {id(a) for a in _arrays(params)}
     return StepRecord(
         tx=tx,
         structure=jax.tree_util.tree_structure(params),
-        outputs=frozenset(_array_ids(new_params) - _array_ids(params)),
+        outputs=tuple(weakref.ref(a) for a in _arrays(new_params) if id(a) not in given),
         trace=_trace_state(),
     )
 
@@ -112,12 +126,12 @@ def check_step(records: tuple, tx: Any, params: Any) -> None:
       params: the parameters it is about to step.
     """
     structure = jax.tree_util.tree_structure(params)
-    ids = _array_ids(params)
+    arrays = _arrays(params)
     trace = _trace_state()
     for rec in records:
         if rec is None or rec.structure != structure:
             continue
-        if rec.tx is tx and ids & rec.outputs:
+        if rec.tx is tx and rec.returned_any_of(arrays):
             raise RuntimeError(
                 f"{STEPPED_TWICE} This `tx` already stepped these parameters since the last "
                 "`scaler.update` (they are what that `scaler.step` returned), and `state` holds "
