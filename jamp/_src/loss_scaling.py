@@ -9,7 +9,7 @@ drops into ``optax.chain``, ``optax.MultiSteps``, Flax ``TrainState`` and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import jax
 import jax.core
@@ -39,7 +39,7 @@ from jamp._src.skip import (
     same_or_zeros,
     select_or_keep,
 )
-from jamp._src.types import AxisName, OptState, Params, Updates
+from jamp._src.types import AxisName, OptState, Params, PyTree, Updates
 from jamp._src.validate import (
     INT32_MAX,
     check_axis_name,
@@ -71,7 +71,7 @@ class ScaledOptimizerState(NamedTuple):
     """
 
     loss_scale: LossScaleState
-    inner_state: Any
+    inner_state: OptState
     last_finite: jax.Array
     skipped_steps: jax.Array
 
@@ -182,7 +182,7 @@ def loss_scaling(
         updates: Updates,
         state: ScaledOptimizerState,
         params: Params | None = None,
-        **extra_args: Any,
+        **extra_args: object,
     ) -> tuple[Updates, ScaledOptimizerState]:
         if not isinstance(state, ScaledOptimizerState):
             raise TypeError(
@@ -209,7 +209,7 @@ def loss_scaling(
         updates: Updates,
         state: ScaledOptimizerState,
         params: Params | None = None,
-        **extra_args: Any,
+        **extra_args: object,
     ) -> tuple[Updates, ScaledOptimizerState]:
         finite = check_unscaled(state.loss_scale, updates, axis_name=axis_name, fn=_UPDATE)
 
@@ -218,7 +218,7 @@ def loss_scaling(
             grads = unscale_tree(state.loss_scale, updates)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
-        def by_cond() -> tuple[Any, Any]:
+        def by_cond() -> tuple[Updates, OptState]:
             # The kept branch passes the gradients through, zeroed below, where
             # the select fuses into the caller's apply_updates: zeros made in
             # the branch would cost a kernel per leaf, and its output a second
@@ -228,7 +228,7 @@ def loss_scaling(
             )
             return keep_nothing(finite, new_updates), new_inner
 
-        def by_select() -> tuple[Any, Any]:
+        def by_select() -> tuple[Updates, OptState]:
             return select_or_keep(
                 finite, apply, lambda new: (no_updates(new[0]), state.inner_state)
             )
@@ -278,7 +278,7 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
 
 def multi_steps(
     inner: optax.GradientTransformation,
-    every_k_schedule: Any,
+    every_k_schedule: int | Callable[[ArrayLike], ArrayLike],
     *,
     use_grad_mean: bool = True,
     should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
@@ -364,10 +364,10 @@ def multi_steps(
         # optax types it DTypeLike but takes None too (its canonicalize_dtype's default)
         accumulator_dtype=cast(DTypeLike, accumulator_dtype),
     )
-    schedule: Callable[[jax.Array], Any] = k if callable(k) else (lambda step: k)
+    schedule: Callable[[ArrayLike], ArrayLike] = k if callable(k) else (lambda step: k)
     acc_dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
-    def accumulate(grad: Any, acc: Any, n: jax.Array) -> Any:
+    def accumulate(grad: ArrayLike, acc: ArrayLike, n: jax.Array) -> jax.Array:
         # optax.MultiSteps's rules: Welford's running mean, or a sum, with the
         # casts standard promotion makes written out (strict promotion passes).
         grad, acc = jnp.asarray(grad), jnp.asarray(acc)  # Python numbers, as optax takes them
@@ -379,14 +379,19 @@ def multi_steps(
         delta = grad - acc
         return acc + delta / (n + 1).astype(delta.dtype)
 
-    def should_skip(updates: Any, step: ArrayLike, params: Any) -> tuple[Any, Any]:
+    def should_skip(
+        updates: Updates, step: ArrayLike, params: Params | None
+    ) -> tuple[ArrayLike, PyTree]:
         if should_skip_update_fn is None:
             return jnp.asarray(False), ()
         return should_skip_update_fn(updates, step, params)
 
     def update_fn(
-        updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, optax.MultiStepsState]:
+        updates: Updates,
+        state: optax.MultiStepsState,
+        params: Params | None = None,
+        **extra_args: object,
+    ) -> tuple[Updates, optax.MultiStepsState]:
         if not isinstance(state, optax.MultiStepsState):
             raise TypeError(
                 "Expected `state` to be the optax.MultiStepsState from this transformation's "
@@ -409,8 +414,11 @@ def multi_steps(
             return run(updates, state, params, **extra_args)
 
     def run(
-        updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, optax.MultiStepsState]:
+        updates: Updates,
+        state: optax.MultiStepsState,
+        params: Params | None = None,
+        **extra_args: object,
+    ) -> tuple[Updates, optax.MultiStepsState]:
         # optax types the counters as ArrayLike: init makes them int32 arrays
         mini_step, gradient_step = (
             cast(jax.Array, state.mini_step),
@@ -423,7 +431,7 @@ def multi_steps(
         )
         emit = mini_step == k_steps - 1
 
-        def apply() -> tuple[Any, Any]:
+        def apply() -> tuple[Updates, OptState]:
             final, new_inner = inner.update(
                 optax.tree.cast_like(acc, updates), state.inner_opt_state, params, **extra_args
             )

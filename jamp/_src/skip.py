@@ -19,24 +19,27 @@ state, is faster with it (``benchmarks/RESULTS.md`` measures both).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
 from jamp._src.leaves import combine, explicit_sharding, is_numeric_dtype, partition, selected
-from jamp._src.types import Filter, Grads, OptState, Params
+from jamp._src.types import Filter, Grads, OptState, Params, PyTree, Updates
 from jamp._src.validate import Transformation, check_bool_scalar, check_filter, diagnosing
 
+T = TypeVar("T")  # a tree a branch returns
 
-def _varying_axes(x: Any) -> frozenset:
+
+def _varying_axes(x: object) -> frozenset[str]:
     manual = getattr(x, "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", ()))
 
 
-def match_varying(tree: Any, like: Any) -> Any:
+def match_varying(tree: T, like: PyTree) -> T:
     """Mark ``tree``'s leaves as varying over the ``shard_map`` axes ``like``'s vary over.
 
     Under ``shard_map`` (with its default ``check_vma=True``) both branches of a
@@ -45,7 +48,7 @@ def match_varying(tree: Any, like: Any) -> Any:
     the updated values do.
     """
 
-    def one(x: Any, ref: Any) -> Any:
+    def one(x: jax.Array, ref: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
         want = _varying_axes(ref if isinstance(ref, jax.ShapeDtypeStruct) else jax.typeof(ref))
         missing = want - _varying_axes(jax.typeof(x))
         return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
@@ -53,7 +56,7 @@ def match_varying(tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like)
 
 
-def typed_like(tree: Any, like: Any) -> Any:
+def typed_like(tree: T, like: PyTree) -> T:
     """``tree`` with each leaf in the dtype (and explicit sharding) of ``like``'s leaf.
 
     The kept branch of a skipped step returns the old values, typed like the
@@ -63,7 +66,7 @@ def typed_like(tree: Any, like: Any) -> Any:
     disagree. Leaves that already match are returned as they are.
     """
 
-    def one(x: Any, ref: Any) -> Any:
+    def one(x: PyTree, ref: PyTree) -> PyTree:
         if not hasattr(x, "dtype") or not hasattr(ref, "dtype"):
             return x
         if x.dtype != ref.dtype:
@@ -78,7 +81,7 @@ def typed_like(tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like)
 
 
-def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
+def cond_or_keep(pred: jax.Array, apply: Callable[[], T], keep: Callable[[PyTree], T]) -> T:
     """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
 
     ``keep`` is called with ``apply``'s output shapes (``jax.eval_shape(apply)``);
@@ -88,7 +91,7 @@ def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any]
     return lax.cond(pred, apply, lambda: match_varying(typed_like(keep(shapes), shapes), shapes))
 
 
-def by_platform(skip: str, cond_form: Callable[[], Any], select_form: Callable[[], Any]) -> Any:
+def by_platform(skip: str, cond_form: Callable[[], T], select_form: Callable[[], T]) -> T:
     """``cond_form()`` or ``select_form()``, as ``skip`` says; ``"auto"``: the select form on
     GPUs and TPUs, the cond form on CPUs, chosen at lowering (``lax.platform_dependent``)."""
     if skip == "cond":
@@ -98,7 +101,7 @@ def by_platform(skip: str, cond_form: Callable[[], Any], select_form: Callable[[
     return lax.platform_dependent(cpu=cond_form, default=select_form)
 
 
-def select_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
+def select_or_keep(pred: jax.Array, apply: Callable[[], T], keep: Callable[[T], T]) -> T:
     """``apply()`` where ``pred`` holds, else ``keep(apply())``, leaf by leaf with a select.
 
     Both are computed; a non-finite value in the dropped one never reaches
@@ -112,11 +115,11 @@ def select_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[An
 
 def apply_or_keep(
     pred: jax.Array,
-    apply: Callable[[], Any],
-    keep: Callable[[Any], Any],
+    apply: Callable[[], T],
+    keep: Callable[[PyTree], T],
     *,
     skip: str = "auto",
-) -> Any:
+) -> T:
     """``apply()`` where ``pred`` holds, else ``keep(shapes of apply())``, by cond or select.
 
     ``"cond"`` runs only the chosen branch (``cond_or_keep``); ``"select"``
@@ -131,7 +134,7 @@ def apply_or_keep(
     )
 
 
-def zeros(shapes: Any) -> Any:
+def zeros(shapes: PyTree) -> PyTree:
     """Zeros shaped like ``shapes`` (arrays or ``ShapeDtypeStruct``s), leaf by leaf.
 
     Under JAX's explicit sharding mode the zeros carry ``shapes``' shardings.
@@ -141,14 +144,14 @@ def zeros(shapes: Any) -> Any:
     )
 
 
-def nothing(dtype: Any) -> jax.Array:
+def nothing(dtype: DTypeLike) -> jax.Array:
     """The scalar update that changes nothing: ``-0.0`` (``p + -0.0`` is ``p``, bit for bit,
     ``-0.0`` included, where ``p + 0.0`` turns ``-0.0`` into ``+0.0``); ``0`` for other dtypes."""
     dtype = jnp.dtype(dtype)
     return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
 
 
-def no_updates(shapes: Any) -> Any:
+def no_updates(shapes: PyTree) -> Updates:
     """Updates that leave every parameter bit-identical once added (``nothing``),
     shaped like ``shapes``; under the explicit sharding mode they carry its shardings."""
     return jax.tree_util.tree_map(
@@ -156,12 +159,12 @@ def no_updates(shapes: Any) -> Any:
     )
 
 
-def keep_nothing(pred: jax.Array, updates: Any) -> Any:
+def keep_nothing(pred: jax.Array, updates: Updates) -> Updates:
     """``updates`` where ``pred`` holds, else updates that change nothing (``nothing``)."""
     return jax.tree_util.tree_map(lambda u: jnp.where(pred, u, nothing(u.dtype)), updates)
 
 
-def same_or_zeros(tree: Any, shapes: Any) -> Any:
+def same_or_zeros(tree: PyTree, shapes: PyTree) -> PyTree:
     """``tree`` where it matches ``shapes``' structure and shapes, else zeros of ``shapes``."""
     leaves = jax.tree_util.tree_leaves(tree)
     same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(shapes) and all(
@@ -171,7 +174,9 @@ def same_or_zeros(tree: Any, shapes: Any) -> Any:
     return tree if same else zeros(shapes)
 
 
-def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None) -> Any:
+def select_tree(
+    pred: ArrayLike, on_true: PyTree, on_false: PyTree, *, filter: Filter = None
+) -> PyTree:
     """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
 
     Both trees must have the same structure, and matching leaves the same
@@ -212,7 +217,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
             f"{t_true} and {t_false} instead."
         )
 
-    def pick(path: jax.tree_util.KeyPath, a: Any, b: Any) -> Any:
+    def pick(path: jax.tree_util.KeyPath, a: PyTree, b: PyTree) -> PyTree:
         where = jax.tree_util.keystr(path) or "<root>"
         if not selected(filter, a):
             if a is b or (
@@ -253,11 +258,11 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
     return jax.tree_util.tree_map_with_path(pick, on_true, on_false)
 
 
-def apply_updates(params: Any, updates: Any) -> Any:
+def apply_updates(params: Params, updates: Updates) -> Params:
     """``optax.apply_updates`` that also takes ``None`` updates (Equinox's gradients of
     leaves it does not differentiate): such a parameter is returned as it is."""
 
-    def one(p: Any, u: Any) -> Any:
+    def one(p: ArrayLike | None, u: ArrayLike | None) -> ArrayLike | None:
         if p is None:
             return None
         if u is None:
@@ -285,7 +290,7 @@ def optimizer_step(
     grads: Grads,
     filter: Filter = None,
     skip: str = "auto",
-    extra_args: Mapping[str, Any] | None = None,
+    extra_args: Mapping[str, object] | None = None,
     fn: str = "step",
 ) -> tuple[Params, OptState]:
     """``tx``'s step applied to ``params`` where ``pred`` holds, else both kept, by cond or
@@ -312,7 +317,7 @@ def optimizer_step(
 def _step(pred, tx, grads_fn, opt_state, dynamic, skip, extra_args):
     """``optimizer_step`` on the leaves it selected."""
 
-    def apply() -> tuple[Any, Any]:
+    def apply() -> tuple[Params, OptState]:
         updates, new_opt_state = tx.update(grads_fn(), opt_state, dynamic, **(extra_args or {}))
         return apply_updates(dynamic, updates), new_opt_state
 

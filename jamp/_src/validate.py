@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, NamedTuple, Protocol, cast
+from typing import Final, NamedTuple, Protocol, cast
 
 import jax
 import jax.core
@@ -35,7 +35,7 @@ MIN_SCALE = 2.0**-126
 MAX_SCALE = 2.0**126
 INT32_MAX = 2**31 - 1
 
-NO_SCALE: Any = object()  # check_config's scale when there is no scale to check
+NO_SCALE: Final = object()  # check_config's scale when there is no scale to check
 
 
 class Config(NamedTuple):
@@ -52,7 +52,7 @@ class Config(NamedTuple):
     overflow_streak: int | None = None
 
 
-def _refuse_tracer(name: str, value: Any, what: str, action: str) -> None:
+def _refuse_tracer(name: str, value: object, what: str, action: str) -> None:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"Expected `{name}` to be a concrete {what}, got a traced value instead; {action} "
@@ -60,7 +60,7 @@ def _refuse_tracer(name: str, value: Any, what: str, action: str) -> None:
         )
 
 
-def _scalar_float(name: str, value: Any) -> float:
+def _scalar_float(name: str, value: object) -> float:
     """A Python float from a number or a concrete float32/float64 0-d array."""
     _refuse_tracer(name, value, "Python number", "build the loss-scale state")
     if isinstance(value, (np.ndarray, np.generic, jax.Array)):
@@ -90,13 +90,13 @@ def _scalar_float(name: str, value: Any) -> float:
         ) from None
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     """``repr(value)``, cut short: a message shows a 10**400 or a large array in a line."""
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:48]}... ({len(text)} characters)"
 
 
-def _count(name: str, value: Any) -> int:
+def _count(name: str, value: object) -> int:
     """An int in ``[1, 2**31 - 1]``: a TypeError for a non-integer, a ValueError out of range."""
     if not is_integer(value):
         raise TypeError(
@@ -123,7 +123,7 @@ def _float32(v: float) -> float:
     )
 
 
-def _bound(name: str, value: Any) -> float:
+def _bound(name: str, value: object) -> float:
     """A bound rounded to float32: construction compares what the update rule compares."""
     v = _float32(_scalar_float(name, value))
     if not (math.isfinite(v) and MIN_SCALE <= v <= MAX_SCALE):
@@ -134,7 +134,7 @@ def _bound(name: str, value: Any) -> float:
     return v
 
 
-def _scale(name: str, value: Any, lo: float, hi: float, clamp: bool) -> float:
+def _scale(name: str, value: object, lo: float, hi: float, clamp: bool) -> float:
     v = _scalar_float(name, value)
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"Expected `{name}` to be positive and finite, got {name}={v!r} instead.")
@@ -167,7 +167,7 @@ def _moves(factor: float, grows: bool) -> bool:
     return True
 
 
-def _counter(name: str, value: Any) -> int:
+def _counter(name: str, value: object) -> int:
     """A restored counter: a concrete integer >= 0 (a Python int or an integer 0-d array)."""
     _refuse_tracer(name, value, "integer", "restore the loss-scale state")
     if isinstance(value, (np.ndarray, np.generic, jax.Array)):
@@ -194,18 +194,18 @@ def _counter(name: str, value: Any) -> int:
 
 def check_config(
     *,
-    scale: Any = NO_SCALE,
+    scale: object = NO_SCALE,
     scale_name: str = "init_scale",
-    growth_factor: Any = 2.0,
-    backoff_factor: Any = 0.5,
-    growth_interval: Any = 2000,
-    min_scale: Any = MIN_SCALE,
-    max_scale: Any = MAX_SCALE,
-    hysteresis: Any = 1,
-    growth_tracker: Any = None,
-    overflow_streak: Any = None,
+    growth_factor: object = 2.0,
+    backoff_factor: object = 0.5,
+    growth_interval: object = 2000,
+    min_scale: object = MIN_SCALE,
+    max_scale: object = MAX_SCALE,
+    hysteresis: object = 1,
+    growth_tracker: object = None,
+    overflow_streak: object = None,
     restore: bool = False,
-    names: Any = None,
+    names: Mapping[str, str] | None = None,
 ) -> Config:
     """Checks a loss-scale configuration (and a scale, when given) and normalises it.
 
@@ -305,7 +305,7 @@ def check_config(
     return Config(checked, gf, bf, interval, lo, hi, hyst, tracker, streak)
 
 
-def checked_scale(name: str, value: Any) -> float:
+def checked_scale(name: str, value: object) -> float:
     """A scale read from a checkpoint without its configuration, as a Python float.
 
     A positive, finite number (a Python number or a concrete 0-d float32,
@@ -321,12 +321,12 @@ def checked_scale(name: str, value: Any) -> float:
     return v
 
 
-def checked_counter(name: str, value: Any) -> int:
+def checked_counter(name: str, value: object) -> int:
     """A counter read from a checkpoint: a concrete integer in ``[0, 2**31 - 1]``."""
     return _counter(name, value)
 
 
-def checked_floor(name: str, value: Any) -> float:
+def checked_floor(name: str, value: object) -> float:
     """flax's ``minimum_scale`` as jamp's ``min_scale``: a number in ``[0, 2**126]``,
     raised to jamp's floor of ``2**-126`` when below it."""
     v = _scalar_float(name, value)

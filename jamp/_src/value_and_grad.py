@@ -10,17 +10,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.core
 import jax.numpy as jnp
+import optax
 from jax import lax
+from jax.typing import ArrayLike
 
 from jamp._src.finite.check import unscaled_and_finite
 from jamp._src.leaves import combine, is_inexact_array, partition
 from jamp._src.loss_scale import LossScaleState, backoff, scale_tree, update_state
 from jamp._src.skip import optimizer_step
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
 from jamp._src.validate import (
     INT32_MAX,
     check_axis_name,
@@ -45,20 +48,20 @@ class ScaledValueAndGrad(NamedTuple):
         ``max_retries`` > 0).
     """
 
-    value: Any
-    aux: Any
-    grads: Any
+    value: PyTree
+    aux: PyTree
+    grads: Grads
     finite: jax.Array
     loss_scale: LossScaleState
     retries: jax.Array
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., PyTree],
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
-    axis_name: Any = None,
+    axis_name: AxisName | None = None,
     max_retries: int = 0,
 ) -> Callable[..., ScaledValueAndGrad]:
     """``jax.value_and_grad`` of a scaled loss, unscaled and checked in one call.
@@ -105,7 +108,7 @@ def value_and_grad(
     scaled = _scaled(fun, has_aux)
 
     @_named_like(fun)
-    def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
+    def wrapped(loss_scale: LossScaleState, *args: PyTree, **kwargs: PyTree) -> ScaledValueAndGrad:
         _check_loss_scale(loss_scale, "value_and_grad")
         shifted = _shift(argnums, len(args))
         _check_differentiable(args, argnums)
@@ -118,10 +121,10 @@ def value_and_grad(
 
 
 def filter_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., PyTree],
     *,
     has_aux: bool = False,
-    axis_name: Any = None,
+    axis_name: AxisName | None = None,
     max_retries: int = 0,
 ) -> Callable[..., ScaledValueAndGrad]:
     """[`jamp.value_and_grad`][] with Equinox's convention: an ``eqx.Module`` goes in as it is.
@@ -166,7 +169,7 @@ def filter_value_and_grad(
     _check_options(fun, axis_name, max_retries, has_aux)
 
     @_named_like(fun)
-    def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
+    def wrapped(loss_scale: LossScaleState, *args: PyTree, **kwargs: PyTree) -> ScaledValueAndGrad:
         _check_loss_scale(loss_scale, "filter_value_and_grad")
         if not args:
             raise TypeError(
@@ -184,16 +187,16 @@ def filter_value_and_grad(
 
 
 def step_if_finite(
-    finite: Any,
-    tx: Any,
-    grads: Any,
-    opt_state: Any,
-    params: Any,
+    finite: ArrayLike,
+    tx: optax.GradientTransformation,
+    grads: Grads,
+    opt_state: OptState,
+    params: Params,
     *,
-    filter: Any = None,
+    filter: Filter = None,
     skip: str = "auto",
-    **extra_args: Any,
-) -> tuple[Any, Any]:
+    **extra_args: object,
+) -> tuple[Params, OptState]:
     """Apply the optimizer step where ``finite`` holds; else keep parameters and state.
 
     The skip for [`value_and_grad`][jamp.value_and_grad] and
@@ -252,11 +255,14 @@ def step_if_finite(
     )
 
 
-def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def _named_like(fun: Callable[..., object]) -> Callable[[F], F]:
     """``functools.wraps(fun)`` without ``__wrapped__``: the wrapper takes the loss-scale
     state first, so its signature is its own (``eqx.filter_jit`` binds arguments by it)."""
 
-    def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(wrapper: F) -> F:
         functools.update_wrapper(wrapper, fun)
         delattr(wrapper, "__wrapped__")  # set by update_wrapper, unknown to a Callable
         return wrapper
@@ -264,7 +270,7 @@ def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
     return decorate
 
 
-def _check_options(fun: Any, axis_name: Any, max_retries: Any, has_aux: Any) -> None:
+def _check_options(fun: object, axis_name: object, max_retries: object, has_aux: object) -> None:
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
     check_axis_name(axis_name)
@@ -286,7 +292,7 @@ def _check_options(fun: Any, axis_name: Any, max_retries: Any, has_aux: Any) -> 
     check_flag("has_aux", has_aux, " (True when `fun` returns (loss, aux))")
 
 
-def _check_loss_scale(loss_scale: Any, fn: str) -> None:
+def _check_loss_scale(loss_scale: object, fn: str) -> None:
     if not isinstance(loss_scale, LossScaleState):
         raise TypeError(
             f"The function from jamp.{fn} takes the loss-scale state as its first argument, "
@@ -294,10 +300,12 @@ def _check_loss_scale(loss_scale: Any, fn: str) -> None:
         )
 
 
-def _scaled(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+def _scaled(fun: Callable[..., PyTree], has_aux: bool) -> Callable[..., PyTree]:
     """``(state, *args) -> (scale(state, loss), (loss, aux))`` for ``jax.grad(has_aux=True)``."""
 
-    def scaled(state: LossScaleState, *args: Any, **kwargs: Any) -> Any:
+    def scaled(
+        state: LossScaleState, *args: PyTree, **kwargs: PyTree
+    ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
         out = fun(*args, **kwargs)
         if has_aux and not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
@@ -311,15 +319,15 @@ def _scaled(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
 
 
 def _run(
-    grad_fn: Callable[[LossScaleState], Any],
+    grad_fn: Callable[[LossScaleState], tuple[Grads, tuple[PyTree, PyTree]]],
     loss_scale: LossScaleState,
-    axis_name: Any,
+    axis_name: AxisName | None,
     max_retries: int,
 ) -> ScaledValueAndGrad:
     """Differentiate at ``loss_scale`` (``grad_fn(state) -> (grads, (loss, aux))``),
     unscale, check, retry at lower scales if asked, and update the scale."""
 
-    def attempt(state: LossScaleState) -> tuple[Any, Any, Any, jax.Array]:
+    def attempt(state: LossScaleState) -> tuple[PyTree, PyTree, Grads, jax.Array]:
         grads, (loss, aux) = grad_fn(state)
         grads, finite = unscaled_and_finite(state, grads, axis_name)
         return loss, aux, grads, finite
@@ -360,7 +368,7 @@ def _run(
     )
 
 
-def _check_argnums(argnums: Any) -> None:
+def _check_argnums(argnums: object) -> None:
     ok = isinstance(argnums, int) and not isinstance(argnums, bool)
     if isinstance(argnums, Sequence) and not isinstance(argnums, str):
         ok = len(argnums) > 0 and all(

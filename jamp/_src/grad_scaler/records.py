@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Any
 
 import jax
 import jax.core
@@ -47,7 +46,7 @@ _SEVERAL = (
 STEPPED_TWICE = "step() has already been called since the last update()."
 
 
-def _trace_state() -> Any:
+def _trace_state() -> object:
     return jax.extend.core.get_opaque_trace_state(convention="jamp")
 
 
@@ -81,10 +80,10 @@ class StepRecord:
     its cache entry) from one iteration to the next.
     """
 
-    tx: Any
-    structure: Any
+    tx: object
+    structure: object
     outputs: tuple[weakref.ref[jax.Array], ...]
-    trace: Any
+    trace: object
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -116,7 +115,7 @@ def record(tx: object, params: Params, new_params: Params) -> StepRecord:
     )
 
 
-def check_step(records: tuple, tx: Any, params: Any) -> None:
+def check_step(records: tuple[StepRecord | None, ...], tx: object, params: Params) -> None:
     """A RuntimeError, in torch's words, if ``tx`` stepping ``params`` is not a new optimizer.
 
     Args:

@@ -25,13 +25,14 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import ParamSpec, TypeVar, overload
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import ArrayLike
 
 from jamp._src import loss_scale as ls
 from jamp._src.finite.check import check_unscaled, unscaled_and_finite
@@ -41,7 +42,9 @@ from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import optimizer_step
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
 from jamp._src.validate import (
+    Config,
     check_axis_name,
     check_config,
     check_flag,
@@ -57,7 +60,7 @@ R = TypeVar("R")
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def _check_state(state: Any, method: str) -> ls.LossScaleState:
+def _check_state(state: object, method: str) -> ls.LossScaleState:
     """``state`` if it is a loss-scale state, else a TypeError that says where one comes from."""
     if isinstance(state, ls.LossScaleState):
         return state
@@ -77,7 +80,7 @@ def _check_state(state: Any, method: str) -> ls.LossScaleState:
     )
 
 
-def _python_scalar(value: Any) -> Any:
+def _python_scalar(value: object) -> object:
     """A 0-d NumPy/JAX array (a dict restored by Orbax or ``np.load``) as a Python number."""
     if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
         if isinstance(value, jax.core.Tracer):
@@ -251,11 +254,11 @@ _CALLS = {
 _CLONE = "jax.tree_util.tree_map(lambda x: x, state)"
 
 
-def _is_tracer(x: Any) -> bool:
+def _is_tracer(x: object) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _consume(state: ls.LossScaleState, method: str, others: Any = ()) -> None:
+def _consume(state: ls.LossScaleState, method: str, others: PyTree = ()) -> None:
     """Mark ``state`` consumed by ``method``, which took it and returned its successor
     (``GradScalerState.consumed_by``).
 
@@ -392,7 +395,7 @@ class GradScaler:
     growth_interval: int = 2000
     enabled: bool = True
     skip: str = "auto"
-    axis_name: Any = None
+    axis_name: AxisName | None = None
 
     def __post_init__(self) -> None:
         # GradScaler is configuration, not a pytree, so validating here is safe.
@@ -410,7 +413,7 @@ class GradScaler:
 
     # ------------------------------------------------------------ state
 
-    def _config(self) -> Any:
+    def _config(self) -> Config:
         return check_config(
             scale=self.init_scale,
             growth_factor=self.growth_factor,
@@ -454,7 +457,7 @@ class GradScaler:
     def get_growth_interval(self, state: ls.LossScaleState) -> int:
         return _check_state(state, "get_growth_interval").growth_interval
 
-    def _reconfigure(self, state: StateT, method: str, **changes: Any) -> StateT:
+    def _reconfigure(self, state: StateT, method: str, **changes: object) -> StateT:
         _check_state(state, method)
         if not state.is_dynamic:
             return state
@@ -495,16 +498,18 @@ class GradScaler:
     # ------------------------------------------------------------ the loop
 
     @_takes_state("scaler.scale(state, loss)")
-    def scale(self, state: ls.LossScaleState, outputs: Any) -> Any:
+    def scale(self, state: ls.LossScaleState, outputs: PyTree) -> PyTree:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
         return ls.scale_tree(_check_state(state, "scale"), outputs)
 
     @overload
-    def unscale(self, state: GradScalerState, grads: Any) -> tuple[Any, GradScalerState]: ...
+    def unscale(self, state: GradScalerState, grads: Grads) -> tuple[Grads, GradScalerState]: ...
     @overload
-    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]: ...
+    def unscale(
+        self, state: ls.LossScaleState, grads: Grads
+    ) -> tuple[Grads, ls.LossScaleState]: ...
     @_takes_state(_CALLS["unscale"])
-    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]:
+    def unscale(self, state: ls.LossScaleState, grads: Grads) -> tuple[Grads, ls.LossScaleState]:
         """``(unscaled_grads, state)``: torch's ``unscale_(optimizer)``; clip after this.
 
         The returned state records the inf check and that these gradients are
@@ -540,37 +545,37 @@ class GradScaler:
         self,
         state: GradScalerState,
         tx: optax.GradientTransformation,
-        grads: Any,
-        opt_state: Any,
-        params: Any,
+        grads: Grads,
+        opt_state: OptState,
+        params: Params,
         *,
-        filter: Any = None,
-        **extra_args: Any,
-    ) -> tuple[Any, Any, GradScalerState]: ...
+        filter: Filter = None,
+        **extra_args: object,
+    ) -> tuple[Params, OptState, GradScalerState]: ...
     @overload
     def step(
         self,
         state: ls.LossScaleState,
         tx: optax.GradientTransformation,
-        grads: Any,
-        opt_state: Any,
-        params: Any,
+        grads: Grads,
+        opt_state: OptState,
+        params: Params,
         *,
-        filter: Any = None,
-        **extra_args: Any,
-    ) -> tuple[Any, Any, ls.LossScaleState]: ...
+        filter: Filter = None,
+        **extra_args: object,
+    ) -> tuple[Params, OptState, ls.LossScaleState]: ...
     @_takes_state(_CALLS["step"])
     def step(
         self,
         state: ls.LossScaleState,
         tx: optax.GradientTransformation,
-        grads: Any,
-        opt_state: Any,
-        params: Any,
+        grads: Grads,
+        opt_state: OptState,
+        params: Params,
         *,
-        filter: Any = None,
-        **extra_args: Any,
-    ) -> tuple[Any, Any, ls.LossScaleState]:
+        filter: Filter = None,
+        **extra_args: object,
+    ) -> tuple[Params, OptState, ls.LossScaleState]:
         """Apply ``tx`` unless a gradient is inf/NaN: torch's ``scaler.step(optimizer)``.
 
         Unless ``state`` comes from [`unscale`][jamp.GradScaler.unscale] (whose gradients are taken
@@ -611,7 +616,7 @@ class GradScaler:
         check_not_swapped(grads, opt_state, params)
         check_step_arguments(tx, grads, opt_state, params, filter=filter, fn="GradScaler.step")
 
-        def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
+        def step(pred: jax.Array | None, grads_fn: Callable[[], Grads]) -> tuple[Params, OptState]:
             return optimizer_step(
                 pred,
                 tx,
@@ -653,7 +658,7 @@ class GradScaler:
         return new_params, new_opt_state, new_state
 
     @_takes_state(_CALLS["update"])
-    def update(self, state: StateT, new_scale: Any = None) -> StateT:
+    def update(self, state: StateT, new_scale: ArrayLike | None = None) -> StateT:
         """The state for the next iteration: ``scaler.update()``.
 
         Backs the scale off once if any inf check recorded since the last
@@ -757,7 +762,7 @@ class GradScaler:
     # ------------------------------------------------------------ checkpoints
 
     @_takes_state("scaler.state_dict(state)")
-    def state_dict(self, state: ls.LossScaleState) -> dict[str, Any]:
+    def state_dict(self, state: ls.LossScaleState) -> dict[str, float | int]:
         """PyTorch's state dict: ``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker`` (``{}`` when disabled).
 
@@ -774,7 +779,7 @@ class GradScaler:
             "_growth_tracker": int(np.asarray(state.growth_tracker)),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> GradScalerState:
+    def load_state_dict(self, state_dict: Mapping[str, object]) -> GradScalerState:
         """A state from a dict saved by [`state_dict`][jamp.GradScaler.state_dict] or by PyTorch.
 
         The dict's growth/backoff configuration is carried in the returned
@@ -806,7 +811,7 @@ class GradScaler:
             )
         scale_value = state_dict["scale"]
         if is_real_number(scale_value) and not (
-            isinstance(scale_value, int) or math.isfinite(scale_value) and scale_value > 0
+            isinstance(scale_value, int) or math.isfinite(scale_value) and float(scale_value) > 0
         ):
             raise ValueError(
                 f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r:.60} "
