@@ -612,7 +612,7 @@ BAD_INPUT = {
     "multi_steps every_k_schedule=2**31": (
         lambda: jamp.multi_steps(SGD, 2**31),
         ValueError,
-        r"`every_k_schedule` in \[1, 2\*\*31 - 1\].*2147483648",
+        r"`every_k_schedule` to be an integer in \[1, 2\*\*31 - 1\].*2147483648",
     ),
     "multi_steps accumulator_dtype=int32": (
         lambda: jamp.multi_steps(SGD, 2, accumulator_dtype=jnp.int32),

@@ -41,8 +41,8 @@ from jamp._src.skip import (
 )
 from jamp._src.types import AxisName, OptState, Params, PyTree, Updates
 from jamp._src.validate import (
-    INT32_MAX,
     check_axis_name,
+    check_count,
     check_counters,
     check_flag,
     check_optimizer,
@@ -325,17 +325,8 @@ def multi_steps(
     """
     inner = checked_inner(inner)
     k = every_k_schedule
-    if not callable(k) and not (isinstance(k, int) and not isinstance(k, bool)):
-        raise TypeError(
-            "Expected `every_k_schedule` to be an int >= 1 or a schedule (a function of the "
-            f"step count), got {k!r} instead."
-        )
-    if not callable(k) and not 1 <= k <= INT32_MAX:
-        raise ValueError(
-            f"Expected `every_k_schedule` in [1, 2**31 - 1] (the micro-step count is an int32), "
-            f"got every_k_schedule={k if abs(k) < 10**20 else '<an integer of 20 digits or more>'} "
-            "instead."
-        )
+    if not callable(k):
+        k = check_count("every_k_schedule", k, alternative=" or a function of the step count")
     check_flag("use_grad_mean", use_grad_mean)
     if should_skip_update_fn is not None and not callable(should_skip_update_fn):
         raise TypeError(
@@ -358,7 +349,7 @@ def multi_steps(
             )
     reference = optax.MultiSteps(
         inner,
-        every_k_schedule,
+        k,
         use_grad_mean=use_grad_mean,
         should_skip_update_fn=should_skip_update_fn,
         # optax types it DTypeLike but takes None too (its canonicalize_dtype's default)

@@ -96,20 +96,23 @@ def _show(value: object) -> str:
     return text if len(text) <= 60 else f"{text[:48]}... ({len(text)} characters)"
 
 
-def _count(name: str, value: object) -> int:
-    """An int in ``[1, 2**31 - 1]``: a TypeError for a non-integer, a ValueError out of range."""
+def check_count(name: str, value: object, lo: int = 1, alternative: str = "") -> int:
+    """``value`` as a Python int in ``[lo, 2**31 - 1]`` (counted in an int32): a TypeError
+    for a non-integer (a bool, a float), a ValueError out of range. ``alternative`` names
+    what else the argument may be, for the TypeError's message."""
     if not is_integer(value):
         raise TypeError(
-            f"Expected `{name}` to be an integer >= 1, got {name}={_show(value)} instead."
+            f"Expected `{name}` to be an integer >= {lo}{alternative}, got "
+            f"{name}={_show(value)} instead."
         )
-    if int(value) < 1:
+    if int(value) < lo:
         raise ValueError(
-            f"Expected `{name}` to be an integer >= 1, got {name}={_show(value)} instead."
+            f"Expected `{name}` to be an integer >= {lo}, got {name}={_show(value)} instead."
         )
     if int(value) > INT32_MAX:
         raise ValueError(
-            f"Expected `{name}` to be an integer in [1, 2**31 - 1], got {name}={_show(value)} "
-            "instead."
+            f"Expected `{name}` to be an integer in [{lo}, 2**31 - 1] (it is counted in an "
+            f"int32), got {name}={_show(value)} instead."
         )
     return int(value)
 
@@ -267,8 +270,8 @@ def check_config(
                 f"{'grow' if grows else 'back off'} (and after an overflow every step would be "
                 "skipped)."
             )
-    interval = _count(names.get("growth_interval", "growth_interval"), growth_interval)
-    hyst = _count("hysteresis", hysteresis)
+    interval = check_count(names.get("growth_interval", "growth_interval"), growth_interval)
+    hyst = check_count("hysteresis", hysteresis)
     lo, hi = _bound("min_scale", min_scale), _bound("max_scale", max_scale)
     if lo > hi:
         raise ValueError(

@@ -25,9 +25,9 @@ from jamp._src.loss_scale import LossScaleState, backoff, scale_tree, update_sta
 from jamp._src.skip import optimizer_step
 from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
 from jamp._src.validate import (
-    INT32_MAX,
     check_axis_name,
     check_bool_scalar,
+    check_count,
     check_flag,
     check_skip,
     check_step_arguments,
@@ -103,7 +103,7 @@ def value_and_grad(
       >>> float(out.value), out.grads, bool(out.finite)
       (5.0, Array([2., 4.], dtype=float32), True)
     """
-    _check_options(fun, axis_name, max_retries, has_aux)
+    max_retries = _check_options(fun, axis_name, max_retries, has_aux)
     _check_argnums(argnums)
     scaled = _scaled(fun, has_aux)
 
@@ -166,7 +166,7 @@ def filter_value_and_grad(
       >>> float(out.value), bool(out.finite)
       (18.0, True)
     """
-    _check_options(fun, axis_name, max_retries, has_aux)
+    max_retries = _check_options(fun, axis_name, max_retries, has_aux)
 
     @_named_like(fun)
     def wrapped(loss_scale: LossScaleState, *args: PyTree, **kwargs: PyTree) -> ScaledValueAndGrad:
@@ -270,26 +270,15 @@ def _named_like(fun: Callable[..., object]) -> Callable[[F], F]:
     return decorate
 
 
-def _check_options(fun: object, axis_name: object, max_retries: object, has_aux: object) -> None:
+def _check_options(fun: object, axis_name: object, max_retries: object, has_aux: object) -> int:
+    """The options of ``value_and_grad`` and ``filter_value_and_grad``, checked; returns
+    ``max_retries`` as a Python int."""
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
     check_axis_name(axis_name)
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int):
-        raise TypeError(
-            f"Expected `max_retries` to be an int >= 0, got max_retries={max_retries!r:.60} "
-            "instead."
-        )
-    shown = max_retries if abs(max_retries) < 10**20 else "<an integer of 20 digits or more>"
-    if max_retries < 0:
-        raise ValueError(
-            f"Expected `max_retries` to be an int >= 0, got max_retries={shown} instead."
-        )
-    if max_retries > INT32_MAX:
-        raise ValueError(
-            f"Expected `max_retries` <= 2**31 - 1 (retries are counted in an int32), got "
-            f"max_retries={shown} instead."
-        )
+    retries = check_count("max_retries", max_retries, lo=0)
     check_flag("has_aux", has_aux, " (True when `fun` returns (loss, aux))")
+    return retries
 
 
 def _check_loss_scale(loss_scale: object, fn: str) -> None:
