@@ -524,7 +524,7 @@ BAD_INPUT = {
     ),
     "skip=None": (
         lambda: jamp.loss_scaling(SGD, None, skip=None),
-        ValueError,
+        TypeError,  # a wrong kind; a wrong string is a ValueError
         r"`skip` to be one of .*got None",
     ),
     "update(state=dict)": (
@@ -612,7 +612,7 @@ BAD_INPUT = {
     "multi_steps every_k_schedule=2**31": (
         lambda: jamp.multi_steps(SGD, 2**31),
         ValueError,
-        r"`every_k_schedule` in \[1, 2\*\*31 - 1\].*2147483648",
+        r"`every_k_schedule` to be an integer in \[1, 2\*\*31 - 1\].*2147483648",
     ),
     "multi_steps accumulator_dtype=int32": (
         lambda: jamp.multi_steps(SGD, 2, accumulator_dtype=jnp.int32),
@@ -637,7 +637,7 @@ BAD_INPUT = {
     "multi_steps use_grad_mean='yes'": (
         lambda: jamp.multi_steps(SGD, 2, use_grad_mean="yes"),
         TypeError,
-        r"`use_grad_mean` to be a bool, got 'yes'",
+        r"`use_grad_mean` to be a bool, got use_grad_mean='yes'",
     ),
     "multi_steps update(state=dict)": (
         lambda: jamp.multi_steps(SGD, 2).update(params0(), {}),

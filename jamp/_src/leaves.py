@@ -9,32 +9,35 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any
+from typing import TypeGuard
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike, DTypeLike
+
+from jamp._src.types import Filter, PyTree
 
 FLOAT = "float"  # a leaf that is scaled, unscaled and checked
 PASS = "pass"  # a leaf returned as it is (integer, boolean, float0)
 
 
-def is_real_number(x: Any) -> bool:
+def is_real_number(x: object) -> TypeGuard[numbers.Real]:
     """A Python (or NumPy) real number, not a bool."""
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
-def is_integer(x: Any) -> bool:
+def is_integer(x: object) -> TypeGuard[numbers.Integral]:
     """A Python (or NumPy) integer, not a bool."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def is_float_dtype(dtype: Any) -> bool:
+def is_float_dtype(dtype: DTypeLike) -> bool:
     """A floating or complex dtype, but not ``float0`` (the tangent type of integers)."""
     return jnp.issubdtype(dtype, jnp.inexact) and dtype != jax.dtypes.float0
 
 
-def is_numeric_dtype(dtype: Any) -> bool:
+def is_numeric_dtype(dtype: DTypeLike) -> bool:
     """A dtype JAX computes with: boolean, integer, floating, complex or ``float0``; not an
     object, string, bytes or datetime dtype (NumPy arrays may have those)."""
     dtype = np.dtype(dtype)
@@ -45,30 +48,17 @@ def is_numeric_dtype(dtype: Any) -> bool:
     )
 
 
-def is_half(dtype: Any) -> bool:
+def is_half(dtype: DTypeLike) -> bool:
     """A real floating dtype narrower than float32 (float16, bfloat16, float8...)."""
     return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32
 
 
-Filter = Callable[[Any], Any] | None  # a predicate on leaves, e.g. eqx.is_inexact_array
-
-
-def is_inexact_array(leaf: Any) -> bool:
+def is_inexact_array(leaf: object) -> bool:
     """A floating or complex JAX/NumPy array: Equinox's ``eqx.is_inexact_array``."""
     return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) and is_float_dtype(leaf.dtype)
 
 
-def check_filter(filter: Any, fn: str) -> Filter:
-    """``filter`` if it is ``None`` or callable, else a TypeError naming ``jamp.{fn}``."""
-    if filter is None or callable(filter):
-        return filter
-    raise TypeError(
-        f"`jamp.{fn}` expected `filter` to be a function of a leaf that returns a bool, such as "
-        f"eqx.is_inexact_array, got {filter!r:.60} (type {type(filter).__name__}) instead."
-    )
-
-
-def selected(filter: Filter, leaf: Any) -> bool:
+def selected(filter: Filter, leaf: object) -> bool:
     """Whether ``filter`` (``None``: every leaf) selects ``leaf``; a TypeError unless the
     filter answers with a bool (an array cannot say which leaves to take, and a traced
     one cannot be read at all)."""
@@ -84,12 +74,12 @@ def selected(filter: Filter, leaf: Any) -> bool:
     )
 
 
-def _shape_of(x: Any) -> str:
+def _shape_of(x: object) -> str:
     shape = getattr(x, "shape", None)
     return "" if shape is None else f" of shape {tuple(shape)}"
 
 
-def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
+def leaf_kind(path: jax.tree_util.KeyPath, leaf: PyTree, fn: str) -> str:
     """Classify a leaf: ``FLOAT`` (scaled, checked) or ``PASS`` (returned as is).
 
     Raises a TypeError naming the path and the public function ``fn`` for
@@ -116,7 +106,7 @@ def leaf_kind(path: Any, leaf: Any, fn: str) -> str:
     )
 
 
-def as_array(x: Any) -> jax.Array:
+def as_array(x: ArrayLike) -> jax.Array:
     """A leaf as an array: a Python float as float32 (complex as complex64), as
     in PyTorch; a NumPy scalar (``np.float64(1.5)``) keeps its dtype."""
     if isinstance(x, (float, complex)) and not isinstance(x, np.generic):
@@ -124,7 +114,7 @@ def as_array(x: Any) -> jax.Array:
     return jnp.asarray(x)
 
 
-def scale_leaf(x: Any, s: jax.Array) -> Any:
+def scale_leaf(x: ArrayLike, s: jax.Array) -> jax.Array:
     """``x * s`` in ``x``'s dtype; a 0-d half-precision leaf (a loss) comes back float32."""
     x = as_array(x)
     if is_half(x.dtype):
@@ -135,7 +125,7 @@ def scale_leaf(x: Any, s: jax.Array) -> Any:
     return x * s.astype(x.dtype)
 
 
-def unscale_leaf(x: Any, inv: jax.Array) -> Any:
+def unscale_leaf(x: ArrayLike, inv: jax.Array) -> jax.Array:
     """``x * inv`` in ``x``'s dtype, rounded once, exactly as torch's unscale kernel."""
     x = as_array(x)
     if is_half(x.dtype):
@@ -144,7 +134,7 @@ def unscale_leaf(x: Any, inv: jax.Array) -> Any:
     return x * inv.astype(x.dtype)
 
 
-def explicit_sharding(like: Any) -> Any:
+def explicit_sharding(like: PyTree) -> jax.sharding.NamedSharding | None:
     """The sharding in ``like``'s type under JAX's explicit sharding mode, else ``None``.
 
     ``like`` is an array, a tracer or a ``ShapeDtypeStruct``. In the default
@@ -160,16 +150,18 @@ def explicit_sharding(like: Any) -> Any:
     return None
 
 
-def is_sharded(like: Any) -> bool:
+def is_sharded(like: PyTree) -> bool:
     """Whether ``like``'s type shards some dimension (JAX's explicit sharding mode)."""
     sharding = explicit_sharding(like)
     return sharding is not None and any(p is not None for p in sharding.spec)
 
 
-def map_floating(fn: Callable[[Any], Any], tree: Any, name: str, filter: Filter = None) -> Any:
+def map_floating(
+    fn: Callable[[ArrayLike], ArrayLike], tree: PyTree, name: str, filter: Filter = None
+) -> PyTree:
     """Apply ``fn`` to every floating leaf ``filter`` selects; pass the others through."""
 
-    def visit(path: Any, leaf: Any) -> Any:
+    def visit(path: jax.tree_util.KeyPath, leaf: PyTree) -> PyTree:
         if selected(filter, leaf) and leaf_kind(path, leaf, name) == FLOAT:
             return fn(leaf)
         return leaf
@@ -177,12 +169,12 @@ def map_floating(fn: Callable[[Any], Any], tree: Any, name: str, filter: Filter 
     return jax.tree_util.tree_map_with_path(visit, tree)
 
 
-def float_leaves(tree: Any, fn: str, filter: Filter = None) -> list[jax.Array]:
+def float_leaves(tree: PyTree, fn: str, filter: Filter = None) -> list[jax.Array]:
     """The floating leaves of ``tree`` that ``filter`` selects, as arrays, as ``unscale``
     sees them."""
     leaves: list[jax.Array] = []
 
-    def visit(path: Any, leaf: Any) -> None:
+    def visit(path: jax.tree_util.KeyPath, leaf: PyTree) -> None:
         if selected(filter, leaf) and leaf_kind(path, leaf, fn) == FLOAT:
             leaves.append(as_array(leaf))
 
@@ -190,7 +182,7 @@ def float_leaves(tree: Any, fn: str, filter: Filter = None) -> list[jax.Array]:
     return leaves
 
 
-def partition(tree: Any, filter: Callable[[Any], Any]) -> tuple[Any, Any]:
+def partition(tree: PyTree, filter: Filter) -> tuple[PyTree, PyTree]:
     """``(chosen, rest)``: ``tree`` with ``None`` where ``filter`` is False, and with
     ``None`` where it is True (Equinox's ``eqx.partition``)."""
     chosen = jax.tree_util.tree_map(lambda x: x if selected(filter, x) else None, tree)
@@ -198,32 +190,8 @@ def partition(tree: Any, filter: Callable[[Any], Any]) -> tuple[Any, Any]:
     return chosen, rest
 
 
-def combine(chosen: Any, rest: Any) -> Any:
+def combine(chosen: PyTree, rest: PyTree) -> PyTree:
     """The tree ``partition`` split: each leaf from ``chosen``, else from ``rest``."""
     return jax.tree_util.tree_map(
         lambda a, b: b if a is None else a, chosen, rest, is_leaf=lambda x: x is None
     )
-
-
-def check_bool_scalar(value: Any, name: str, source: str) -> jax.Array:
-    """``value`` as a boolean scalar array, or a TypeError/ValueError naming ``name``."""
-    if isinstance(value, bool):
-        return jnp.asarray(value)
-    dtype = getattr(value, "dtype", None)
-    shape = getattr(value, "shape", None)
-    if dtype is None or shape is None:
-        raise TypeError(
-            f"Expected `{name}` to be a boolean scalar array ({source}), got "
-            f"{type(value).__name__} instead."
-        )
-    if dtype != jnp.bool_:
-        raise TypeError(
-            f"Expected `{name}` to be a boolean scalar, got dtype {dtype} instead; pass the "
-            f"flag {source}."
-        )
-    if tuple(shape) != ():
-        raise ValueError(
-            f"Expected `{name}` to be a scalar (shape ()), got shape {tuple(shape)} instead; "
-            "reduce it over the whole tree with jamp.all_finite."
-        )
-    return value

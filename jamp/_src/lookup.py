@@ -9,35 +9,34 @@ configuration, so the state found there is a static snapshot of the scale.
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import KeyPath
 
 from jamp._src.float8 import Float8State, check_values
-from jamp._src.leaves import check_bool_scalar
 from jamp._src.loss_scale import STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
-from jamp._src.validate import checked_counter, checked_scale
+from jamp._src.types import OptState, PyTree
+from jamp._src.validate import check_bool_scalar, checked_counter, checked_scale
 from jamp._src.value_and_grad import ScaledValueAndGrad
 
 
-def _unwrap(x: Any) -> Any:
+def _unwrap(x: PyTree) -> PyTree:
     """The array inside an NNX ``Variable`` (or anything with ``get_value``)."""
     if isinstance(x, jax.Array) or not hasattr(x, "get_value"):
         return x
     return x.get_value()
 
 
-def _unwrapped(tree: Any) -> Any:
+def _unwrapped(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         _unwrap, tree, is_leaf=lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
     )
 
 
-def _find_in(tree: Any, kind: type) -> list[tuple[Any, Any]]:
+def _find_in(tree: PyTree, kind: type) -> list[tuple[KeyPath, PyTree]]:
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
     return [(path, leaf) for path, leaf in leaves if isinstance(leaf, kind)]
 
@@ -45,7 +44,7 @@ def _find_in(tree: Any, kind: type) -> list[tuple[Any, Any]]:
 _FIELDS = ("scale", "growth_tracker", "overflow_streak")
 
 
-def _flattened(tree: Any) -> dict[tuple, dict[str, Any]]:
+def _flattened(tree: PyTree) -> dict[KeyPath, dict[str, object]]:
     """Mappings of ``tree`` holding a loss-scale state's fields: ``{path: {field: array}}``.
 
     ``nnx.state(optimizer)`` (and a checkpoint restored without a target)
@@ -54,7 +53,7 @@ def _flattened(tree: Any) -> dict[tuple, dict[str, Any]]:
     beside ``last_finite`` and ``skipped_steps``. A real state's fields are
     attributes, not mapping keys, so it is never found here.
     """
-    groups: dict[tuple, dict[str, Any]] = {}
+    groups: dict[KeyPath, dict[str, object]] = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(_unwrapped(tree))[0]:
         if not path:
             continue
@@ -71,7 +70,7 @@ _UNVALIDATED = (
 )
 
 
-def _field(path: tuple, key: str, value: Any, kind: str, arg: str = "opt_state") -> jax.Array:
+def _field(path: KeyPath, key: str, value: object, kind: str, arg: str = "opt_state") -> jax.Array:
     """A flattened state's field as a typed device array, validated: ``kind`` is
     ``"scale"`` (positive and finite), ``"count"`` (an integer in [0, 2**31 - 1]) or
     ``"flag"`` (a bool). A traced value (``nnx.state`` under ``jit``) is checked by its
@@ -98,7 +97,7 @@ def _field(path: tuple, key: str, value: Any, kind: str, arg: str = "opt_state")
         raise type(e)(f"{e} {_UNVALIDATED}.") from None
 
 
-def _snapshot(path: tuple, fields: dict[str, Any], arg: str = "opt_state") -> LossScaleState:
+def _snapshot(path: KeyPath, fields: dict[str, object], arg: str = "opt_state") -> LossScaleState:
     """A static state holding a flattened state's scale and counters (no configuration),
     validated (``_field``)."""
     return LossScaleState(
@@ -109,7 +108,7 @@ def _snapshot(path: tuple, fields: dict[str, Any], arg: str = "opt_state") -> Lo
     )
 
 
-def _find_flattened(tree: Any) -> list[tuple[Any, Any]]:
+def _find_flattened(tree: PyTree) -> list[tuple[KeyPath, dict[str, object]]]:
     return [
         (path, fields)
         for path, fields in _flattened(tree).items()
@@ -117,7 +116,7 @@ def _find_flattened(tree: Any) -> list[tuple[Any, Any]]:
     ]
 
 
-def _find(tree: Any, kind: type) -> list[tuple[Any, Any]]:
+def _find(tree: PyTree, kind: type) -> list[tuple[KeyPath, PyTree]]:
     """Every ``kind`` in ``tree``; for an object with an ``opt_state`` (flax
     TrainState, nnx.Optimizer), those in its ``opt_state``, else those in the
     whole object (a TrainState with a ``loss_scale`` field of its own)."""
@@ -128,12 +127,12 @@ def _find(tree: Any, kind: type) -> list[tuple[Any, Any]]:
     return _find_in(tree, kind)
 
 
-def holds_loss_scale(tree: Any) -> bool:
+def holds_loss_scale(tree: PyTree) -> bool:
     """Whether ``tree`` holds a loss-scale state anywhere [`jamp.get_loss_scale`][] looks."""
     return bool(_find(tree, LossScaleState) or _find_flattened(tree))
 
 
-def get_loss_scale(opt_state: Any) -> LossScaleState:
+def get_loss_scale(opt_state: OptState) -> LossScaleState:
     """The [`jamp.LossScaleState`][] inside any optimizer state.
 
     Looks through any nesting of Optax states (``chain``, ``named_chain``,
@@ -185,7 +184,7 @@ def get_loss_scale(opt_state: Any) -> LossScaleState:
     return _unwrapped(state)
 
 
-def check_restored(tree: Any) -> Any:
+def check_restored(tree: PyTree) -> PyTree:
     """``tree`` with every loss-scale state in it validated as a restored one.
 
     ``flax.serialization`` and [`jamp.GradScaler.load_state_dict`][] validate
@@ -226,11 +225,11 @@ def check_restored(tree: Any) -> Any:
       1999
     """
 
-    def prefix(path: Any) -> str:
+    def prefix(path: KeyPath) -> str:
         where = jax.tree_util.keystr(path, simple=True, separator="/")
         return f"{where}/" if where else ""
 
-    def counters(path: Any, x: Any) -> Any:
+    def counters(path: KeyPath, x: PyTree) -> PyTree:
         if not isinstance(x, ScaledOptimizerState):
             return x
         where = prefix(path)
@@ -248,7 +247,7 @@ def check_restored(tree: Any) -> Any:
             skipped_steps=placed_like(jnp.asarray(skipped, jnp.int32), x.skipped_steps),
         )
 
-    def one(path: Any, x: Any) -> Any:
+    def one(path: KeyPath, x: PyTree) -> PyTree:
         if isinstance(x, Float8State):
             check_values(x, prefix(path).rstrip("/") or "the float8 state")
             return x
@@ -264,7 +263,7 @@ def check_restored(tree: Any) -> Any:
     )
 
 
-def metrics(state: Any) -> dict[str, jax.Array]:
+def metrics(state: PyTree) -> dict[str, jax.Array]:
     """Loss-scaling metrics as a dict of device scalars, ready for any logger.
 
     Accepts an optimizer state holding a [`loss_scaling`][jamp.loss_scaling] state (in any

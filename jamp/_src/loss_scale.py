@@ -9,23 +9,27 @@ imports only jax, numpy and the other ground-floor modules.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import TypedDict, TypeVar
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import ArrayLike
 
-from jamp._src.leaves import (
-    Filter,
-    check_bool_scalar,
-    check_filter,
-    map_floating,
-    scale_leaf,
-    unscale_leaf,
-)
+from jamp._src.leaves import map_floating, scale_leaf, unscale_leaf
 from jamp._src.torch_rounding import mul_as_torch
-from jamp._src.validate import INT32_MAX, MAX_SCALE, MIN_SCALE, NO_SCALE, Config, check_config
+from jamp._src.types import Filter, PyTree
+from jamp._src.validate import (
+    INT32_MAX,
+    MAX_SCALE,
+    MIN_SCALE,
+    NO_SCALE,
+    Config,
+    check_bool_scalar,
+    check_config,
+    check_filter,
+)
 
 # The static configuration: metadata of the pytree, arguments of check_config.
 CONFIG_FIELDS = (
@@ -95,7 +99,7 @@ jax.tree_util.register_dataclass(
 StateT = TypeVar("StateT", bound=LossScaleState)
 
 
-def saturating_increment(count: jax.Array, where: Any) -> jax.Array:
+def saturating_increment(count: jax.Array, where: ArrayLike) -> jax.Array:
     """``count + where`` for an int32 counter, held at 2**31 - 1 instead of wrapping."""
     return jnp.where(where & (count < INT32_MAX), count + 1, count)
 
@@ -116,16 +120,36 @@ def from_config(kind: str, config: Config) -> LossScaleState:
     )
 
 
-def config_of(state: LossScaleState, scale: Any = NO_SCALE) -> dict[str, Any]:
+class ConfigArgs(TypedDict):
+    """A state's configuration (and a scale) as keyword arguments of ``check_config``."""
+
+    scale: object
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    min_scale: float
+    max_scale: float
+    hysteresis: int
+
+
+def config_of(state: LossScaleState, scale: object = NO_SCALE) -> ConfigArgs:
     """``state``'s configuration as keyword arguments of ``check_config``."""
-    return dict(scale=scale, **{f: getattr(state, f) for f in CONFIG_FIELDS})
+    return ConfigArgs(
+        scale=scale,
+        growth_factor=state.growth_factor,
+        backoff_factor=state.backoff_factor,
+        growth_interval=state.growth_interval,
+        min_scale=state.min_scale,
+        max_scale=state.max_scale,
+        hysteresis=state.hysteresis,
+    )
 
 
 def restore(
     target: LossScaleState,
-    scale: Any,
-    growth_tracker: Any = 0,
-    overflow_streak: Any = 0,
+    scale: object,
+    growth_tracker: object = 0,
+    overflow_streak: object = 0,
     *,
     where: str = "",
 ) -> LossScaleState:
@@ -184,7 +208,7 @@ def restore(
     )
 
 
-def placed_like(value: jax.Array, restored: Any) -> jax.Array:
+def placed_like(value: jax.Array, restored: object) -> jax.Array:
     """``value``, or ``restored`` itself when it is a JAX array holding the same bits; else
     ``value`` put where ``restored`` is, when ``restored`` is a committed JAX array.
 
@@ -212,14 +236,14 @@ def fresh(state: LossScaleState) -> LossScaleState:
     return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), state)
 
 
-def _holds_state(tree: Any) -> bool:
+def _holds_state(tree: PyTree) -> bool:
     """Whether a loss-scale state is inside ``tree`` (or its ``opt_state``, for Flax objects)."""
     tree = getattr(tree, "opt_state", tree)
     nodes = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
     return any(isinstance(x, LossScaleState) for x in nodes)
 
 
-def check_state(state: Any, fn: str) -> LossScaleState:
+def check_state(state: object, fn: str) -> LossScaleState:
     """``state`` if it is a [`jamp.LossScaleState`][], else a TypeError naming ``jamp.{fn}``."""
     if not isinstance(state, LossScaleState):
         hint = ""
@@ -348,7 +372,7 @@ def no_loss_scale() -> LossScaleState:
 # Pure functions.
 
 
-def scale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
+def scale(state: LossScaleState, tree: PyTree, *, filter: Filter = None) -> PyTree:
     """Multiply every floating leaf of ``tree`` by the loss scale.
 
     Each array leaf keeps its dtype, except that a 0-d float16/bfloat16 leaf
@@ -378,13 +402,18 @@ def scale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     """
     check_state(state, "scale")
     check_filter(filter, "scale")
+    return scale_tree(state, tree, filter)
+
+
+def scale_tree(state: LossScaleState, tree: PyTree, filter: Filter = None) -> PyTree:
+    """``jamp.scale``, unchecked: for callers that checked ``state`` and ``filter``."""
     if not state.enabled:
         map_floating(lambda x: x, tree, "scale", filter)  # validate leaves all the same
         return tree
     return map_floating(lambda x: scale_leaf(x, state.scale), tree, "scale", filter)
 
 
-def unscale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
+def unscale(state: LossScaleState, tree: PyTree, *, filter: Filter = None) -> PyTree:
     """Multiply every floating leaf of ``tree`` by ``1/scale``, keeping dtypes.
 
     ``1/scale`` is computed once in float32 (torch's ``inv_scale``);
@@ -417,6 +446,12 @@ def unscale(state: LossScaleState, tree: Any, *, filter: Filter = None) -> Any:
     """
     check_state(state, "unscale")
     check_filter(filter, "unscale")
+    return unscale_tree(state, tree, filter)
+
+
+def unscale_tree(state: LossScaleState, tree: PyTree, filter: Filter = None) -> PyTree:
+    """``jamp.unscale``, unchecked: for callers that checked ``state`` and ``filter`` (a
+    step unscales inside the branch that applies the update)."""
     if not state.enabled:
         map_floating(lambda x: x, tree, "unscale", filter)
         return tree
@@ -433,7 +468,7 @@ def inverse_scale(state: LossScaleState) -> jax.Array:
 # The update rule.
 
 
-def update(state: StateT, finite: Any) -> StateT:
+def update(state: StateT, finite: ArrayLike) -> StateT:
     """The loss-scale state after a step whose gradients were ``finite``.
 
     Applies the rule documented in [`dynamic_loss_scale`][jamp.dynamic_loss_scale]. A static or
@@ -457,6 +492,12 @@ def update(state: StateT, finite: Any) -> StateT:
     """
     check_state(state, "update")
     finite = check_bool_scalar(finite, "finite", "from jamp.all_finite / jamp.unscale_and_check")
+    return update_state(state, finite)
+
+
+def update_state(state: StateT, finite: jax.Array) -> StateT:
+    """``jamp.update``, unchecked: for callers whose ``finite`` is their own boolean
+    scalar (a step's finite check) and whose ``state`` is checked."""
     if not state.is_dynamic:
         return state
     s, tracker, streak = state.scale, state.growth_tracker, state.overflow_streak
@@ -493,9 +534,8 @@ def backoff(state: StateT) -> StateT:
 
     Unlike ``update(state, False)`` this ignores ``hysteresis``: retrying at the
     same scale would overflow again. A static or disabled state is returned
-    unchanged.
+    unchanged. Internal (``value_and_grad``'s retries), so unchecked.
     """
-    check_state(state, "backoff")
     if not state.is_dynamic:
         return state
     lo = jnp.float32(state.min_scale)

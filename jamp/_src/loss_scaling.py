@@ -9,7 +9,7 @@ drops into ``optax.chain``, ``optax.MultiSteps``, Flax ``TrainState`` and
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple, cast
+from typing import NamedTuple, cast
 
 import jax
 import jax.core
@@ -19,7 +19,7 @@ import optax
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jamp._src.finite.check import check_axis_name, check_unscaled, refuse_axis_name
+from jamp._src.finite.check import check_unscaled
 from jamp._src.finite.report import log_counts
 from jamp._src.float8 import refuse_in
 from jamp._src.loss_scale import (
@@ -27,23 +27,32 @@ from jamp._src.loss_scale import (
     dynamic_loss_scale,
     fresh,
     saturating_increment,
-    unscale,
-    update,
+    unscale_tree,
+    update_state,
 )
 from jamp._src.skip import (
     by_platform,
-    check_skip,
-    check_state_matches,
-    check_updates,
     cond_or_keep,
-    first_mismatch,
     keep_nothing,
     match_varying,
     no_updates,
     same_or_zeros,
     select_or_keep,
 )
-from jamp._src.validate import INT32_MAX
+from jamp._src.types import AxisName, OptState, Params, PyTree, Updates
+from jamp._src.validate import (
+    check_axis_name,
+    check_count,
+    check_counters,
+    check_flag,
+    check_optimizer,
+    check_skip,
+    check_state_matches,
+    check_updates,
+    diagnosing,
+    first_mismatch,
+    refuse_axis_name,
+)
 
 
 class ScaledOptimizerState(NamedTuple):
@@ -62,29 +71,25 @@ class ScaledOptimizerState(NamedTuple):
     """
 
     loss_scale: LossScaleState
-    inner_state: Any
+    inner_state: OptState
     last_finite: jax.Array
     skipped_steps: jax.Array
 
 
-def check_inner(inner: Any) -> optax.GradientTransformation:
-    """``inner`` as a GradientTransformation, or a TypeError naming the argument."""
+def checked_inner(inner: object) -> optax.GradientTransformation:
+    """``inner`` as a GradientTransformation (an ``optax.MultiSteps`` as the one it makes),
+    or a TypeError naming the argument."""
     if isinstance(inner, optax.MultiSteps):
         inner = inner.gradient_transformation()
-    if not isinstance(inner, optax.GradientTransformation):
-        hint = " (call it: optax.adam(1e-3), not optax.adam)" if callable(inner) else ""
-        raise TypeError(
-            f"Expected `inner` to be an optax.GradientTransformation, got "
-            f"{getattr(inner, '__name__', type(inner).__name__)} instead{hint}."
-        )
-    return inner
+    check_optimizer(inner, "inner", optax.GradientTransformation)
+    return cast(optax.GradientTransformation, inner)
 
 
 def loss_scaling(
     inner: optax.GradientTransformation,
     loss_scale: LossScaleState | None = None,
     *,
-    axis_name: Any = None,
+    axis_name: AxisName | None = None,
     report_nonfinite: bool = False,
     skip: str = "auto",
 ) -> optax.GradientTransformationExtraArgs:
@@ -149,7 +154,7 @@ def loss_scaling(
       >>> updates["w"]
       Array([-0.2, -0.2], dtype=float32)
     """
-    inner = check_inner(inner)
+    inner = checked_inner(inner)
     if loss_scale is None:
         loss_scale = dynamic_loss_scale()
     elif not isinstance(loss_scale, LossScaleState):
@@ -157,15 +162,12 @@ def loss_scaling(
             "Expected `loss_scale` to be a jamp.LossScaleState (jamp.dynamic_loss_scale(), "
             f"static_loss_scale(s) or no_loss_scale()), got {type(loss_scale).__name__} instead."
         )
-    if not isinstance(report_nonfinite, bool):
-        raise TypeError(
-            f"Expected `report_nonfinite` to be a bool, got {report_nonfinite!r} instead."
-        )
+    check_flag("report_nonfinite", report_nonfinite)
     check_skip(skip)
     check_axis_name(axis_name)
     inner = optax.with_extra_args_support(inner)
 
-    def init_fn(params: Any) -> ScaledOptimizerState:
+    def init_fn(params: Params) -> ScaledOptimizerState:
         refuse_in(params, "the parameters of jamp.loss_scaling's init")
         # New buffers on every call, as optax's states: a train step that
         # donates one state must not delete another made by the same `tx`.
@@ -177,8 +179,11 @@ def loss_scaling(
         )
 
     def update_fn(
-        updates: Any, state: ScaledOptimizerState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, ScaledOptimizerState]:
+        updates: Updates,
+        state: ScaledOptimizerState,
+        params: Params | None = None,
+        **extra_args: object,
+    ) -> tuple[Updates, ScaledOptimizerState]:
         if not isinstance(state, ScaledOptimizerState):
             raise TypeError(
                 "Expected `state` to be the ScaledOptimizerState from this transformation's init, "
@@ -186,33 +191,34 @@ def loss_scaling(
             )
         refuse_axis_name(extra_args, "`update`", "the inner transformation", "jamp.loss_scaling")
         refuse_in(updates, "the gradients given to jamp.loss_scaling's update")
-        check_counters(state)
+        if not isinstance(state.loss_scale, LossScaleState):
+            raise TypeError(
+                "Expected `state.loss_scale` to be a jamp.LossScaleState, got "
+                f"{type(state.loss_scale).__name__} instead; {_RESTORED}."
+            )
+        check_counters(state.skipped_steps, state.last_finite, _RESTORED)
         check_updates(updates, params, _UPDATE)
         reference = updates if params is None else params
-        check_state_matches(
-            state.inner_state, inner.init, reference, "state.inner_state", _UPDATE, strict=False
-        )
-        try:
+        inner_state = state.inner_state
+        name = "state.inner_state"
+        check_state_matches(inner_state, inner.init, reference, name, _UPDATE, strict=False)
+        with diagnosing(_UPDATE, inner_state, name, inner.init, reference, updates, params):
             return run(updates, state, params, **extra_args)
-        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-            # The inner transformation failed: a state of another optimizer says so.
-            check_state_matches(
-                state.inner_state, inner.init, reference, "state.inner_state", _UPDATE, strict=True
-            )
-            check_updates(updates, params, _UPDATE, strict=True)
-            raise
 
     def run(
-        updates: Any, state: ScaledOptimizerState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, ScaledOptimizerState]:
+        updates: Updates,
+        state: ScaledOptimizerState,
+        params: Params | None = None,
+        **extra_args: object,
+    ) -> tuple[Updates, ScaledOptimizerState]:
         finite = check_unscaled(state.loss_scale, updates, axis_name=axis_name, fn=_UPDATE)
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
-        def apply() -> tuple[Any, Any]:
-            grads = unscale(state.loss_scale, updates)
+        def apply() -> tuple[Updates, OptState]:
+            grads = unscale_tree(state.loss_scale, updates)
             return inner.update(grads, state.inner_state, params, **extra_args)
 
-        def by_cond() -> tuple[Any, Any]:
+        def by_cond() -> tuple[Updates, OptState]:
             # The kept branch passes the gradients through, zeroed below, where
             # the select fuses into the caller's apply_updates: zeros made in
             # the branch would cost a kernel per leaf, and its output a second
@@ -222,7 +228,7 @@ def loss_scaling(
             )
             return keep_nothing(finite, new_updates), new_inner
 
-        def by_select() -> tuple[Any, Any]:
+        def by_select() -> tuple[Updates, OptState]:
             return select_or_keep(
                 finite, apply, lambda new: (no_updates(new[0]), state.inner_state)
             )
@@ -235,12 +241,12 @@ def loss_scaling(
                 log_counts(
                     updates,
                     prefix="skipped step: ",
-                    transform=lambda v: unscale(state.loss_scale, v),
+                    transform=lambda v: unscale_tree(state.loss_scale, v),
                 )
 
             lax.cond(finite, lambda: None, log_skipped)
         counters = ScaledOptimizerState(
-            loss_scale=update(state.loss_scale, finite),
+            loss_scale=update_state(state.loss_scale, finite),
             inner_state=None,
             last_finite=finite,
             skipped_steps=saturating_increment(state.skipped_steps, jnp.logical_not(finite)),
@@ -259,44 +265,7 @@ def loss_scaling(
 
 
 _UPDATE = "jamp.loss_scaling(...).update"
-
-
-def check_counters(state: ScaledOptimizerState) -> None:
-    """A clear error for counters no update made: ``skipped_steps`` an integer scalar (when
-    concrete, in [0, 2**31 - 1]), ``last_finite`` a bool scalar. A checkpoint restored
-    without validation is where such counters come from."""
-    fix = "pass a restored state through jamp.check_restored, or start from tx.init(params)"
-    if not isinstance(state.loss_scale, LossScaleState):
-        raise TypeError(
-            "Expected `state.loss_scale` to be a jamp.LossScaleState, got "
-            f"{type(state.loss_scale).__name__} instead; {fix}."
-        )
-    for name, value, want in (
-        ("skipped_steps", state.skipped_steps, np.integer),
-        ("last_finite", state.last_finite, np.bool_),
-    ):
-        if isinstance(value, bool):
-            dtype = np.dtype(np.bool_)
-        elif isinstance(value, int):
-            dtype = np.dtype(np.int32)
-        else:
-            dtype = getattr(value, "dtype", None)
-        if dtype is None or np.shape(value) != () or not np.issubdtype(dtype, want):
-            described = type(value).__name__
-            if dtype is not None:
-                described += f" of dtype {dtype} and shape {np.shape(value)}"
-            raise TypeError(
-                f"Expected `state.{name}` to be {'a bool' if want is np.bool_ else 'an integer'} "
-                f"scalar, got {described} instead; {fix}."
-            )
-    skipped = state.skipped_steps
-    if not isinstance(skipped, jax.core.Tracer) and getattr(skipped, "is_fully_addressable", True):
-        v = int(np.asarray(skipped))
-        if not 0 <= v <= INT32_MAX:
-            raise ValueError(
-                f"Expected `state.skipped_steps` to be an integer in [0, 2**31 - 1], got {v} "
-                f"instead; {fix}."
-            )
+_RESTORED = "pass a restored state through jamp.check_restored, or start from tx.init(params)"
 
 
 class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
@@ -309,7 +278,7 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
 
 def multi_steps(
     inner: optax.GradientTransformation,
-    every_k_schedule: Any,
+    every_k_schedule: int | Callable[[ArrayLike], ArrayLike],
     *,
     use_grad_mean: bool = True,
     should_skip_update_fn: optax.ShouldSkipUpdateFunction | None = None,
@@ -354,23 +323,11 @@ def multi_steps(
     Returns:
       An Optax transformation with ``optax.MultiSteps``'s ``has_updated(state)``.
     """
-    inner = check_inner(inner)
+    inner = checked_inner(inner)
     k = every_k_schedule
-    if not callable(k) and not (isinstance(k, int) and not isinstance(k, bool)):
-        raise TypeError(
-            "Expected `every_k_schedule` to be an int >= 1 or a schedule (a function of the "
-            f"step count), got {k!r} instead."
-        )
-    if not callable(k) and not 1 <= k <= INT32_MAX:
-        raise ValueError(
-            f"Expected `every_k_schedule` in [1, 2**31 - 1] (the micro-step count is an int32), "
-            f"got every_k_schedule={k if abs(k) < 10**20 else '<an integer of 20 digits or more>'} "
-            "instead."
-        )
-    if not isinstance(use_grad_mean, bool):
-        raise TypeError(
-            f"Expected `use_grad_mean` to be a bool, got {use_grad_mean!r:.60} instead."
-        )
+    if not callable(k):
+        k = check_count("every_k_schedule", k, alternative=" or a function of the step count")
+    check_flag("use_grad_mean", use_grad_mean)
     if should_skip_update_fn is not None and not callable(should_skip_update_fn):
         raise TypeError(
             "Expected `should_skip_update_fn` to be None or a function "
@@ -392,16 +349,16 @@ def multi_steps(
             )
     reference = optax.MultiSteps(
         inner,
-        every_k_schedule,
+        k,
         use_grad_mean=use_grad_mean,
         should_skip_update_fn=should_skip_update_fn,
         # optax types it DTypeLike but takes None too (its canonicalize_dtype's default)
         accumulator_dtype=cast(DTypeLike, accumulator_dtype),
     )
-    schedule: Callable[[jax.Array], Any] = k if callable(k) else (lambda step: k)
+    schedule: Callable[[ArrayLike], ArrayLike] = k if callable(k) else (lambda step: k)
     acc_dtype = None if accumulator_dtype is None else jnp.dtype(accumulator_dtype)
 
-    def accumulate(grad: Any, acc: Any, n: jax.Array) -> Any:
+    def accumulate(grad: ArrayLike, acc: ArrayLike, n: jax.Array) -> jax.Array:
         # optax.MultiSteps's rules: Welford's running mean, or a sum, with the
         # casts standard promotion makes written out (strict promotion passes).
         grad, acc = jnp.asarray(grad), jnp.asarray(acc)  # Python numbers, as optax takes them
@@ -413,14 +370,19 @@ def multi_steps(
         delta = grad - acc
         return acc + delta / (n + 1).astype(delta.dtype)
 
-    def should_skip(updates: Any, step: ArrayLike, params: Any) -> tuple[Any, Any]:
+    def should_skip(
+        updates: Updates, step: ArrayLike, params: Params | None
+    ) -> tuple[ArrayLike, PyTree]:
         if should_skip_update_fn is None:
             return jnp.asarray(False), ()
         return should_skip_update_fn(updates, step, params)
 
     def update_fn(
-        updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, optax.MultiStepsState]:
+        updates: Updates,
+        state: optax.MultiStepsState,
+        params: Params | None = None,
+        **extra_args: object,
+    ) -> tuple[Updates, optax.MultiStepsState]:
         if not isinstance(state, optax.MultiStepsState):
             raise TypeError(
                 "Expected `state` to be the optax.MultiStepsState from this transformation's "
@@ -437,21 +399,17 @@ def multi_steps(
                 "from `tx.init(params)` for these parameters."
             )
         reference = updates if params is None else params
-        check_state_matches(
-            state.inner_opt_state, inner.init, reference, "state.inner_opt_state", fn, False
-        )
-        try:
+        inner_state, name = state.inner_opt_state, "state.inner_opt_state"
+        check_state_matches(inner_state, inner.init, reference, name, fn, strict=False)
+        with diagnosing(fn, inner_state, name, inner.init, reference, updates, params):
             return run(updates, state, params, **extra_args)
-        except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-            check_state_matches(
-                state.inner_opt_state, inner.init, reference, "state.inner_opt_state", fn, True
-            )
-            check_updates(updates, params, fn, strict=True)
-            raise
 
     def run(
-        updates: Any, state: optax.MultiStepsState, params: Any = None, **extra_args: Any
-    ) -> tuple[Any, optax.MultiStepsState]:
+        updates: Updates,
+        state: optax.MultiStepsState,
+        params: Params | None = None,
+        **extra_args: object,
+    ) -> tuple[Updates, optax.MultiStepsState]:
         # optax types the counters as ArrayLike: init makes them int32 arrays
         mini_step, gradient_step = (
             cast(jax.Array, state.mini_step),
@@ -464,7 +422,7 @@ def multi_steps(
         )
         emit = mini_step == k_steps - 1
 
-        def apply() -> tuple[Any, Any]:
+        def apply() -> tuple[Updates, OptState]:
             final, new_inner = inner.update(
                 optax.tree.cast_like(acc, updates), state.inner_opt_state, params, **extra_args
             )

@@ -18,34 +18,28 @@ state, is faster with it (``benchmarks/RESULTS.md`` measures both).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TypeVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike, DTypeLike
 
-from jamp._src.leaves import (
-    Filter,
-    check_bool_scalar,
-    check_filter,
-    combine,
-    explicit_sharding,
-    is_numeric_dtype,
-    partition,
-    selected,
-)
+from jamp._src.leaves import combine, explicit_sharding, is_numeric_dtype, partition, selected
+from jamp._src.types import Filter, Grads, OptState, Params, PyTree, Updates
+from jamp._src.validate import Transformation, check_bool_scalar, check_filter, diagnosing
 
-SKIP_MODES = ("auto", "cond", "select")
+T = TypeVar("T")  # a tree a branch returns
 
 
-def _varying_axes(x: Any) -> frozenset:
+def _varying_axes(x: object) -> frozenset[str]:
     manual = getattr(x, "manual_axis_type", None)
     return frozenset(getattr(manual, "varying", ()))
 
 
-def match_varying(tree: Any, like: Any) -> Any:
+def match_varying(tree: T, like: PyTree) -> T:
     """Mark ``tree``'s leaves as varying over the ``shard_map`` axes ``like``'s vary over.
 
     Under ``shard_map`` (with its default ``check_vma=True``) both branches of a
@@ -54,7 +48,7 @@ def match_varying(tree: Any, like: Any) -> Any:
     the updated values do.
     """
 
-    def one(x: Any, ref: Any) -> Any:
+    def one(x: jax.Array, ref: jax.Array | jax.ShapeDtypeStruct) -> jax.Array:
         want = _varying_axes(ref if isinstance(ref, jax.ShapeDtypeStruct) else jax.typeof(ref))
         missing = want - _varying_axes(jax.typeof(x))
         return lax.pcast(x, tuple(sorted(missing)), to="varying") if missing else x
@@ -62,7 +56,7 @@ def match_varying(tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like)
 
 
-def typed_like(tree: Any, like: Any) -> Any:
+def typed_like(tree: T, like: PyTree) -> T:
     """``tree`` with each leaf in the dtype (and explicit sharding) of ``like``'s leaf.
 
     The kept branch of a skipped step returns the old values, typed like the
@@ -72,7 +66,7 @@ def typed_like(tree: Any, like: Any) -> Any:
     disagree. Leaves that already match are returned as they are.
     """
 
-    def one(x: Any, ref: Any) -> Any:
+    def one(x: PyTree, ref: PyTree) -> PyTree:
         if not hasattr(x, "dtype") or not hasattr(ref, "dtype"):
             return x
         if x.dtype != ref.dtype:
@@ -87,7 +81,7 @@ def typed_like(tree: Any, like: Any) -> Any:
     return jax.tree_util.tree_map(one, tree, like)
 
 
-def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
+def cond_or_keep(pred: jax.Array, apply: Callable[[], T], keep: Callable[[PyTree], T]) -> T:
     """``lax.cond(pred, apply, keep)``, with ``keep``'s outputs typed like ``apply``'s.
 
     ``keep`` is called with ``apply``'s output shapes (``jax.eval_shape(apply)``);
@@ -97,18 +91,7 @@ def cond_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any]
     return lax.cond(pred, apply, lambda: match_varying(typed_like(keep(shapes), shapes), shapes))
 
 
-def check_skip(skip: Any) -> str:
-    """``skip`` if it names a skipping mode, else a ``ValueError`` naming the argument."""
-    if not isinstance(skip, str) or skip not in SKIP_MODES:
-        raise ValueError(
-            f"Expected `skip` to be one of {SKIP_MODES} ('auto': 'select' on GPUs and TPUs, "
-            "'cond' on CPUs; 'cond': apply the update under lax.cond; 'select': compute it, "
-            f"then keep or drop it), got {skip!r} instead."
-        )
-    return skip
-
-
-def by_platform(skip: str, cond_form: Callable[[], Any], select_form: Callable[[], Any]) -> Any:
+def by_platform(skip: str, cond_form: Callable[[], T], select_form: Callable[[], T]) -> T:
     """``cond_form()`` or ``select_form()``, as ``skip`` says; ``"auto"``: the select form on
     GPUs and TPUs, the cond form on CPUs, chosen at lowering (``lax.platform_dependent``)."""
     if skip == "cond":
@@ -118,7 +101,7 @@ def by_platform(skip: str, cond_form: Callable[[], Any], select_form: Callable[[
     return lax.platform_dependent(cpu=cond_form, default=select_form)
 
 
-def select_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[Any], Any]) -> Any:
+def select_or_keep(pred: jax.Array, apply: Callable[[], T], keep: Callable[[T], T]) -> T:
     """``apply()`` where ``pred`` holds, else ``keep(apply())``, leaf by leaf with a select.
 
     Both are computed; a non-finite value in the dropped one never reaches
@@ -132,11 +115,11 @@ def select_or_keep(pred: jax.Array, apply: Callable[[], Any], keep: Callable[[An
 
 def apply_or_keep(
     pred: jax.Array,
-    apply: Callable[[], Any],
-    keep: Callable[[Any], Any],
+    apply: Callable[[], T],
+    keep: Callable[[PyTree], T],
     *,
     skip: str = "auto",
-) -> Any:
+) -> T:
     """``apply()`` where ``pred`` holds, else ``keep(shapes of apply())``, by cond or select.
 
     ``"cond"`` runs only the chosen branch (``cond_or_keep``); ``"select"``
@@ -151,7 +134,7 @@ def apply_or_keep(
     )
 
 
-def zeros(shapes: Any) -> Any:
+def zeros(shapes: PyTree) -> PyTree:
     """Zeros shaped like ``shapes`` (arrays or ``ShapeDtypeStruct``s), leaf by leaf.
 
     Under JAX's explicit sharding mode the zeros carry ``shapes``' shardings.
@@ -161,14 +144,14 @@ def zeros(shapes: Any) -> Any:
     )
 
 
-def nothing(dtype: Any) -> jax.Array:
+def nothing(dtype: DTypeLike) -> jax.Array:
     """The scalar update that changes nothing: ``-0.0`` (``p + -0.0`` is ``p``, bit for bit,
     ``-0.0`` included, where ``p + 0.0`` turns ``-0.0`` into ``+0.0``); ``0`` for other dtypes."""
     dtype = jnp.dtype(dtype)
     return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
 
 
-def no_updates(shapes: Any) -> Any:
+def no_updates(shapes: PyTree) -> Updates:
     """Updates that leave every parameter bit-identical once added (``nothing``),
     shaped like ``shapes``; under the explicit sharding mode they carry its shardings."""
     return jax.tree_util.tree_map(
@@ -176,12 +159,12 @@ def no_updates(shapes: Any) -> Any:
     )
 
 
-def keep_nothing(pred: jax.Array, updates: Any) -> Any:
+def keep_nothing(pred: jax.Array, updates: Updates) -> Updates:
     """``updates`` where ``pred`` holds, else updates that change nothing (``nothing``)."""
     return jax.tree_util.tree_map(lambda u: jnp.where(pred, u, nothing(u.dtype)), updates)
 
 
-def same_or_zeros(tree: Any, shapes: Any) -> Any:
+def same_or_zeros(tree: PyTree, shapes: PyTree) -> PyTree:
     """``tree`` where it matches ``shapes``' structure and shapes, else zeros of ``shapes``."""
     leaves = jax.tree_util.tree_leaves(tree)
     same = jax.tree_util.tree_structure(tree) == jax.tree_util.tree_structure(shapes) and all(
@@ -191,7 +174,9 @@ def same_or_zeros(tree: Any, shapes: Any) -> Any:
     return tree if same else zeros(shapes)
 
 
-def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None) -> Any:
+def select_tree(
+    pred: ArrayLike, on_true: PyTree, on_false: PyTree, *, filter: Filter = None
+) -> PyTree:
     """``on_true`` where the scalar ``pred`` holds, else ``on_false``, leaf by leaf.
 
     Both trees must have the same structure, and matching leaves the same
@@ -232,7 +217,7 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
             f"{t_true} and {t_false} instead."
         )
 
-    def pick(path: jax.tree_util.KeyPath, a: Any, b: Any) -> Any:
+    def pick(path: jax.tree_util.KeyPath, a: PyTree, b: PyTree) -> PyTree:
         where = jax.tree_util.keystr(path) or "<root>"
         if not selected(filter, a):
             if a is b or (
@@ -273,11 +258,11 @@ def select_tree(pred: Any, on_true: Any, on_false: Any, *, filter: Filter = None
     return jax.tree_util.tree_map_with_path(pick, on_true, on_false)
 
 
-def apply_updates(params: Any, updates: Any) -> Any:
+def apply_updates(params: Params, updates: Updates) -> Params:
     """``optax.apply_updates`` that also takes ``None`` updates (Equinox's gradients of
     leaves it does not differentiate): such a parameter is returned as it is."""
 
-    def one(p: Any, u: Any) -> Any:
+    def one(p: ArrayLike | None, u: ArrayLike | None) -> ArrayLike | None:
         if p is None:
             return None
         if u is None:
@@ -295,218 +280,44 @@ def apply_updates(params: Any, updates: Any) -> Any:
     return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None)
 
 
-def check_params(params: Any, fn: str) -> None:
-    """A TypeError naming the path of a leaf of ``params`` no optimizer can update (a
-    function, a string), with the fix for an Equinox module."""
-
-    def visit(path: Any, leaf: Any) -> None:
-        if isinstance(leaf, int) and not isinstance(leaf, bool) and not -(2**31) <= leaf < 2**31:
-            raise ValueError(
-                f"`jamp.{fn}` expected `params` to hold arrays or numbers JAX can hold, got a "
-                f"Python int of {len(str(abs(leaf)))} digits at path "
-                f"{jax.tree_util.keystr(path) or '<root>'} instead: it does not fit in int32."
-            )
-        if isinstance(leaf, (bool, int, float, complex)) or hasattr(leaf, "dtype"):
-            dtype = getattr(leaf, "dtype", None)
-            if not hasattr(leaf, "dtype") or is_numeric_dtype(dtype):
-                return
-        raise TypeError(
-            f"`jamp.{fn}` expected `params` to be a pytree of arrays, got a leaf of type "
-            f"{type(leaf).__name__} at path {jax.tree_util.keystr(path) or '<root>'} "
-            f"({leaf!r:.60}) instead. For an Equinox module, pass the filter its optimizer "
-            "state was initialised with (filter=eqx.is_array for "
-            "tx.init(eqx.filter(model, eqx.is_array))): the leaves it leaves out are returned "
-            "untouched."
-        )
-
-    jax.tree_util.tree_map_with_path(visit, params)
-
-
-def _leaves_with_paths(tree: Any) -> tuple[list, Any]:
-    """``tree``'s leaves with their paths, ``None`` counted as a leaf (Equinox's gradients
-    of leaves it does not differentiate), and its structure."""
-    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
-
-
-def first_mismatch(tree: Any, like: Any) -> str | None:
-    """Where ``tree`` and ``like`` differ: a path and two shapes, ``"structure"``, or None.
-
-    ``None`` leaves match anything; leaves without a shape (Python numbers) match
-    any scalar."""
-    leaves, treedef = _leaves_with_paths(tree)
-    like_leaves, like_def = _leaves_with_paths(like)
-    if treedef != like_def:
-        return "structure"
-    for (path, a), (_, b) in zip(leaves, like_leaves, strict=True):
-        if a is None or b is None:
-            continue
-        sa, sb = tuple(np.shape(a)), tuple(np.shape(b))
-        if sa != sb:
-            return f"{jax.tree_util.keystr(path) or '<root>'}: shapes {sa} and {sb}"
-    return None
-
-
-def _unfit_parameter(updates: Any, params: Any) -> str | None:
-    """The path of a floating gradient for an integer or boolean parameter, if any (its
-    update would be cast back to the parameter's dtype: True for a bool), or of an integer
-    or boolean gradient for a floating parameter (never unscaled: not a gradient)."""
-    leaves, treedef = _leaves_with_paths(updates)
-    param_leaves, param_def = _leaves_with_paths(params)
-    if treedef != param_def:
-        return None
-    for (path, g), (_, p) in zip(leaves, param_leaves, strict=True):
-        g_dtype, p_dtype = getattr(g, "dtype", None), getattr(p, "dtype", None)
-        if isinstance(g, (float, complex)):
-            g_dtype = np.dtype(type(g))
-        if g_dtype is None or p_dtype is None or not is_numeric_dtype(p_dtype):
-            continue
-        if not is_numeric_dtype(g_dtype) or g_dtype == jax.dtypes.float0:
-            continue
-        if not (jnp.issubdtype(g_dtype, jnp.inexact) and jnp.issubdtype(p_dtype, jnp.inexact)):
-            return (
-                f"{jax.tree_util.keystr(path) or '<root>'} (a {np.dtype(g_dtype)} gradient for "
-                f"a {np.dtype(p_dtype)} parameter)"
-            )
-    return None
-
-
-def check_updates(updates: Any, params: Any, fn: str, strict: bool = False) -> None:
-    """A ValueError when ``updates`` and ``params`` have one structure but a leaf of
-    another shape, or (``strict``, once the optimizer has failed on them) another
-    structure. A different structure alone may be intended: ``optax.lookahead`` takes
-    the fast parameters' gradients with both parameter sets."""
-    if params is None:
-        return
-    unfit = _unfit_parameter(updates, params)
-    if unfit is not None:
-        raise TypeError(
-            f"`{fn}` expected floating gradients for the floating leaves of `params` only, got "
-            f"one at {unfit}: an update of an integer or boolean parameter is cast back to its "
-            "dtype (a bool becomes True), and an integer gradient is never unscaled. Keep "
-            "such leaves out of the parameters and gradients (filter=eqx.is_inexact_array)."
-        )
-    where = first_mismatch(updates, params)
-    if where is None or (where == "structure" and not strict):
-        return
-    if where == "structure":
-        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (updates, params))
-        detail = f"a tree of structure {str(got_def):.200} for `params` {str(want_def):.200}"
-    else:
-        detail = f"different shapes at {where}"
-    raise ValueError(
-        f"`{fn}` expected the gradients and `params` to match leaf for leaf, got {detail}: "
-        "the gradients come from other parameters than the ones passed. Pass the "
-        "parameters the gradients were taken of."
-    )
-
-
-def check_gradients(grads: Any, fn: str) -> None:
-    """A TypeError naming the first leaf of ``grads`` that is not a gradient: a floating or
-    complex array, ``float0`` (``jax.grad(allow_int=True)``'s), a Python float or ``None``."""
-
-    def visit(path: Any, leaf: Any) -> None:
-        if leaf is None or isinstance(leaf, (float, complex)):
-            return
-        dtype = getattr(leaf, "dtype", None)
-        if dtype is not None and is_numeric_dtype(dtype):
-            if jnp.issubdtype(dtype, jnp.inexact) or dtype == jax.dtypes.float0:
-                return
-        described = type(leaf).__name__ + ("" if dtype is None else f" of dtype {dtype}")
-        raise TypeError(
-            f"`jamp.{fn}` expected the gradients to be floating arrays, got a leaf of type "
-            f"{described} at path {jax.tree_util.keystr(path) or '<root>'} instead: an integer "
-            "or boolean leaf is not a gradient (jax.grad gives float0 for integer inputs), and "
-            "its update would be cast back to the parameter's dtype."
-        )
-
-    jax.tree_util.tree_map_with_path(visit, grads, is_leaf=lambda x: x is None)
-
-
-def expected_state(init: Callable[[Any], Any], params: Any) -> Any:
-    """``init(params)``'s shapes (``jax.eval_shape``), or None when they cannot be had."""
-    try:
-        return jax.eval_shape(init, params)
-    except Exception:  # an init that cannot run on these: nothing to compare with
-        return None
-
-
-def check_state_matches(
-    state: Any, init: Callable[[Any], Any], params: Any, name: str, fn: str, strict: bool
-) -> None:
-    """A ValueError when ``state`` is not shaped as ``init(params)`` is: a leaf of another
-    shape, or (``strict``, once the optimizer has failed on it) another structure."""
-    want = expected_state(init, params)
-    if want is None:
-        return
-    where = first_mismatch(state, want)
-    if where is None or (where == "structure" and not strict):
-        return
-    if where == "structure":
-        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (state, want))
-        detail = f"structure {str(got_def):.300}, where its init gives {str(want_def):.300}"
-    else:
-        detail = f"different shapes at {where} (the state's, then its init's)"
-    raise ValueError(
-        f"`{fn}` expected `{name}` to be the state that the optimizer's init made for these "
-        f"parameters, got {detail}. It was made by another optimizer or for other "
-        "parameters: pass the state from `tx.init(params)` of this optimizer."
-    )
-
-
 def optimizer_step(
     pred: jax.Array | None,
-    tx: Any,
-    grads_fn: Callable[[], Any],
-    opt_state: Any,
-    params: Any,
+    tx: Transformation,
+    grads_fn: Callable[[], Grads],
+    opt_state: OptState,
+    params: Params,
     *,
+    grads: Grads,
     filter: Filter = None,
     skip: str = "auto",
-    extra_args: dict | None = None,
+    extra_args: Mapping[str, object] | None = None,
     fn: str = "step",
-    grads: Any = None,
-) -> tuple[Any, Any]:
+) -> tuple[Params, OptState]:
     """``tx``'s step applied to ``params`` where ``pred`` holds, else both kept, by cond or
     select: ``(params, opt_state)``. ``pred=None`` applies it unconditionally.
 
     ``grads_fn()`` makes the gradients inside the applied branch (so XLA fuses
-    an unscale into the optimizer's pass). With ``filter``, ``tx`` and the
-    skip see only the leaves of ``params`` it selects (``eqx.filter(params,
+    an unscale into the optimizer's pass); ``grads`` are what it is made
+    from, as the user passed them. With ``filter``, ``tx`` and the skip see
+    only the leaves of ``params`` it selects (``eqx.filter(params,
     filter)``); the others (an Equinox module's functions and flags) are
-    returned untouched. A ``None`` update (a leaf ``eqx.filter_grad`` did not
-    differentiate) leaves its parameter as it is. ``grads``, when given, are
-    checked against the parameters, and ``opt_state`` against ``tx.init``'s.
+    returned untouched. A ``None`` update (a leaf ``eqx.filter_grad`` did
+    not differentiate) leaves its parameter as it is.
+
+    Nothing is checked here: the public function that calls it has checked
+    its arguments (``validate.check_step_arguments``). A failure inside
+    ``tx`` is explained by ``validate.diagnosing``; ``fn`` names the caller.
     """
-    check_filter(filter, fn)
-    if filter is None:
-        check_params(params, fn)
-        dynamic, static = params, None
-    else:
-        dynamic, static = partition(params, filter)
-    if grads is not None:
-        check_gradients(grads, fn)
-        check_updates(grads, dynamic, f"jamp.{fn}")
-        if jax.tree_util.tree_leaves(grads) and not jax.tree_util.tree_leaves(dynamic):
-            raise ValueError(
-                f"`jamp.{fn}` expected `params` to hold the parameters the gradients update, got "
-                f"{type(params).__name__} with no parameter in it instead."
-            )
-    check_state_matches(opt_state, tx.init, dynamic, "opt_state", f"jamp.{fn}", strict=False)
-    try:
+    dynamic, static = (params, None) if filter is None else partition(params, filter)
+    with diagnosing(f"jamp.{fn}", opt_state, "opt_state", tx.init, dynamic, grads, dynamic):
         new_params, new_opt_state = _step(pred, tx, grads_fn, opt_state, dynamic, skip, extra_args)
-    except (AttributeError, KeyError, IndexError, TypeError, ValueError):
-        # The optimizer failed: a state of another optimizer (or other parameters) says so.
-        check_state_matches(opt_state, tx.init, dynamic, "opt_state", f"jamp.{fn}", strict=True)
-        if grads is not None:
-            check_updates(grads, dynamic, f"jamp.{fn}", strict=True)
-        raise
     return (new_params if filter is None else combine(new_params, static)), new_opt_state
 
 
 def _step(pred, tx, grads_fn, opt_state, dynamic, skip, extra_args):
     """``optimizer_step`` on the leaves it selected."""
 
-    def apply() -> tuple[Any, Any]:
+    def apply() -> tuple[Params, OptState]:
         updates, new_opt_state = tx.update(grads_fn(), opt_state, dynamic, **(extra_args or {}))
         return apply_updates(dynamic, updates), new_opt_state
 

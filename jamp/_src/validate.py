@@ -1,23 +1,33 @@
-"""The one validation of a loss-scale configuration.
+"""The checks of user input that more than one entry point makes, in one place.
 
-Every entry point that takes a loss-scale configuration (the constructors,
-``GradScaler``'s constructor, setters, ``update(new_scale=...)`` and
-``load_state_dict``) calls ``check_config``, so a value is accepted or
-refused the same way everywhere: ``TypeError`` for a wrong type, ``ValueError``
-for a wrong value, each naming the argument and showing the value. It runs on
-the host, at construction, never inside a trace. Imports only jax and numpy.
+The loss-scale configuration (``check_config``, used by every constructor,
+setter and restore path), filters, flags, axis names, skip modes,
+optimizers, gradients against parameters and optimizer states against their
+``init``. Each runs on the host, once, at the public edge: when the public
+function is called (under ``jit``, while it is traced), before it computes
+anything; the unchecked functions it then calls, and the ones a step runs
+inside, do not check again. A wrong kind of value is a ``TypeError``, a
+wrong value (out of range, another shape, another structure) a
+``ValueError``, each naming the argument, showing the value and saying the
+fix. ``diagnosing`` is the one place that explains a failure inside the
+user's optimizer. Imports only jax, numpy and the ground floor's ``leaves``
+and ``types``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Any, NamedTuple
+from collections.abc import Callable, Iterator, Mapping
+from typing import Final, NamedTuple, Protocol, cast
 
 import jax
 import jax.core
+import jax.numpy as jnp
 import numpy as np
 
-from jamp._src.leaves import is_integer, is_real_number
+from jamp._src.leaves import is_integer, is_numeric_dtype, is_real_number, partition
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, Updates
 
 # The default bounds keep 1/scale a *normal* float32 number, so unscaling never
 # multiplies by inf, 0, or a subnormal that a backend may flush to zero.
@@ -25,7 +35,7 @@ MIN_SCALE = 2.0**-126
 MAX_SCALE = 2.0**126
 INT32_MAX = 2**31 - 1
 
-NO_SCALE: Any = object()  # check_config's scale when there is no scale to check
+NO_SCALE: Final = object()  # check_config's scale when there is no scale to check
 
 
 class Config(NamedTuple):
@@ -42,7 +52,7 @@ class Config(NamedTuple):
     overflow_streak: int | None = None
 
 
-def _refuse_tracer(name: str, value: Any, what: str, action: str) -> None:
+def _refuse_tracer(name: str, value: object, what: str, action: str) -> None:
     if isinstance(value, jax.core.Tracer):
         raise TypeError(
             f"Expected `{name}` to be a concrete {what}, got a traced value instead; {action} "
@@ -50,7 +60,7 @@ def _refuse_tracer(name: str, value: Any, what: str, action: str) -> None:
         )
 
 
-def _scalar_float(name: str, value: Any) -> float:
+def _scalar_float(name: str, value: object) -> float:
     """A Python float from a number or a concrete float32/float64 0-d array."""
     _refuse_tracer(name, value, "Python number", "build the loss-scale state")
     if isinstance(value, (np.ndarray, np.generic, jax.Array)):
@@ -80,26 +90,29 @@ def _scalar_float(name: str, value: Any) -> float:
         ) from None
 
 
-def _show(value: Any) -> str:
+def _show(value: object) -> str:
     """``repr(value)``, cut short: a message shows a 10**400 or a large array in a line."""
     text = repr(value)
     return text if len(text) <= 60 else f"{text[:48]}... ({len(text)} characters)"
 
 
-def _count(name: str, value: Any) -> int:
-    """An int in ``[1, 2**31 - 1]``: a TypeError for a non-integer, a ValueError out of range."""
+def check_count(name: str, value: object, lo: int = 1, alternative: str = "") -> int:
+    """``value`` as a Python int in ``[lo, 2**31 - 1]`` (counted in an int32): a TypeError
+    for a non-integer (a bool, a float), a ValueError out of range. ``alternative`` names
+    what else the argument may be, for the TypeError's message."""
     if not is_integer(value):
         raise TypeError(
-            f"Expected `{name}` to be an integer >= 1, got {name}={_show(value)} instead."
+            f"Expected `{name}` to be an integer >= {lo}{alternative}, got "
+            f"{name}={_show(value)} instead."
         )
-    if int(value) < 1:
+    if int(value) < lo:
         raise ValueError(
-            f"Expected `{name}` to be an integer >= 1, got {name}={_show(value)} instead."
+            f"Expected `{name}` to be an integer >= {lo}, got {name}={_show(value)} instead."
         )
     if int(value) > INT32_MAX:
         raise ValueError(
-            f"Expected `{name}` to be an integer in [1, 2**31 - 1], got {name}={_show(value)} "
-            "instead."
+            f"Expected `{name}` to be an integer in [{lo}, 2**31 - 1] (it is counted in an "
+            f"int32), got {name}={_show(value)} instead."
         )
     return int(value)
 
@@ -113,7 +126,7 @@ def _float32(v: float) -> float:
     )
 
 
-def _bound(name: str, value: Any) -> float:
+def _bound(name: str, value: object) -> float:
     """A bound rounded to float32: construction compares what the update rule compares."""
     v = _float32(_scalar_float(name, value))
     if not (math.isfinite(v) and MIN_SCALE <= v <= MAX_SCALE):
@@ -124,7 +137,7 @@ def _bound(name: str, value: Any) -> float:
     return v
 
 
-def _scale(name: str, value: Any, lo: float, hi: float, clamp: bool) -> float:
+def _scale(name: str, value: object, lo: float, hi: float, clamp: bool) -> float:
     v = _scalar_float(name, value)
     if not (math.isfinite(v) and v > 0):
         raise ValueError(f"Expected `{name}` to be positive and finite, got {name}={v!r} instead.")
@@ -157,14 +170,19 @@ def _moves(factor: float, grows: bool) -> bool:
     return True
 
 
-def _counter(name: str, value: Any) -> int:
+def _counter(name: str, value: object) -> int:
     """A restored counter: a concrete integer >= 0 (a Python int or an integer 0-d array)."""
     _refuse_tracer(name, value, "integer", "restore the loss-scale state")
     if isinstance(value, (np.ndarray, np.generic, jax.Array)):
-        if np.ndim(value) != 0 or not np.issubdtype(np.dtype(value.dtype), np.integer):
+        if not np.issubdtype(np.dtype(value.dtype), np.integer):
             raise TypeError(
                 f"Expected `{name}` to be an integer scalar, got an array of dtype "
                 f"{value.dtype} and shape {np.shape(value)} instead."
+            )
+        if np.ndim(value) != 0:
+            raise ValueError(
+                f"Expected `{name}` to be a scalar, got an array of shape {np.shape(value)} "
+                "instead."
             )
         value = int(np.asarray(value))
     if not is_integer(value):
@@ -179,18 +197,18 @@ def _counter(name: str, value: Any) -> int:
 
 def check_config(
     *,
-    scale: Any = NO_SCALE,
+    scale: object = NO_SCALE,
     scale_name: str = "init_scale",
-    growth_factor: Any = 2.0,
-    backoff_factor: Any = 0.5,
-    growth_interval: Any = 2000,
-    min_scale: Any = MIN_SCALE,
-    max_scale: Any = MAX_SCALE,
-    hysteresis: Any = 1,
-    growth_tracker: Any = None,
-    overflow_streak: Any = None,
+    growth_factor: object = 2.0,
+    backoff_factor: object = 0.5,
+    growth_interval: object = 2000,
+    min_scale: object = MIN_SCALE,
+    max_scale: object = MAX_SCALE,
+    hysteresis: object = 1,
+    growth_tracker: object = None,
+    overflow_streak: object = None,
     restore: bool = False,
-    names: Any = None,
+    names: Mapping[str, str] | None = None,
 ) -> Config:
     """Checks a loss-scale configuration (and a scale, when given) and normalises it.
 
@@ -252,8 +270,8 @@ def check_config(
                 f"{'grow' if grows else 'back off'} (and after an overflow every step would be "
                 "skipped)."
             )
-    interval = _count(names.get("growth_interval", "growth_interval"), growth_interval)
-    hyst = _count("hysteresis", hysteresis)
+    interval = check_count(names.get("growth_interval", "growth_interval"), growth_interval)
+    hyst = check_count("hysteresis", hysteresis)
     lo, hi = _bound("min_scale", min_scale), _bound("max_scale", max_scale)
     if lo > hi:
         raise ValueError(
@@ -290,7 +308,7 @@ def check_config(
     return Config(checked, gf, bf, interval, lo, hi, hyst, tracker, streak)
 
 
-def checked_scale(name: str, value: Any) -> float:
+def checked_scale(name: str, value: object) -> float:
     """A scale read from a checkpoint without its configuration, as a Python float.
 
     A positive, finite number (a Python number or a concrete 0-d float32,
@@ -306,12 +324,12 @@ def checked_scale(name: str, value: Any) -> float:
     return v
 
 
-def checked_counter(name: str, value: Any) -> int:
+def checked_counter(name: str, value: object) -> int:
     """A counter read from a checkpoint: a concrete integer in ``[0, 2**31 - 1]``."""
     return _counter(name, value)
 
 
-def checked_floor(name: str, value: Any) -> float:
+def checked_floor(name: str, value: object) -> float:
     """flax's ``minimum_scale`` as jamp's ``min_scale``: a number in ``[0, 2**126]``,
     raised to jamp's floor of ``2**-126`` when below it."""
     v = _scalar_float(name, value)
@@ -321,3 +339,397 @@ def checked_floor(name: str, value: Any) -> float:
             f"2**-126), got {name}={v!r} instead."
         )
     return max(_float32(v), MIN_SCALE)
+
+
+# --------------------------------------------------------------------------
+# Arguments several entry points take.
+
+
+def check_flag(name: str, value: object, note: str = "") -> bool:
+    """``value`` if it is a Python bool, else a TypeError naming ``name`` (``note`` says
+    what the flag means)."""
+    if isinstance(value, bool):
+        return value
+    raise TypeError(f"Expected `{name}` to be a bool{note}, got {name}={value!r:.60} instead.")
+
+
+def check_filter(filter: object, fn: str) -> Filter:
+    """``filter`` if it is ``None`` or callable, else a TypeError naming ``jamp.{fn}``."""
+    if filter is None or callable(filter):
+        return filter
+    raise TypeError(
+        f"`jamp.{fn}` expected `filter` to be a function of a leaf that returns a bool, such as "
+        f"eqx.is_inexact_array, got {filter!r:.60} (type {type(filter).__name__}) instead."
+    )
+
+
+def check_bool_scalar(value: object, name: str, source: str) -> jax.Array:
+    """``value`` as a boolean scalar array: a TypeError for another kind or dtype, a
+    ValueError for another shape, each naming ``name``."""
+    if isinstance(value, bool):
+        return jnp.asarray(value)
+    dtype = getattr(value, "dtype", None)
+    shape = getattr(value, "shape", None)
+    if dtype is None or shape is None:
+        raise TypeError(
+            f"Expected `{name}` to be a boolean scalar array ({source}), got "
+            f"{type(value).__name__} instead."
+        )
+    if dtype != jnp.bool_:
+        raise TypeError(
+            f"Expected `{name}` to be a boolean scalar, got dtype {dtype} instead; pass the "
+            f"flag {source}."
+        )
+    if tuple(shape) != ():
+        raise ValueError(
+            f"Expected `{name}` to be a scalar (shape ()), got shape {tuple(shape)} instead; "
+            "reduce it over the whole tree with jamp.all_finite."
+        )
+    return cast(jax.Array, value)
+
+
+def check_axis_name(axis_name: object) -> AxisName | None:
+    """``axis_name`` if it is ``None``, a str or a non-empty tuple of str, else a TypeError."""
+    if axis_name is None or isinstance(axis_name, str):
+        return axis_name
+    if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
+        return cast(AxisName, axis_name)
+    raise TypeError(
+        "Expected `axis_name` to be the name of a shard_map/pmap axis (a str) or a tuple of "
+        f"them, got {axis_name!r} instead."
+    )
+
+
+def refuse_axis_name(extra_args: Mapping[str, object], fn: str, receiver: str, owner: str) -> None:
+    """A TypeError if ``axis_name`` came as an extra argument that ``receiver`` would ignore."""
+    if "axis_name" in extra_args:
+        raise TypeError(
+            f"{fn} got `axis_name`, which it would pass on to {receiver} and ignore: give it "
+            f"to {owner}(..., axis_name=...)."
+        )
+
+
+SKIP_MODES = ("auto", "cond", "select")
+
+
+def check_skip(skip: object) -> str:
+    """``skip`` if it names a skipping mode: a TypeError for a non-str, a ValueError for
+    another string."""
+    if isinstance(skip, str) and skip in SKIP_MODES:
+        return skip
+    raise (ValueError if isinstance(skip, str) else TypeError)(
+        f"Expected `skip` to be one of {SKIP_MODES} ('auto': 'select' on GPUs and TPUs, "
+        "'cond' on CPUs; 'cond': apply the update under lax.cond; 'select': compute it, "
+        f"then keep or drop it), got {skip!r:.60} instead."
+    )
+
+
+class Transformation(Protocol):
+    """What jamp calls of an optimizer: an Optax transformation's ``init`` and ``update``."""
+
+    @property
+    def init(self) -> Callable[..., OptState]: ...
+
+    @property
+    def update(self) -> Callable[..., tuple[Updates, OptState]]: ...
+
+
+def check_optimizer(tx: object, name: str = "tx", kind: type | None = None) -> Transformation:
+    """``tx`` if it is an Optax transformation, else a TypeError naming ``name``: an
+    instance of ``kind`` when given (this module imports no optax), else anything with an
+    ``init`` and an ``update``."""
+    if kind is not None:
+        ok = isinstance(tx, kind)
+    else:
+        ok = callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))
+    if not ok:
+        hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
+        raise TypeError(
+            f"Expected `{name}` to be an optax.GradientTransformation, got "
+            f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
+        )
+    return cast(Transformation, tx)
+
+
+def check_counters(skipped_steps: object, last_finite: object, fix: str) -> None:
+    """A clear error for ``state.skipped_steps`` and ``state.last_finite`` that no update
+    made (a checkpoint restored without validation): an integer scalar (when concrete, in
+    [0, 2**31 - 1]) and a bool scalar. ``fix`` says what to do instead."""
+    for name, value, want in (
+        ("skipped_steps", skipped_steps, np.integer),
+        ("last_finite", last_finite, np.bool_),
+    ):
+        if isinstance(value, bool):
+            dtype = np.dtype(np.bool_)
+        elif isinstance(value, int):
+            dtype = np.dtype(np.int32)
+        else:
+            dtype = getattr(value, "dtype", None)
+        kind = "a bool" if want is np.bool_ else "an integer"
+        if dtype is None or not np.issubdtype(dtype, want):
+            described = type(value).__name__ + ("" if dtype is None else f" of dtype {dtype}")
+            raise TypeError(
+                f"Expected `state.{name}` to be {kind} scalar, got {described} instead; {fix}."
+            )
+        shape = tuple(getattr(value, "shape", ()))
+        if shape != ():
+            raise ValueError(
+                f"Expected `state.{name}` to be {kind} scalar, got an array of shape {shape} "
+                f"instead; {fix}."
+            )
+    concrete = not isinstance(skipped_steps, jax.core.Tracer)
+    if concrete and getattr(skipped_steps, "is_fully_addressable", True):
+        v = int(np.asarray(skipped_steps))
+        if not 0 <= v <= INT32_MAX:
+            raise ValueError(
+                f"Expected `state.skipped_steps` to be an integer in [0, 2**31 - 1], got {v} "
+                f"instead; {fix}."
+            )
+
+
+# --------------------------------------------------------------------------
+# The trees of an optimizer step: parameters, gradients, the optimizer's state.
+
+
+def _where(path: jax.tree_util.KeyPath) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def check_params(params: Params, fn: str) -> None:
+    """A TypeError naming the path of a leaf of ``params`` no optimizer can update (a
+    function, a string), with the fix for an Equinox module; a ValueError for a Python int
+    past int32."""
+
+    def visit(path: jax.tree_util.KeyPath, leaf: object) -> None:
+        if isinstance(leaf, int) and not isinstance(leaf, bool) and not -(2**31) <= leaf < 2**31:
+            raise ValueError(
+                f"`jamp.{fn}` expected `params` to hold arrays or numbers JAX can hold, got a "
+                f"Python int of {len(str(abs(leaf)))} digits at path {_where(path)} instead: "
+                "it does not fit in int32."
+            )
+        dtype = getattr(leaf, "dtype", None)
+        if isinstance(leaf, (bool, int, float, complex)) or (
+            dtype is not None and is_numeric_dtype(dtype)
+        ):
+            return
+        raise TypeError(
+            f"`jamp.{fn}` expected `params` to be a pytree of arrays, got a leaf of type "
+            f"{type(leaf).__name__} at path {_where(path)} ({leaf!r:.60}) instead. For an "
+            "Equinox module, pass the filter its optimizer state was initialised with "
+            "(filter=eqx.is_array for tx.init(eqx.filter(model, eqx.is_array))): the leaves "
+            "it leaves out are returned untouched."
+        )
+
+    jax.tree_util.tree_map_with_path(visit, params)
+
+
+def check_gradients(grads: Grads, fn: str) -> None:
+    """A TypeError naming the first leaf of ``grads`` that is not a gradient: a floating or
+    complex array, ``float0`` (``jax.grad(allow_int=True)``'s), a Python float or ``None``."""
+
+    def visit(path: jax.tree_util.KeyPath, leaf: object) -> None:
+        if leaf is None or isinstance(leaf, (float, complex)):
+            return
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and is_numeric_dtype(dtype):
+            if jnp.issubdtype(dtype, jnp.inexact) or dtype == jax.dtypes.float0:
+                return
+        described = type(leaf).__name__ + ("" if dtype is None else f" of dtype {dtype}")
+        raise TypeError(
+            f"`jamp.{fn}` expected the gradients to be floating arrays, got a leaf of type "
+            f"{described} at path {_where(path)} instead: an integer or boolean leaf is not a "
+            "gradient (jax.grad gives float0 for integer inputs), and its update would be "
+            "cast back to the parameter's dtype."
+        )
+
+    jax.tree_util.tree_map_with_path(visit, grads, is_leaf=lambda x: x is None)
+
+
+def _leaves_with_paths(tree: PyTree) -> tuple[list[tuple[jax.tree_util.KeyPath, PyTree]], object]:
+    """``tree``'s leaves with their paths, ``None`` counted as a leaf (Equinox's gradients
+    of leaves it does not differentiate), and its structure."""
+    return jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)
+
+
+def first_mismatch(tree: PyTree, like: PyTree) -> str | None:
+    """Where ``tree`` and ``like`` differ: a path and two shapes, ``"structure"``, or None.
+
+    ``None`` leaves match anything; leaves without a shape (Python numbers) match
+    any scalar."""
+    leaves, treedef = _leaves_with_paths(tree)
+    like_leaves, like_def = _leaves_with_paths(like)
+    if treedef != like_def:
+        return "structure"
+    for (path, a), (_, b) in zip(leaves, like_leaves, strict=True):
+        if a is None or b is None:
+            continue
+        sa, sb = tuple(np.shape(a)), tuple(np.shape(b))
+        if sa != sb:
+            return f"{_where(path)}: shapes {sa} and {sb}"
+    return None
+
+
+def _unfit_parameter(updates: Updates, params: Params) -> str | None:
+    """The path of a floating gradient for an integer or boolean parameter, if any (its
+    update would be cast back to the parameter's dtype: True for a bool), or of an integer
+    or boolean gradient for a floating parameter (never unscaled: not a gradient)."""
+    leaves, treedef = _leaves_with_paths(updates)
+    param_leaves, param_def = _leaves_with_paths(params)
+    if treedef != param_def:
+        return None
+    for (path, g), (_, p) in zip(leaves, param_leaves, strict=True):
+        g_dtype, p_dtype = getattr(g, "dtype", None), getattr(p, "dtype", None)
+        if isinstance(g, (float, complex)):
+            g_dtype = np.dtype(type(g))
+        if g_dtype is None or p_dtype is None or not is_numeric_dtype(p_dtype):
+            continue
+        if not is_numeric_dtype(g_dtype) or g_dtype == jax.dtypes.float0:
+            continue
+        if not (jnp.issubdtype(g_dtype, jnp.inexact) and jnp.issubdtype(p_dtype, jnp.inexact)):
+            return (
+                f"{_where(path)} (a {np.dtype(g_dtype)} gradient for a {np.dtype(p_dtype)} "
+                "parameter)"
+            )
+    return None
+
+
+def check_updates(updates: Updates, params: Params | None, fn: str, strict: bool = False) -> None:
+    """A ValueError when ``updates`` and ``params`` have one structure but a leaf of
+    another shape, or (``strict``, once the optimizer has failed on them) another
+    structure. A different structure alone may be intended: ``optax.lookahead`` takes
+    the fast parameters' gradients with both parameter sets. A TypeError for a floating
+    gradient of an integer parameter, or an integer gradient of a floating one."""
+    if params is None:
+        return
+    unfit = _unfit_parameter(updates, params)
+    if unfit is not None:
+        raise TypeError(
+            f"`{fn}` expected floating gradients for the floating leaves of `params` only, got "
+            f"one at {unfit}: an update of an integer or boolean parameter is cast back to its "
+            "dtype (a bool becomes True), and an integer gradient is never unscaled. Keep "
+            "such leaves out of the parameters and gradients (filter=eqx.is_inexact_array)."
+        )
+    where = first_mismatch(updates, params)
+    if where is None or (where == "structure" and not strict):
+        return
+    if where == "structure":
+        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (updates, params))
+        detail = f"a tree of structure {str(got_def):.200} for `params` {str(want_def):.200}"
+    else:
+        detail = f"different shapes at {where}"
+    raise ValueError(
+        f"`{fn}` expected the gradients and `params` to match leaf for leaf, got {detail}: "
+        "the gradients come from other parameters than the ones passed. Pass the "
+        "parameters the gradients were taken of."
+    )
+
+
+def expected_state(init: Callable[[Params], OptState], params: Params) -> OptState | None:
+    """``init(params)``'s shapes (``jax.eval_shape``), or None when they cannot be had."""
+    try:
+        return jax.eval_shape(init, params)
+    except Exception:  # an init that cannot run on these: nothing to compare with
+        return None
+
+
+def check_state_matches(
+    state: OptState,
+    init: Callable[[Params], OptState],
+    params: Params,
+    name: str,
+    fn: str,
+    strict: bool,
+) -> None:
+    """A ValueError when ``state`` is not shaped as ``init(params)`` is: a leaf of another
+    shape, or (``strict``, once the optimizer has failed on it) another structure."""
+    want = expected_state(init, params)
+    if want is None:
+        return
+    where = first_mismatch(state, want)
+    if where is None or (where == "structure" and not strict):
+        return
+    if where == "structure":
+        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (state, want))
+        detail = f"structure {str(got_def):.300}, where its init gives {str(want_def):.300}"
+    else:
+        detail = f"different shapes at {where} (the state's, then its init's)"
+    raise ValueError(
+        f"`{fn}` expected `{name}` to be the state that the optimizer's init made for these "
+        f"parameters, got {detail}. It was made by another optimizer or for other "
+        "parameters: pass the state from `tx.init(params)` of this optimizer."
+    )
+
+
+def check_step_arguments(
+    tx: object,
+    grads: Grads,
+    opt_state: OptState,
+    params: Params,
+    *,
+    filter: Filter,
+    fn: str,
+) -> None:
+    """The arguments of an optimizer step (``step_if_finite``, ``GradScaler.step``),
+    checked once: ``tx``, ``filter``, the parameters ``filter`` selects (all of them when
+    it is ``None``), the gradients against them and ``opt_state`` against ``tx.init``'s
+    shapes."""
+    init = check_optimizer(tx).init
+    check_filter(filter, fn)
+    if filter is None:
+        check_params(params, fn)
+        dynamic = params
+    else:
+        dynamic = partition(params, filter)[0]
+    check_gradients(grads, fn)
+    if jax.tree_util.tree_leaves(grads) and not jax.tree_util.tree_leaves(dynamic):
+        raise ValueError(
+            f"`jamp.{fn}` expected `params` to hold the parameters the gradients update, got "
+            f"{type(params).__name__} with no parameter in it instead."
+        )
+    check_updates(grads, dynamic, f"jamp.{fn}")
+    check_state_matches(opt_state, init, dynamic, "opt_state", f"jamp.{fn}", strict=False)
+
+
+def check_not_swapped(grads: Grads, opt_state: OptState, params: Params) -> None:
+    """A TypeError if ``opt_state`` is shaped like the gradients and ``params`` is not
+    (``GradScaler.step``'s arguments in ``tx.update``'s order, mistaken)."""
+    structure = jax.tree_util.tree_structure
+    if structure(opt_state) == structure(grads) != structure(params):
+        raise TypeError(
+            "`GradScaler.step(state, tx, grads, opt_state, params)` got an `opt_state` shaped "
+            "like the gradients and `params` shaped otherwise: the parameters and the optimizer "
+            "state look swapped. The optimizer state (from `tx.init(params)`) comes before the "
+            "parameters, as in `tx.update(grads, opt_state, params)`: write "
+            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
+        )
+
+
+# What a user's optimizer may raise when given a state or gradients it was not made for.
+_OPTIMIZER_FAILURES = (AttributeError, KeyError, IndexError, TypeError, ValueError)
+
+
+@contextlib.contextmanager
+def diagnosing(
+    fn: str,
+    state: OptState,
+    name: str,
+    init: Callable[[Params], OptState],
+    like: Params,
+    grads: Grads,
+    params: Params | None,
+) -> Iterator[None]:
+    """Run the user's optimizer; if it fails, say why when the arguments do.
+
+    The checks before the step compare leaf shapes only: a different
+    structure may be intended (``optax.lookahead``). Once the optimizer has
+    failed, a ``state`` (called ``name``) not of the structure ``init(like)``
+    gives, or gradients not of ``params``' structure, is the likely cause:
+    that clear ``ValueError`` is raised instead. Otherwise the optimizer's
+    own error goes on unchanged.
+    """
+    try:
+        yield
+    except _OPTIMIZER_FAILURES:
+        check_state_matches(state, init, like, name, fn, strict=True)
+        check_updates(grads, params, fn, strict=True)
+        raise

@@ -10,18 +10,28 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import NamedTuple, TypeVar
 
 import jax
 import jax.core
 import jax.numpy as jnp
+import optax
 from jax import lax
+from jax.typing import ArrayLike
 
-from jamp._src.finite.check import check_axis_name, unscale_and_check
-from jamp._src.leaves import check_bool_scalar, combine, is_inexact_array, partition
-from jamp._src.loss_scale import LossScaleState, backoff, scale, update
-from jamp._src.skip import check_skip, optimizer_step
-from jamp._src.validate import INT32_MAX
+from jamp._src.finite.check import unscaled_and_finite
+from jamp._src.leaves import combine, is_inexact_array, partition
+from jamp._src.loss_scale import LossScaleState, backoff, scale_tree, update_state
+from jamp._src.skip import optimizer_step
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
+from jamp._src.validate import (
+    check_axis_name,
+    check_bool_scalar,
+    check_count,
+    check_flag,
+    check_skip,
+    check_step_arguments,
+)
 
 
 class ScaledValueAndGrad(NamedTuple):
@@ -38,20 +48,20 @@ class ScaledValueAndGrad(NamedTuple):
         ``max_retries`` > 0).
     """
 
-    value: Any
-    aux: Any
-    grads: Any
+    value: PyTree
+    aux: PyTree
+    grads: Grads
     finite: jax.Array
     loss_scale: LossScaleState
     retries: jax.Array
 
 
 def value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., PyTree],
     *,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
-    axis_name: Any = None,
+    axis_name: AxisName | None = None,
     max_retries: int = 0,
 ) -> Callable[..., ScaledValueAndGrad]:
     """``jax.value_and_grad`` of a scaled loss, unscaled and checked in one call.
@@ -93,12 +103,12 @@ def value_and_grad(
       >>> float(out.value), out.grads, bool(out.finite)
       (5.0, Array([2., 4.], dtype=float32), True)
     """
-    _check_options(fun, axis_name, max_retries, has_aux)
+    max_retries = _check_options(fun, axis_name, max_retries, has_aux)
     _check_argnums(argnums)
     scaled = _scaled(fun, has_aux)
 
     @_named_like(fun)
-    def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
+    def wrapped(loss_scale: LossScaleState, *args: PyTree, **kwargs: PyTree) -> ScaledValueAndGrad:
         _check_loss_scale(loss_scale, "value_and_grad")
         shifted = _shift(argnums, len(args))
         _check_differentiable(args, argnums)
@@ -111,10 +121,10 @@ def value_and_grad(
 
 
 def filter_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., PyTree],
     *,
     has_aux: bool = False,
-    axis_name: Any = None,
+    axis_name: AxisName | None = None,
     max_retries: int = 0,
 ) -> Callable[..., ScaledValueAndGrad]:
     """[`jamp.value_and_grad`][] with Equinox's convention: an ``eqx.Module`` goes in as it is.
@@ -156,10 +166,10 @@ def filter_value_and_grad(
       >>> float(out.value), bool(out.finite)
       (18.0, True)
     """
-    _check_options(fun, axis_name, max_retries, has_aux)
+    max_retries = _check_options(fun, axis_name, max_retries, has_aux)
 
     @_named_like(fun)
-    def wrapped(loss_scale: LossScaleState, *args: Any, **kwargs: Any) -> ScaledValueAndGrad:
+    def wrapped(loss_scale: LossScaleState, *args: PyTree, **kwargs: PyTree) -> ScaledValueAndGrad:
         _check_loss_scale(loss_scale, "filter_value_and_grad")
         if not args:
             raise TypeError(
@@ -177,16 +187,16 @@ def filter_value_and_grad(
 
 
 def step_if_finite(
-    finite: Any,
-    tx: Any,
-    grads: Any,
-    opt_state: Any,
-    params: Any,
+    finite: ArrayLike,
+    tx: optax.GradientTransformation,
+    grads: Grads,
+    opt_state: OptState,
+    params: Params,
     *,
-    filter: Any = None,
+    filter: Filter = None,
     skip: str = "auto",
-    **extra_args: Any,
-) -> tuple[Any, Any]:
+    **extra_args: object,
+) -> tuple[Params, OptState]:
     """Apply the optimizer step where ``finite`` holds; else keep parameters and state.
 
     The skip for [`value_and_grad`][jamp.value_and_grad] and
@@ -229,32 +239,30 @@ def step_if_finite(
       {'w': Array([1., 1.], dtype=float32)}
     """
     finite = check_bool_scalar(finite, "finite", "the `finite` of jamp.value_and_grad")
-    if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-        hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
-        raise TypeError(
-            "Expected `tx` to be an optax.GradientTransformation, got "
-            f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
-        )
     check_skip(skip)
+    check_step_arguments(tx, grads, opt_state, params, filter=filter, fn="step_if_finite")
     return optimizer_step(
         finite,
         tx,
         lambda: grads,
         opt_state,
         params,
+        grads=grads,
         filter=filter,
         skip=skip,
         extra_args=extra_args,
         fn="step_if_finite",
-        grads=grads,
     )
 
 
-def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+F = TypeVar("F", bound=Callable[..., object])
+
+
+def _named_like(fun: Callable[..., object]) -> Callable[[F], F]:
     """``functools.wraps(fun)`` without ``__wrapped__``: the wrapper takes the loss-scale
     state first, so its signature is its own (``eqx.filter_jit`` binds arguments by it)."""
 
-    def decorate(wrapper: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(wrapper: F) -> F:
         functools.update_wrapper(wrapper, fun)
         delattr(wrapper, "__wrapped__")  # set by update_wrapper, unknown to a Callable
         return wrapper
@@ -262,33 +270,18 @@ def _named_like(fun: Callable[..., Any]) -> Callable[[Callable[..., Any]], Calla
     return decorate
 
 
-def _check_options(fun: Any, axis_name: Any, max_retries: Any, has_aux: Any) -> None:
+def _check_options(fun: object, axis_name: object, max_retries: object, has_aux: object) -> int:
+    """The options of ``value_and_grad`` and ``filter_value_and_grad``, checked; returns
+    ``max_retries`` as a Python int."""
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
     check_axis_name(axis_name)
-    if isinstance(max_retries, bool) or not isinstance(max_retries, int):
-        raise TypeError(
-            f"Expected `max_retries` to be an int >= 0, got max_retries={max_retries!r:.60} "
-            "instead."
-        )
-    shown = max_retries if abs(max_retries) < 10**20 else "<an integer of 20 digits or more>"
-    if max_retries < 0:
-        raise ValueError(
-            f"Expected `max_retries` to be an int >= 0, got max_retries={shown} instead."
-        )
-    if max_retries > INT32_MAX:
-        raise ValueError(
-            f"Expected `max_retries` <= 2**31 - 1 (retries are counted in an int32), got "
-            f"max_retries={shown} instead."
-        )
-    if not isinstance(has_aux, bool):
-        raise TypeError(
-            f"Expected `has_aux` to be a bool (True when `fun` returns (loss, aux)), got "
-            f"has_aux={has_aux!r:.60} instead."
-        )
+    retries = check_count("max_retries", max_retries, lo=0)
+    check_flag("has_aux", has_aux, " (True when `fun` returns (loss, aux))")
+    return retries
 
 
-def _check_loss_scale(loss_scale: Any, fn: str) -> None:
+def _check_loss_scale(loss_scale: object, fn: str) -> None:
     if not isinstance(loss_scale, LossScaleState):
         raise TypeError(
             f"The function from jamp.{fn} takes the loss-scale state as its first argument, "
@@ -296,10 +289,12 @@ def _check_loss_scale(loss_scale: Any, fn: str) -> None:
         )
 
 
-def _scaled(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+def _scaled(fun: Callable[..., PyTree], has_aux: bool) -> Callable[..., PyTree]:
     """``(state, *args) -> (scale(state, loss), (loss, aux))`` for ``jax.grad(has_aux=True)``."""
 
-    def scaled(state: LossScaleState, *args: Any, **kwargs: Any) -> Any:
+    def scaled(
+        state: LossScaleState, *args: PyTree, **kwargs: PyTree
+    ) -> tuple[jax.Array, tuple[PyTree, PyTree]]:
         out = fun(*args, **kwargs)
         if has_aux and not (isinstance(out, tuple) and len(out) == 2):
             raise TypeError(
@@ -307,23 +302,23 @@ def _scaled(fun: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
                 f"{type(out).__name__} instead."
             )
         loss, aux = out if has_aux else (out, None)
-        return scale(state, loss), (loss, aux)
+        return scale_tree(state, loss), (loss, aux)
 
     return scaled
 
 
 def _run(
-    grad_fn: Callable[[LossScaleState], Any],
+    grad_fn: Callable[[LossScaleState], tuple[Grads, tuple[PyTree, PyTree]]],
     loss_scale: LossScaleState,
-    axis_name: Any,
+    axis_name: AxisName | None,
     max_retries: int,
 ) -> ScaledValueAndGrad:
     """Differentiate at ``loss_scale`` (``grad_fn(state) -> (grads, (loss, aux))``),
     unscale, check, retry at lower scales if asked, and update the scale."""
 
-    def attempt(state: LossScaleState) -> tuple[Any, Any, Any, jax.Array]:
+    def attempt(state: LossScaleState) -> tuple[PyTree, PyTree, Grads, jax.Array]:
         grads, (loss, aux) = grad_fn(state)
-        grads, finite = unscale_and_check(state, grads, axis_name=axis_name)
+        grads, finite = unscaled_and_finite(state, grads, axis_name)
         return loss, aux, grads, finite
 
     retries = jnp.zeros((), jnp.int32)
@@ -345,7 +340,7 @@ def _run(
         retries, loss_scale, (loss, aux, grads, finite) = lax.while_loop(
             cond, body, (retries, loss_scale, (loss, aux, grads, finite))
         )
-    new_scale = update(loss_scale, finite)
+    new_scale = update_state(loss_scale, finite)
     if retrying:
         # The last failed attempt backs off too, ignoring hysteresis.
         backed_off = backoff(loss_scale).scale
@@ -362,7 +357,7 @@ def _run(
     )
 
 
-def _check_argnums(argnums: Any) -> None:
+def _check_argnums(argnums: object) -> None:
     ok = isinstance(argnums, int) and not isinstance(argnums, bool)
     if isinstance(argnums, Sequence) and not isinstance(argnums, str):
         ok = len(argnums) > 0 and all(

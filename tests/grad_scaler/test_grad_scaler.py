@@ -465,12 +465,17 @@ BAD_INPUT = {
     "backoff_factor=0": (lambda: GS(backoff_factor=0.0), ValueError, r"backoff_factor=0\.0"),
     "backoff_factor=1": (lambda: GS(backoff_factor=1.0), ValueError, r"backoff_factor=1\.0"),
     "growth_interval=0": (lambda: GS(growth_interval=0), ValueError, r"growth_interval=0"),
-    "enabled=1": (lambda: GS(enabled=1), TypeError, r"`enabled` to be a bool, got 1"),
+    "enabled=1": (lambda: GS(enabled=1), TypeError, r"`enabled` to be a bool, got enabled=1"),
     "enabled='yes'": (lambda: GS(enabled="yes"), TypeError, r"`enabled` to be a bool"),
     "skip='jnp.where'": (
         lambda: GS(skip="jnp.where"),
         ValueError,
         r"`skip` to be one of \('auto', 'cond', 'select'\)",
+    ),
+    "skip=3": (  # a wrong kind of value: a TypeError; a wrong string: a ValueError
+        lambda: GS(skip=3),
+        TypeError,
+        r"`skip` to be one of \('auto', 'cond', 'select'\).*got 3 instead",
     ),
     # setters
     "set_growth_interval(0)": (

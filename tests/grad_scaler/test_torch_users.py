@@ -7,6 +7,7 @@ jamp refuses it with PyTorch's words and the call to write, or computes what
 one device would.
 """
 
+import gc
 from typing import Any
 
 import jax
@@ -300,6 +301,30 @@ def test_a_gan_iteration_steps_d_then_scales_gs_loss_with_the_stepped_state():
     assert carry[0].stage == "ready" and int(carry[0].growth_tracker) == 2
 
 
+def test_a_new_array_at_the_address_of_a_freed_returned_one_is_not_taken_for_it():
+    """The record of a step refers to the arrays it returned weakly, not by ``id``: once
+    one is freed, CPython gives its id to the next array allocated, which a set of ids took
+    for a returned one, refusing a second model's step ("step() has already been
+    called")."""
+    params, x, y = problem()
+    state, opt_state = SCALER.init(), TX.init(params)
+    grads = scaled_grads(state, params, x, y)
+    returned, opt_state, state = SCALER.step(state, TX, grads, opt_state, params)
+    freed = {id(a) for a in jax.tree.leaves(returned)}
+    del returned
+    gc.collect()
+    other = None
+    for _ in range(1000):  # CPython reuses a freed address at once: one try, in practice
+        candidate = jax.tree.map(lambda a: a + 1.0, params)  # another model, of one shape
+        if any(id(a) in freed for a in jax.tree.leaves(candidate)):
+            other = candidate
+            break
+    assert other is not None, "no new array took a freed array's id"
+    assert not any(r() is not None for r in state.checked_by[0].outputs)  # all freed
+    _, _, state = SCALER.step(state, TX, grads, opt_state, other)  # two models, one tx
+    assert len(state.found_infs) == 2 and state.stage == "stepped"
+
+
 def test_stepping_one_model_twice_in_an_iteration_is_refused_in_torchs_words():
     def iteration(state, params, opt_state, x, y):
         grads = scaled_grads(state, params, x, y)
@@ -323,6 +348,40 @@ def test_dropping_the_state_step_returns_is_refused():
         RuntimeError, match=r"^No inf checks were recorded.*already passed to `scaler\.step`"
     ):
         run(iteration)
+
+
+def test_a_consumed_state_is_marked_openly_and_a_clone_of_it_is_usable():
+    """The guard is a declared field, ``GradScalerState.consumed_by``, outside the pytree;
+    its error says how to reuse a state on purpose: clone it (flatten, unflatten)."""
+    params, x, y = problem()
+    state, opt_state = SCALER.init(), TX.init(params)
+    grads = scaled_grads(state, params, x, y)
+    p1, _, stepped = SCALER.step(state, TX, grads, opt_state, params)
+    assert (state.consumed_by, stepped.consumed_by) == ("step", None)
+    # Not a leaf, not metadata: a jitted step given either state compiles the same program.
+    assert jax.tree.structure(state) == jax.tree.structure(SCALER.init())
+    with pytest.raises(
+        RuntimeError,
+        match=r"^step\(\) has already been called.*clone it first: "
+        r"`state = jax\.tree_util\.tree_map\(lambda x: x, state\)`",
+    ):
+        SCALER.step(state, TX, grads, opt_state, params)
+    clone = jax.tree_util.tree_map(lambda x: x, state)
+    assert clone.consumed_by is None
+    p2, _, replayed = SCALER.step(clone, TX, grads, opt_state, params)  # the step, replayed
+    assert leaves_close(p2, p1, atol=0) and replayed.stage == "stepped"
+    assert clone.consumed_by == "step"
+
+
+def test_a_plain_loss_scale_state_has_no_stage_and_is_never_consumed():
+    """As GradScalerState's docstring says: each method takes a plain state as a ready one."""
+    params, x, y = problem()
+    plain, opt_state = jamp.dynamic_loss_scale(2.0**10), TX.init(params)
+    grads = scaled_grads(plain, params, x, y)
+    p1, _, stepped = SCALER.step(plain, TX, grads, opt_state, params)
+    p2, _, _ = SCALER.step(plain, TX, grads, opt_state, params)
+    assert leaves_close(p1, p2, atol=0) and type(stepped) is jamp.GradScalerState
+    assert not hasattr(plain, "consumed_by")
 
 
 # ================================================================ 2. calls written the torch way

@@ -13,7 +13,6 @@ across the replicas of a ``shard_map``/``pmap`` axis.
 from __future__ import annotations
 
 import functools
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -21,31 +20,10 @@ from jax import lax
 
 from jamp._src.finite.cpu import cpu_finite
 from jamp._src.finite.default import default_finite
-from jamp._src.leaves import Filter, check_filter, float_leaves
-from jamp._src.loss_scale import LossScaleState, check_state, inverse_scale, unscale
-
-AxisName = Any  # an axis name (a str), or a tuple of them
-
-
-def check_axis_name(axis_name: Any) -> Any:
-    """``axis_name`` if it is ``None``, a str or a non-empty tuple of str, else a TypeError."""
-    if axis_name is None or isinstance(axis_name, str):
-        return axis_name
-    if isinstance(axis_name, tuple) and axis_name and all(isinstance(a, str) for a in axis_name):
-        return axis_name
-    raise TypeError(
-        "Expected `axis_name` to be the name of a shard_map/pmap axis (a str) or a tuple of "
-        f"them, got {axis_name!r} instead."
-    )
-
-
-def refuse_axis_name(extra_args: dict, fn: str, receiver: str, owner: str) -> None:
-    """A TypeError if ``axis_name`` came as an extra argument that ``receiver`` would ignore."""
-    if "axis_name" in extra_args:
-        raise TypeError(
-            f"{fn} got `axis_name`, which it would pass on to {receiver} and ignore: give it "
-            f"to {owner}(..., axis_name=...)."
-        )
+from jamp._src.leaves import float_leaves
+from jamp._src.loss_scale import LossScaleState, check_state, inverse_scale, unscale_tree
+from jamp._src.types import AxisName, Filter, Grads, PyTree
+from jamp._src.validate import check_axis_name, check_filter
 
 
 def finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
@@ -60,8 +38,9 @@ def finite(leaves: list[jax.Array], inv: jax.Array | None = None) -> jax.Array:
 
 
 def agree(flag: jax.Array, axis_name: AxisName | None) -> jax.Array:
-    """``flag`` on every replica of ``axis_name`` (the AND over them), when given."""
-    if check_axis_name(axis_name) is None:
+    """``flag`` on every replica of ``axis_name`` (the AND over them), when given; the
+    caller checked ``axis_name`` (``validate.check_axis_name``)."""
+    if axis_name is None:
         return flag
     for name in axis_name if isinstance(axis_name, tuple) else (axis_name,):
         try:
@@ -76,7 +55,9 @@ def agree(flag: jax.Array, axis_name: AxisName | None) -> jax.Array:
     return lax.pmax(bad, axis_name) == 0
 
 
-def all_finite(tree: Any, *, axis_name: AxisName | None = None, filter: Filter = None) -> jax.Array:
+def all_finite(
+    tree: PyTree, *, axis_name: AxisName | None = None, filter: Filter = None
+) -> jax.Array:
     """One boolean scalar: whether every floating element of ``tree`` is finite.
 
     Computed on device, with no host sync, and exact for every input: a NaN
@@ -111,12 +92,13 @@ def all_finite(tree: Any, *, axis_name: AxisName | None = None, filter: Filter =
       True
     """
     check_filter(filter, "all_finite")
+    check_axis_name(axis_name)
     return agree(finite(float_leaves(tree, "all_finite", filter)), axis_name)
 
 
 def check_unscaled(
     state: LossScaleState,
-    grads: Any,
+    grads: Grads,
     *,
     axis_name: AxisName | None = None,
     filter: Filter = None,
@@ -127,6 +109,7 @@ def check_unscaled(
     The unscaled gradients are not formed on the fast path, so a caller can
     unscale inside the branch that uses them, where XLA fuses the multiply
     into the optimizer's own pass. ``fn`` names the caller in messages.
+    Unchecked: the caller checked ``state``, ``axis_name`` and ``filter``.
     """
     inv = inverse_scale(state) if state.enabled else None
     return agree(finite(float_leaves(grads, fn, filter), inv), axis_name)
@@ -134,11 +117,11 @@ def check_unscaled(
 
 def unscale_and_check(
     state: LossScaleState,
-    grads: Any,
+    grads: Grads,
     *,
     axis_name: AxisName | None = None,
     filter: Filter = None,
-) -> tuple[Any, jax.Array]:
+) -> tuple[Grads, jax.Array]:
     """Unscale ``grads`` and check whether the *unscaled* values are all finite.
 
     The check reads the scaled gradients once (see [`all_finite`][jamp.all_finite]); with
@@ -168,5 +151,17 @@ def unscale_and_check(
     """
     check_state(state, "unscale_and_check")
     check_filter(filter, "unscale_and_check")
+    check_axis_name(axis_name)
+    return unscaled_and_finite(state, grads, axis_name, filter)
+
+
+def unscaled_and_finite(
+    state: LossScaleState,
+    grads: Grads,
+    axis_name: AxisName | None = None,
+    filter: Filter = None,
+) -> tuple[Grads, jax.Array]:
+    """``jamp.unscale_and_check``, unchecked: for callers that checked ``state``,
+    ``axis_name`` and ``filter``."""
     finite = check_unscaled(state, grads, axis_name=axis_name, filter=filter)
-    return unscale(state, grads, filter=filter), finite
+    return unscale_tree(state, grads, filter), finite

@@ -14,8 +14,9 @@ from jax import lax
 from jax.tree_util import KeyPath
 from jax.typing import ArrayLike
 
-from jamp._src.leaves import FLOAT, Filter, check_filter, is_sharded, leaf_kind, selected
-from jamp._src.types import PyTree
+from jamp._src.leaves import FLOAT, is_sharded, leaf_kind, selected
+from jamp._src.types import Filter, PyTree
+from jamp._src.validate import check_filter
 
 logger = logging.getLogger("jamp")
 

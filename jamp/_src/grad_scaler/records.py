@@ -6,8 +6,10 @@ has already been called since the last update()". An Optax transformation is
 stateless and may serve several models, so here one optimizer is a
 transformation *and* the parameters it steps: each check ``GradScaler.step``
 records carries a ``StepRecord`` (static metadata) naming the
-transformation, the structure of the parameters and the arrays the step
-returned. ``check_step`` refuses, while the step is traced:
+transformation, the structure of the parameters and weak references to the
+arrays the step returned (not their ``id``s: an id is reused once its array
+is freed, and a new array would pass for a returned one). ``check_step``
+refuses, while the step is traced:
 
 - the same transformation stepping the parameters its recorded step returned
   (a loop that forgot ``scaler.update``, or one model stepped twice); and
@@ -24,11 +26,13 @@ step other parameters (or another structure).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import weakref
 
 import jax
 import jax.core
 import jax.extend.core
+
+from jamp._src.types import Params
 
 _LOOP = (
     "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`, then "
@@ -42,16 +46,17 @@ _SEVERAL = (
 STEPPED_TWICE = "step() has already been called since the last update()."
 
 
-def _trace_state() -> Any:
+def _trace_state() -> object:
     return jax.extend.core.get_opaque_trace_state(convention="jamp")
 
 
-def _array_ids(tree: Any) -> set[int]:
-    return {
-        id(leaf)
+def _arrays(tree: Params) -> list[jax.Array]:
+    """The arrays (and tracers) among ``tree``'s leaves."""
+    return [
+        leaf
         for leaf in jax.tree_util.tree_leaves(tree)
         if isinstance(leaf, (jax.Array, jax.core.Tracer))
-    }
+    ]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -62,9 +67,11 @@ class StepRecord:
       tx: the Optax transformation, held so that its identity stays unique
         while the check is recorded.
       structure: the tree structure of the parameters it stepped.
-      outputs: ``id`` of each array the step returned as parameters (and
-        did not pass through unchanged): the arrays a second step of the
-        same optimizer would be given.
+      outputs: a weak reference to each array the step returned as
+        parameters (and did not pass through unchanged): the arrays a second
+        step of the same optimizer would be given. Weak, so the record keeps
+        no array alive, and a freed one matches nothing (where its ``id``
+        would match the next array given its address).
       trace: the JAX trace the step ran in (an opaque token; the eager
         trace when not traced).
 
@@ -73,10 +80,10 @@ class StepRecord:
     its cache entry) from one iteration to the next.
     """
 
-    tx: Any
-    structure: Any
-    outputs: frozenset
-    trace: Any
+    tx: object
+    structure: object
+    outputs: tuple[weakref.ref[jax.Array], ...]
+    trace: object
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -91,18 +98,24 @@ class StepRecord:
     def __repr__(self) -> str:
         return f"StepRecord(tx={type(self.tx).__name__} at {id(self.tx):#x}, {self.structure})"
 
+    def returned_any_of(self, arrays: list[jax.Array]) -> bool:
+        """Whether one of ``arrays`` is an array this step returned (and is still alive)."""
+        given = {id(a) for a in arrays}  # alive while compared: an id names one object
+        return any((out := ref()) is not None and id(out) in given for ref in self.outputs)
 
-def record(tx: Any, params: Any, new_params: Any) -> StepRecord:
+
+def record(tx: object, params: Params, new_params: Params) -> StepRecord:
     """The record of a step of ``tx`` from ``params`` to ``new_params``."""
+    given = {id(a) for a in _arrays(params)}
     return StepRecord(
         tx=tx,
         structure=jax.tree_util.tree_structure(params),
-        outputs=frozenset(_array_ids(new_params) - _array_ids(params)),
+        outputs=tuple(weakref.ref(a) for a in _arrays(new_params) if id(a) not in given),
         trace=_trace_state(),
     )
 
 
-def check_step(records: tuple, tx: Any, params: Any) -> None:
+def check_step(records: tuple[StepRecord | None, ...], tx: object, params: Params) -> None:
     """A RuntimeError, in torch's words, if ``tx`` stepping ``params`` is not a new optimizer.
 
     Args:
@@ -112,12 +125,12 @@ def check_step(records: tuple, tx: Any, params: Any) -> None:
       params: the parameters it is about to step.
     """
     structure = jax.tree_util.tree_structure(params)
-    ids = _array_ids(params)
+    arrays = _arrays(params)
     trace = _trace_state()
     for rec in records:
         if rec is None or rec.structure != structure:
             continue
-        if rec.tx is tx and ids & rec.outputs:
+        if rec.tx is tx and rec.returned_any_of(arrays):
             raise RuntimeError(
                 f"{STEPPED_TWICE} This `tx` already stepped these parameters since the last "
                 "`scaler.update` (they are what that `scaler.step` returned), and `state` holds "
@@ -134,16 +147,3 @@ def check_step(records: tuple, tx: Any, params: Any) -> None:
                 "function. (Two models of the same structure stepped in separately jitted "
                 "functions meet this too: step both in one, then update.)"
             )
-
-
-def check_not_swapped(grads: Any, opt_state: Any, params: Any) -> None:
-    """A TypeError if ``opt_state`` is shaped like the gradients and ``params`` is not."""
-    structure = jax.tree_util.tree_structure
-    if structure(opt_state) == structure(grads) != structure(params):
-        raise TypeError(
-            "`GradScaler.step(state, tx, grads, opt_state, params)` got an `opt_state` shaped "
-            "like the gradients and `params` shaped otherwise: the parameters and the optimizer "
-            "state look swapped. The optimizer state (from `tx.init(params)`) comes before the "
-            "parameters, as in `tx.update(grads, opt_state, params)`: write "
-            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
-        )

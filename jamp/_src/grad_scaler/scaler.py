@@ -25,24 +25,34 @@ import functools
 import inspect
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ParamSpec, TypeVar, overload
+from typing import ParamSpec, TypeVar, overload
 
 import jax
 import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.typing import ArrayLike
 
 from jamp._src import loss_scale as ls
-from jamp._src.finite.check import check_axis_name, check_unscaled, refuse_axis_name
-from jamp._src.finite.check import unscale_and_check as _unscale_and_check
-from jamp._src.grad_scaler.records import check_not_swapped, check_step, record
-from jamp._src.leaves import check_filter, is_real_number
+from jamp._src.finite.check import check_unscaled, unscaled_and_finite
+from jamp._src.grad_scaler.records import check_step, record
+from jamp._src.leaves import is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
-from jamp._src.skip import check_skip, optimizer_step
-from jamp._src.validate import check_config
+from jamp._src.skip import optimizer_step
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
+from jamp._src.validate import (
+    Config,
+    check_axis_name,
+    check_config,
+    check_flag,
+    check_not_swapped,
+    check_skip,
+    check_step_arguments,
+    refuse_axis_name,
+)
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -50,7 +60,7 @@ R = TypeVar("R")
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 
 
-def _check_state(state: Any, method: str) -> ls.LossScaleState:
+def _check_state(state: object, method: str) -> ls.LossScaleState:
     """``state`` if it is a loss-scale state, else a TypeError that says where one comes from."""
     if isinstance(state, ls.LossScaleState):
         return state
@@ -70,7 +80,7 @@ def _check_state(state: Any, method: str) -> ls.LossScaleState:
     )
 
 
-def _python_scalar(value: Any) -> Any:
+def _python_scalar(value: object) -> object:
     """A 0-d NumPy/JAX array (a dict restored by Orbax or ``np.load``) as a Python number."""
     if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
         if isinstance(value, jax.core.Tracer):
@@ -123,11 +133,36 @@ class GradScalerState(ls.LossScaleState):
     step is traced and cost nothing when it runs. After ``update`` the state
     is ``"ready"`` again with no ``found_infs``: a jitted iteration returns a
     state of the structure it took, and ``lax.scan`` can carry it.
+
+    A state passed to [`GradScaler.unscale`][jamp.GradScaler.unscale],
+    [`GradScaler.step`][jamp.GradScaler.step] or
+    [`GradScaler.update`][jamp.GradScaler.update] is *consumed*: the method
+    returns the state to go on with, and given the old one again, any of them
+    raises a ``RuntimeError`` in torch's words (it would unscale twice, or
+    lose an inf check). The mark is ``consumed_by``, the one field a method
+    sets on the object it took: it is not part of the pytree (not a leaf,
+    not metadata, not compared), so it never reaches a computation, and
+    every new state object starts unconsumed. To reuse a consumed state on
+    purpose (to replay a step), clone it: ``jax.tree_util.tree_map(lambda x:
+    x, state)`` is a new, usable object with the same values. A state
+    captured from outside the function being traced (a global, while the
+    method's other arguments are traced) is not marked: the next trace
+    would see the mark. A plain [`jamp.LossScaleState`][] given to these
+    methods carries no stage and is never consumed: each method takes it as
+    a ready state, so start from [`GradScaler.init`][jamp.GradScaler.init]
+    to have its reuse refused.
+
+    Attributes:
+      consumed_by: ``None``, or the method (``"unscale"``, ``"step"`` or
+        ``"update"``) that took this state object and returned its successor.
     """
 
     found_infs: tuple = ()
     stage: str = dataclasses.field(default=READY, metadata=dict(static=True))
     checked_by: tuple = dataclasses.field(default=(), metadata=dict(static=True))
+    # Not a pytree field (init=False: jax.tree_util.register_dataclass leaves it out), not
+    # compared: a flatten / unflatten, or dataclasses.replace, makes an unconsumed object.
+    consumed_by: str | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
 
 
 _LOSS_SCALE_FIELDS = [f.name for f in dataclasses.fields(ls.LossScaleState)]
@@ -216,37 +251,42 @@ _CALLS = {
     "update": "state = scaler.update(state)",
 }
 
-_PASSED_TO = "_jamp_passed_to"  # set on a state object that a method took and replaced
+_CLONE = "jax.tree_util.tree_map(lambda x: x, state)"
 
 
-def _is_tracer(x: Any) -> bool:
+def _is_tracer(x: object) -> bool:
     return isinstance(x, jax.core.Tracer)
 
 
-def _passed(state: ls.LossScaleState, method: str, others: Any = ()) -> None:
-    """Remember, on the state object itself, that ``method`` took it and returned its successor.
+def _consume(state: ls.LossScaleState, method: str, others: PyTree = ()) -> None:
+    """Mark ``state`` consumed by ``method``, which took it and returned its successor
+    (``GradScalerState.consumed_by``).
 
     torch keeps its stage in the scaler, so reusing the scaler after
     ``unscale_`` is safe; here the old state object still exists, and passing
     it on instead of the one returned would unscale twice or lose a check.
     Nothing of this reaches the computation. A state captured from outside
     the function being traced (concrete, among traced ``others``) is not
-    marked: the next trace would see the mark.
+    marked: the next trace would see the mark. A plain loss-scale state has
+    no stage and is never consumed.
     """
+    if not isinstance(state, GradScalerState):
+        return
     if _is_tracer(state.scale) or not any(map(_is_tracer, jax.tree_util.tree_leaves(others))):
-        object.__setattr__(state, _PASSED_TO, method)
+        object.__setattr__(state, "consumed_by", method)
 
 
-def _check_not_passed(state: ls.LossScaleState, method: str) -> None:
+def _check_not_consumed(state: ls.LossScaleState, method: str) -> None:
     """A RuntimeError, in torch's words, if a method already took ``state`` and replaced it."""
-    used = state.__dict__.get(_PASSED_TO)
+    used = state.consumed_by if isinstance(state, GradScalerState) else None
     if used is None:
         return
     sentence = _SENTENCES.get((used, method), _AFTER_UPDATE)
     raise RuntimeError(
         f"{sentence} This state was already passed to `scaler.{used}`, which returned the one "
         f"to use from then on: write `{_CALLS[used]}` and pass that state on. An iteration is "
-        f"`{_LOOP}`."
+        f"`{_LOOP}`. To reuse this state on purpose (to replay a step), clone it first: "
+        f"`state = {_CLONE}` is a new, unconsumed object with the same values."
     )
 
 
@@ -355,12 +395,11 @@ class GradScaler:
     growth_interval: int = 2000
     enabled: bool = True
     skip: str = "auto"
-    axis_name: Any = None
+    axis_name: AxisName | None = None
 
     def __post_init__(self) -> None:
         # GradScaler is configuration, not a pytree, so validating here is safe.
-        if not isinstance(self.enabled, bool):
-            raise TypeError(f"Expected `enabled` to be a bool, got {self.enabled!r} instead.")
+        check_flag("enabled", self.enabled)
         if isinstance(self.init_scale, str):
             raise TypeError(
                 f"Expected `init_scale` to be a real number, got {self.init_scale!r} instead; "
@@ -374,7 +413,7 @@ class GradScaler:
 
     # ------------------------------------------------------------ state
 
-    def _config(self) -> Any:
+    def _config(self) -> Config:
         return check_config(
             scale=self.init_scale,
             growth_factor=self.growth_factor,
@@ -418,7 +457,7 @@ class GradScaler:
     def get_growth_interval(self, state: ls.LossScaleState) -> int:
         return _check_state(state, "get_growth_interval").growth_interval
 
-    def _reconfigure(self, state: StateT, method: str, **changes: Any) -> StateT:
+    def _reconfigure(self, state: StateT, method: str, **changes: object) -> StateT:
         _check_state(state, method)
         if not state.is_dynamic:
             return state
@@ -459,16 +498,18 @@ class GradScaler:
     # ------------------------------------------------------------ the loop
 
     @_takes_state("scaler.scale(state, loss)")
-    def scale(self, state: ls.LossScaleState, outputs: Any) -> Any:
+    def scale(self, state: ls.LossScaleState, outputs: PyTree) -> PyTree:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
-        return ls.scale(_check_state(state, "scale"), outputs)
+        return ls.scale_tree(_check_state(state, "scale"), outputs)
 
     @overload
-    def unscale(self, state: GradScalerState, grads: Any) -> tuple[Any, GradScalerState]: ...
+    def unscale(self, state: GradScalerState, grads: Grads) -> tuple[Grads, GradScalerState]: ...
     @overload
-    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]: ...
+    def unscale(
+        self, state: ls.LossScaleState, grads: Grads
+    ) -> tuple[Grads, ls.LossScaleState]: ...
     @_takes_state(_CALLS["unscale"])
-    def unscale(self, state: ls.LossScaleState, grads: Any) -> tuple[Any, ls.LossScaleState]:
+    def unscale(self, state: ls.LossScaleState, grads: Grads) -> tuple[Grads, ls.LossScaleState]:
         """``(unscaled_grads, state)``: torch's ``unscale_(optimizer)``; clip after this.
 
         The returned state records the inf check and that these gradients are
@@ -486,7 +527,7 @@ class GradScaler:
         state = _check_state(state, "unscale")
         if not self.enabled:
             return grads, state
-        _check_not_passed(state, "unscale")
+        _check_not_consumed(state, "unscale")
         if _stage(state) == UNSCALED:
             raise RuntimeError(
                 f"{_UNSCALED_TWICE} `scaler.unscale` returned gradients that are unscaled already, "
@@ -494,8 +535,8 @@ class GradScaler:
                 "optimizers, step each one's gradients before unscaling the next one's: "
                 f"`{_CALLS['unscale']}`, then `{_CALLS['step']}`, for each optimizer in turn."
             )
-        unscaled, finite = _unscale_and_check(state, grads, axis_name=self.axis_name)
-        _passed(state, "unscale", grads)
+        unscaled, finite = unscaled_and_finite(state, grads, self.axis_name)
+        _consume(state, "unscale", grads)
         found_infs = (*_found_infs(state), jnp.logical_not(finite))
         return unscaled, _with_checks(state, found_infs, UNSCALED, (*_checked_by(state), None))
 
@@ -504,37 +545,37 @@ class GradScaler:
         self,
         state: GradScalerState,
         tx: optax.GradientTransformation,
-        grads: Any,
-        opt_state: Any,
-        params: Any,
+        grads: Grads,
+        opt_state: OptState,
+        params: Params,
         *,
-        filter: Any = None,
-        **extra_args: Any,
-    ) -> tuple[Any, Any, GradScalerState]: ...
+        filter: Filter = None,
+        **extra_args: object,
+    ) -> tuple[Params, OptState, GradScalerState]: ...
     @overload
     def step(
         self,
         state: ls.LossScaleState,
         tx: optax.GradientTransformation,
-        grads: Any,
-        opt_state: Any,
-        params: Any,
+        grads: Grads,
+        opt_state: OptState,
+        params: Params,
         *,
-        filter: Any = None,
-        **extra_args: Any,
-    ) -> tuple[Any, Any, ls.LossScaleState]: ...
+        filter: Filter = None,
+        **extra_args: object,
+    ) -> tuple[Params, OptState, ls.LossScaleState]: ...
     @_takes_state(_CALLS["step"])
     def step(
         self,
         state: ls.LossScaleState,
         tx: optax.GradientTransformation,
-        grads: Any,
-        opt_state: Any,
-        params: Any,
+        grads: Grads,
+        opt_state: OptState,
+        params: Params,
         *,
-        filter: Any = None,
-        **extra_args: Any,
-    ) -> tuple[Any, Any, ls.LossScaleState]:
+        filter: Filter = None,
+        **extra_args: object,
+    ) -> tuple[Params, OptState, ls.LossScaleState]:
         """Apply ``tx`` unless a gradient is inf/NaN: torch's ``scaler.step(optimizer)``.
 
         Unless ``state`` comes from [`unscale`][jamp.GradScaler.unscale] (whose gradients are taken
@@ -571,34 +612,28 @@ class GradScaler:
             ``opt_state`` are swapped, or ``found_inf=`` was passed.
         """
         state = _check_state(state, "step")
-        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-            hint = " (call it: optax.sgd(0.1), not optax.sgd)" if callable(tx) else ""
-            raise TypeError(
-                "Expected `tx` to be an optax.GradientTransformation, got "
-                f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
-            )
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
-        check_filter(filter, "GradScaler.step")
         check_not_swapped(grads, opt_state, params)
+        check_step_arguments(tx, grads, opt_state, params, filter=filter, fn="GradScaler.step")
 
-        def step(pred: Any, grads_fn: Any) -> tuple[Any, Any]:
+        def step(pred: jax.Array | None, grads_fn: Callable[[], Grads]) -> tuple[Params, OptState]:
             return optimizer_step(
                 pred,
                 tx,
                 grads_fn,
                 opt_state,
                 params,
+                grads=grads,
                 filter=filter,
                 skip=self.skip,
                 extra_args=extra_args,
                 fn="GradScaler.step",
-                grads=grads,
             )
 
         if not self.enabled:
             params, opt_state = step(None, lambda: grads)
             return params, opt_state, state
-        _check_not_passed(state, "step")
+        _check_not_consumed(state, "step")
         found_infs, checked_by = _found_infs(state), _checked_by(state)
         check_step(checked_by, tx, params)
         if _stage(state) == UNSCALED:  # grads unscaled by scaler.unscale, its check recorded
@@ -611,19 +646,19 @@ class GradScaler:
                 state, grads, axis_name=self.axis_name, filter=filter, fn="GradScaler.step"
             )
             found_inf = None
-            unscaled = lambda: ls.unscale(state, grads, filter=filter)  # noqa: E731
+            unscaled = lambda: ls.unscale_tree(state, grads, filter)  # noqa: E731
 
         # Unscaling inside the branch lets XLA fuse it into the optimizer's pass.
         new_params, new_opt_state = step(finite, unscaled)
         if found_inf is None:
             found_inf = jnp.logical_not(finite)
-        _passed(state, "step", grads)
+        _consume(state, "step", grads)
         checked_by = (*checked_by, record(tx, params, new_params))
         new_state = _with_checks(state, (*found_infs, found_inf), STEPPED, checked_by)
         return new_params, new_opt_state, new_state
 
     @_takes_state(_CALLS["update"])
-    def update(self, state: StateT, new_scale: Any = None) -> StateT:
+    def update(self, state: StateT, new_scale: ArrayLike | None = None) -> StateT:
         """The state for the next iteration: ``scaler.update()``.
 
         Backs the scale off once if any inf check recorded since the last
@@ -663,7 +698,7 @@ class GradScaler:
                 f"{type(new_scale).__name__} {new_scale!r:.40} instead; `update` reads the inf "
                 "checks from the state, so it takes no list of found_inf flags either."
             )
-        _check_not_passed(state, "update")
+        _check_not_consumed(state, "update")
         if new_scale is not None:
             if isinstance(new_scale, jax.core.Tracer):
                 dtype = np.dtype(new_scale.dtype)
@@ -696,9 +731,9 @@ class GradScaler:
                     f"`{_CALLS['step']}`, then `{_CALLS['update']}`, once per iteration. To set "
                     "the scale without a step, pass `new_scale`."
                 )
-            new = ls.update(state, jnp.logical_not(_any(found_infs)))
+            new = ls.update_state(state, jnp.logical_not(_any(found_infs)))
         if _found_infs(state):  # a ready state (new_scale only) can be reused harmlessly
-            _passed(state, "update", _found_infs(state))
+            _consume(state, "update", _found_infs(state))
         return _ready(new)
 
     @_takes_state("scaler.found_inf(state)")
@@ -727,7 +762,7 @@ class GradScaler:
     # ------------------------------------------------------------ checkpoints
 
     @_takes_state("scaler.state_dict(state)")
-    def state_dict(self, state: ls.LossScaleState) -> dict[str, Any]:
+    def state_dict(self, state: ls.LossScaleState) -> dict[str, float | int]:
         """PyTorch's state dict: ``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker`` (``{}`` when disabled).
 
@@ -744,7 +779,7 @@ class GradScaler:
             "_growth_tracker": int(np.asarray(state.growth_tracker)),
         }
 
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> GradScalerState:
+    def load_state_dict(self, state_dict: Mapping[str, object]) -> GradScalerState:
         """A state from a dict saved by [`state_dict`][jamp.GradScaler.state_dict] or by PyTorch.
 
         The dict's growth/backoff configuration is carried in the returned
@@ -776,7 +811,7 @@ class GradScaler:
             )
         scale_value = state_dict["scale"]
         if is_real_number(scale_value) and not (
-            isinstance(scale_value, int) or math.isfinite(scale_value) and scale_value > 0
+            isinstance(scale_value, int) or math.isfinite(scale_value) and float(scale_value) > 0
         ):
             raise ValueError(
                 f"Expected state_dict['scale'] to be positive and finite, got {scale_value!r:.60} "
