@@ -1,10 +1,9 @@
-"""Compiled-HLO statistics: fusions, conditionals, copies, bytes accessed, temp memory."""
+"""Reading compiled HLO text (the hub): XLA:CPU's statistics of a step, and the GEMMs of a
+compiled program (``benchmarks/xla_gpu.py`` reads a GPU program in full)."""
 
 from __future__ import annotations
 
 import re
-import time
-from collections.abc import Callable
 from typing import Any
 
 
@@ -17,38 +16,32 @@ def _temp_bytes(compiled: Any) -> float:
 
 
 def stats(compiled: Any) -> dict[str, float]:
+    """Fusions, conditionals, bytes accessed and temp memory of a compiled step."""
     text = compiled.as_text()
-    entry = text[text.find("ENTRY") :]
-    entry = entry[: entry.find("\n}\n") + 1] if "\n}\n" in entry else entry
     ca = compiled.cost_analysis()
     if isinstance(ca, (list, tuple)):
         ca = ca[0] if ca else {}
     ca = ca or {}
     return {
         "fusions_total": len(re.findall(r"= [^\n]*? fusion\(", text)),
-        "fusions_entry": len(re.findall(r"= [^\n]*? fusion\(", entry)),
         "conditionals": len(re.findall(r" conditional\(", text)),
-        "copies": len(re.findall(r" copy\(", text)),
         "bytes_accessed": float(ca.get("bytes accessed", float("nan"))),
         "temp_bytes": _temp_bytes(compiled),
-        "flops": float(ca.get("flops", float("nan"))),
     }
 
 
-def compile_times(lower: dict[str, Callable[[int], Any]], rounds: int) -> dict[str, list[float]]:
-    """CPU seconds of ``compile()`` for each ``lower[name](round)``, interleaved over rounds.
+GEMM_TARGETS = ("__cublas$lt$matmul$f8", "__cublas$lt$matmul", "__cublas$gemm")
 
-    Prints each one's fusions and temp memory, from the first round.
-    """
-    times: dict[str, list[float]] = {name: [] for name in lower}
-    for rnd in range(rounds):
-        for name, make in lower.items():
-            lowered = make(rnd)
-            t = time.process_time()
-            compiled = lowered.compile()
-            times[name].append(time.process_time() - t)
-            if rnd == 0:
-                st = stats(compiled)
-                temp = st["temp_bytes"] / 1e6
-                print(f"{name:42s} fusions {st['fusions_total']:4.0f}, temp {temp:.2f} MB")
-    return times
+
+def gemm_calls(hlo: str) -> dict[str, int]:
+    """GEMM custom calls by target; GEMM fusions (Triton, cuDNN); and computations holding a
+    ``dot`` of float8 values (a GEMM fusion fed float8, or a CPU that did not upcast)."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    out = {t: sum(1 for x in targets if x == t) for t in GEMM_TARGETS}
+    out["triton"] = len(re.findall(r'"kind":"__triton_gemm"', hlo))
+    out["cudnn"] = len(re.findall(r'"kind":"__cudnn\$fusion"', hlo))
+    computations = re.split(r"\n(?=\S)", hlo)  # each starts at column 0
+    out["f8 dots"] = sum(
+        1 for c in computations if re.search(r" dot\(", c) and re.search(r"f8e(4m3fn|5m2)\[", c)
+    )
+    return out

@@ -1,40 +1,22 @@
-"""XLA:GPU without a GPU: compile for a described H200 or H100 and read the program.
+"""XLA:GPU without a GPU (the hub): compile for a described H200 and read the program.
 
-jax's CUDA PJRT plugin compiles ahead of time for a *described* device
-(deviceless AOT): :func:`compile_for` lowers a function for a
-``GpuTargetConfigProto`` and returns what XLA:GPU makes of it, the real GPU
-program: its fusions, Triton GEMM fusions, cuBLAS and cuDNN calls, copies and
-conditionals, and XLA's own temp-buffer size. :func:`analyse` reads that
-program into per-step figures (:class:`Program`):
-
-- **kernels**: the launches of one step: every instruction of the entry
-  computation that runs on the device (a fusion, a library call, a copy, an
-  unfused op), plus, for a ``conditional``, the thunk and the kernels of its
-  costliest branch, and for a ``while`` or ``call``, the kernels of what it runs
-  (once);
-- **bytes**: modelled HBM traffic: for each kernel, the bytes of its operands
-  plus its outputs (a ``conditional`` counts its costliest branch);
-- **temp**: XLA's temp allocation (``memory_analysis()``);
-- **FLOPs** of matrix products and convolutions, by operand dtype;
-- **roofline**: per kernel, the larger of FLOPs / the dtype's dense peak and
-  bytes / the memory bandwidth, summed.
-
-Autotuning cannot run without a device, so GEMMs get XLA's default
-configurations; fusion and buffer decisions are the GPU compiler's own, and
-the output is deterministic: tests may assert on it.
-
-Setup (``pip install "jax-amp[gpu-compile]"``, which is ``jax[cuda13-local]``: the
-plugin with no CUDA wheels; ``ptxas`` from a CUDA toolkit on ``PATH``). The
-plugin must not initialise a CUDA backend in a process without a GPU, so a
-process that uses this module runs with ``JAX_PLATFORMS=cpu`` (the tests'
-conftest sets it; ``python -m benchmarks.gpu_compile`` sets it before jax is
-imported): the topology, not a device, is what is compiled for.
+jax's CUDA PJRT plugin compiles ahead of time for a *described* device: :func:`compile_for`
+returns what XLA:GPU makes of a function, the real GPU program (its fusions, Triton
+GEMMs, cuBLAS and cuDNN calls, copies, conditionals, temp buffer), and :func:`analyse`
+reads it into a :class:`Program`: the kernels one step launches (a ``conditional``
+counts its thunk and its costliest branch, a ``while`` or ``call`` what it runs, once),
+the bytes each moves (operands plus outputs), XLA's temp memory, matrix FLOPs by operand
+dtype and a roofline time. Autotuning cannot run without a device, so GEMMs keep XLA's
+default configurations; the rest is the compiler's own, and deterministic: tests assert
+on it. Needs ``pip install "jax-amp[gpu-compile]"`` (the plugin, no CUDA wheels), a CUDA
+toolkit's ``ptxas`` on ``PATH``, and ``JAX_PLATFORMS=cpu`` in the process (the tests'
+conftest and ``python -m benchmarks``' ``main`` set it): the plugin must not open a
+device; only the described topology is compiled for (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 import warnings
@@ -46,9 +28,8 @@ import jax
 # --------------------------------------------------------------------- targets
 
 
-def _target_config(name: str, *, bandwidth: float, memory: int) -> str:
-    return f"""
-gpu_device_info {{
+_H200 = """
+gpu_device_info {
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
@@ -60,22 +41,22 @@ gpu_device_info {{
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: {int(bandwidth)}
+  memory_bandwidth: 4800000000000
   l2_cache_size: 52428800
   clock_rate_ghz: 1.98
-  device_memory_size: {memory}
-  cuda_compute_capability {{ major: 9 minor: 0 }}
+  device_memory_size: 150754820096
+  cuda_compute_capability { major: 9 minor: 0 }
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
-}}
+}
 platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 10 }}
-runtime_version {{ major: 13 minor: 0 patch: 0 }}
-device_description_str: "{name}"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 minor: 0 patch: 0 }
+device_description_str: "NVIDIA H200"
 """
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: mesh() caches by target
 class Target:
     """A described GPU: its ``GpuTargetConfigProto`` and the peaks of its roofline."""
 
@@ -87,21 +68,7 @@ class Target:
 
 
 _HOPPER_PEAKS = {"bf16": 989e12, "f16": 989e12, "f8": 1979e12, "f32": 494e12, "f64": 67e12}
-
-TARGETS = {
-    "H200": Target(
-        "H200",
-        _target_config("NVIDIA H200", bandwidth=4.8e12, memory=150_754_820_096),
-        4.8e12,
-        _HOPPER_PEAKS,
-    ),
-    "H100": Target(
-        "H100",
-        _target_config("NVIDIA H100 80GB HBM3", bandwidth=3.35e12, memory=85_520_809_984),
-        3.35e12,
-        _HOPPER_PEAKS,
-    ),
-}
+TARGETS = {"H200": Target("H200", _H200, 4.8e12, _HOPPER_PEAKS)}
 
 
 def unavailable() -> str | None:
@@ -119,16 +86,13 @@ def unavailable() -> str | None:
     return None
 
 
+@functools.cache
 def mesh(target: Target) -> jax.sharding.Mesh:
     """A one-device mesh of the described GPU ``target``."""
-    return _mesh(target.config)
-
-
-@functools.cache
-def _mesh(config: str) -> jax.sharding.Mesh:
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target.config,
+                                        topology="1x1x1")  # fmt: skip
     return topologies.make_mesh(topo, (1,), ("x",))
 
 
@@ -145,20 +109,15 @@ def specs(tree: Any, target: Target = TARGETS["H200"]) -> Any:
 
 
 def compile_for(
-    fun: Any,
-    *args: Any,
-    donate_argnums: tuple[int, ...] = (),
-    target: Target = TARGETS["H200"],
-    static_argnums: tuple[int, ...] = (),
+    fun: Any, *args: Any, donate_argnums: tuple[int, ...] = (), target: Target = TARGETS["H200"]
 ) -> Any:
     """``jax.jit(fun, donate_argnums=...)`` compiled for ``target``: a ``Compiled``.
 
     ``args`` are arrays, shape structs or pytrees of them; only their shapes
     and dtypes are used.
     """
-    placed = [a if i in static_argnums else specs(a, target) for i, a in enumerate(args)]
-    jitted = jax.jit(fun, donate_argnums=donate_argnums, static_argnums=static_argnums)
-    return compile_lowered(jitted.lower(*placed))
+    placed = [specs(a, target) for a in args]
+    return compile_lowered(jax.jit(fun, donate_argnums=donate_argnums).lower(*placed))
 
 
 def compile_lowered(lowered: Any) -> Any:
@@ -191,8 +150,8 @@ FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
 }  # fmt: skip
-# Calls whose called computation is what runs (each of its kernels counted).
-CALLS = {"call", "async-start", "async-update", "async-done"}
+# Calls whose called computations are what runs (each of their kernels counted once).
+CALLS = {"call", "while", "async-start", "async-update", "async-done"}
 
 
 @dataclass
@@ -221,14 +180,9 @@ class Instr:
 
     def called(self) -> list[str]:
         """Names of the computations this instruction calls."""
-        names = re.findall(
-            r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([^\s,}]+)",
-            self.attrs,
+        return re.findall(r"\b(?:calls|to_apply|body|condition)=%?([^\s,}]+)", self.attrs) + (
+            self.branches()
         )
-        m = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
-        if m:
-            names += [n.strip().lstrip("%") for n in m.group(1).split(",") if n.strip()]
-        return names
 
     def branches(self) -> list[str]:
         m = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
@@ -352,7 +306,6 @@ class Kernel:
     op_name: str
     bytes: float
     flops: dict[str, float]
-    kind: str  # "fusion", "gemm" (library or Triton GEMM), "conv", "copy", "conditional", ...
 
     def time(self, target: Target) -> float:
         t = self.bytes / target.bandwidth
@@ -368,7 +321,6 @@ class Program:
     kernels: list[Kernel]
     temp_bytes: float
     conditionals: int
-    whiles: int
     copies: int
     text: str = field(repr=False, default="")
 
@@ -395,10 +347,6 @@ class Program:
     def gemm_dtypes(self) -> set[str]:
         """The operand dtypes of the step's matrix products and convolutions."""
         return {d for k in self.kernels for d, f in k.flops.items() if f > 0}
-
-    def by_op(self, pattern: str) -> list[Kernel]:
-        """The kernels whose op name (jax's name stack) matches ``pattern``."""
-        return [k for k in self.kernels if re.search(pattern, k.op_name)]
 
 
 def _flops_in(
@@ -429,17 +377,6 @@ def _flops_in(
     return flops
 
 
-def _kind(comp: dict[str, Instr], ins: Instr, flops: dict[str, float]) -> str:
-    if ins.opcode == "custom-call":
-        t = (ins.attr("custom_call_target") or "").strip('"')
-        return "conv" if "conv" in t else ("gemm" if flops else "custom-call")
-    if ins.opcode == "fusion":
-        if flops:
-            return "gemm"
-        return "fusion"
-    return ins.opcode
-
-
 def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], counts: dict) -> None:
     comp = comps[name]
     for ins in comp.values():
@@ -455,13 +392,8 @@ def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], coun
                 if sum(k.bytes for k in ks) >= sum(k.bytes for k in best):
                     best = ks
             pred = comp.get(ins.operands[0]) if ins.operands else None
-            out.append(Kernel(ins.name, op, ins.op_name(), pred.nbytes if pred else 0, {}, op))
+            out.append(Kernel(ins.name, op, ins.op_name(), pred.nbytes if pred else 0, {}))
             out.extend(best)
-            continue
-        if op == "while":
-            counts["whiles"] += 1
-            for sub in ins.called():
-                _walk(comps, sub, out, counts)
             continue
         if op in CALLS:
             for sub in ins.called():
@@ -471,7 +403,7 @@ def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], coun
             counts["copies"] += 1
         nbytes = ins.nbytes + sum(comp[o].nbytes for o in ins.operands if o in comp)
         flops = _flops_in(comps, comp, ins)
-        out.append(Kernel(ins.name, op, ins.op_name(), nbytes, flops, _kind(comp, ins, flops)))
+        out.append(Kernel(ins.name, op, ins.op_name(), nbytes, flops))
 
 
 def analyse(compiled: Any) -> Program:
@@ -479,27 +411,10 @@ def analyse(compiled: Any) -> Program:
     text = compiled.as_text()
     comps, entry = parse(text)
     kernels: list[Kernel] = []
-    counts = {"conditionals": 0, "whiles": 0, "copies": 0}
+    counts = {"conditionals": 0, "copies": 0}
     _walk(comps, entry, kernels, counts)
     try:
         temp = float(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - a backend without memory analysis
         temp = float("nan")
-    return Program(kernels, temp, counts["conditionals"], counts["whiles"], counts["copies"], text)
-
-
-def summary(p: Program, target: Target = TARGETS["H200"]) -> dict[str, Any]:
-    """The figures of ``p`` as plain numbers (for tables and JSON)."""
-    return {
-        "kernels": p.n_kernels,
-        "bytes": p.bytes,
-        "temp": p.temp_bytes,
-        "conditionals": p.conditionals,
-        "copies": p.copies,
-        "flops": p.flops,
-        "roofline_s": p.roofline(target),
-    }
-
-
-def dumps(p: Program) -> str:
-    return json.dumps(summary(p), sort_keys=True)
+    return Program(kernels, temp, counts["conditionals"], counts["copies"], text)
