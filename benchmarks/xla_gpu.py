@@ -1,17 +1,13 @@
 """XLA:GPU without a GPU (the hub): compile for a described H200 and read the program.
 
-jax's CUDA PJRT plugin compiles ahead of time for a *described* device: :func:`compile_for`
-returns what XLA:GPU makes of a function, the real GPU program (its fusions, Triton
-GEMMs, cuBLAS and cuDNN calls, copies, conditionals, temp buffer), and :func:`analyse`
-reads it into a :class:`Program`: the kernels one step launches (a ``conditional``
-counts its thunk and its costliest branch, a ``while`` or ``call`` what it runs, once),
-the bytes each moves (operands plus outputs), XLA's temp memory, matrix FLOPs by operand
-dtype and a roofline time. Autotuning cannot run without a device, so GEMMs keep XLA's
-default configurations; the rest is the compiler's own, and deterministic: tests assert
-on it. Needs ``pip install "jax-amp[gpu-compile]"`` (the plugin, no CUDA wheels), a CUDA
-toolkit's ``ptxas`` on ``PATH``, and ``JAX_PLATFORMS=cpu`` in the process (the tests'
-conftest and ``python -m benchmarks``' ``main`` set it): the plugin must not open a
-device; only the described topology is compiled for (``docs/benchmarks.md``).
+jax's CUDA plugin compiles ahead of time for a described device: :func:`compile_for` gives
+the real GPU program of a function, and :func:`analyse` reads it into a :class:`Program`:
+the kernels of one step (a ``conditional`` counts its thunk and costliest branch, a
+``while`` or ``call`` what it runs, once), the bytes each moves (operands plus outputs),
+XLA's temp memory, matrix FLOPs by operand dtype and a roofline time. GEMMs keep XLA's
+default configurations (autotuning needs a device); the rest is the compiler's own, and
+deterministic. Needs ``jax-amp[gpu-compile]``, ``ptxas`` on ``PATH`` and
+``JAX_PLATFORMS=cpu``: the plugin must not open a device (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
@@ -111,22 +107,15 @@ def specs(tree: Any, target: Target = TARGETS["H200"]) -> Any:
 def compile_for(
     fun: Any, *args: Any, donate_argnums: tuple[int, ...] = (), target: Target = TARGETS["H200"]
 ) -> Any:
-    """``jax.jit(fun, donate_argnums=...)`` compiled for ``target``: a ``Compiled``.
-
-    ``args`` are arrays, shape structs or pytrees of them; only their shapes
-    and dtypes are used.
-    """
+    """``jax.jit(fun, donate_argnums=...)`` compiled for ``target``, on the shapes and dtypes
+    of ``args`` (arrays, shape structs or pytrees of them)."""
     placed = [specs(a, target) for a in args]
     return compile_lowered(jax.jit(fun, donate_argnums=donate_argnums).lower(*placed))
 
 
 def compile_lowered(lowered: Any) -> Any:
-    """``lowered.compile()`` for a GPU target without a device.
-
-    With a persistent compilation cache on (the test suite's), JAX finds a program it
-    compiled before but cannot load it without a device client: it warns, and compiles
-    it anew, which is what is wanted here.
-    """
+    """``lowered.compile()`` for a GPU target without a device (a persistent compilation
+    cache's entry cannot load without a device client: JAX warns and compiles anew, as wanted)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Error reading persistent compilation cache entry")
         return lowered.compile()
@@ -215,23 +204,14 @@ def parse(text: str) -> tuple[dict[str, dict[str, Instr]], str]:
     entry = ""
     current: dict[str, Instr] | None = None
     for line in text.splitlines():
-        h = _HEADER.match(line)
-        if h:
+        if h := _HEADER.match(line):
             current = comps.setdefault(h.group(2), {})
-            if h.group(1):
-                entry = h.group(2)
-            continue
-        if line.startswith("}"):
+            entry = h.group(2) if h.group(1) else entry
+        elif line.startswith("}"):
             current = None
-            continue
-        if current is None:
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape, opcode, rest = m.groups()
-        operands, attrs = _split_operands(rest)
-        current[name] = Instr(name, shape, opcode, operands, attrs)
+        elif current is not None and (m := _INSTR.match(line)):
+            name, shape, opcode, rest = m.groups()
+            current[name] = Instr(name, shape, opcode, *_split_operands(rest))
     return comps, entry
 
 
@@ -247,13 +227,11 @@ def _short(dtype: str) -> str:
     return "f8" if dtype.startswith("f8") else dtype
 
 
-def _dot_flops(comp: dict[str, Instr], ins: Instr) -> tuple[str, float]:
-    out = ins.arrays[0][1]
+def _matmul(comp: dict[str, Instr], ins: Instr, contract: list[int]) -> tuple[str, float]:
+    """(lhs dtype, FLOPs) of a product contracting the lhs dimensions ``contract``."""
     lhs_dtype, lhs = _dims_of(comp, ins.operands[0])
-    cdims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
-    contract = [int(c) for c in cdims.group(1).split(",") if c] if cdims else []
     k = math.prod(lhs[c] for c in contract) if lhs else 1
-    return _short(lhs_dtype), 2.0 * math.prod(out) * k
+    return _short(lhs_dtype), 2.0 * math.prod(ins.arrays[0][1]) * k
 
 
 def _conv_flops(fwd_out: tuple[int, ...], filt: tuple[int, ...], labels: str) -> float:
@@ -266,32 +244,29 @@ def _conv_flops(fwd_out: tuple[int, ...], filt: tuple[int, ...], labels: str) ->
     return 2.0 * math.prod(fwd_out) * math.prod(filt) / max(o, 1)
 
 
+def _forward_conv(comp: dict[str, Instr], ins: Instr) -> tuple[str, float]:
+    dtype, filt = _dims_of(comp, ins.operands[0])[0], _dims_of(comp, ins.operands[1])[1]
+    return _short(dtype), _conv_flops(ins.arrays[0][1], filt, ins.attr("dim_labels") or "")
+
+
 def _gemm_flops(comp: dict[str, Instr], ins: Instr) -> tuple[str, float] | None:
     """The (operand dtype, FLOPs) of a library call that is a GEMM or a convolution."""
-    target = ins.attr("custom_call_target") or ""
-    target = target.strip('"')
+    target = (ins.attr("custom_call_target") or "").strip('"')
     if "gemm" in target or "matmul" in target:
         m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
-        contract = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip()] if m else []
-        lhs_dtype, lhs = _dims_of(comp, ins.operands[0])
-        out = ins.arrays[0][1]
-        k = math.prod(lhs[c] for c in contract) if lhs else 1
-        return _short(lhs_dtype), 2.0 * math.prod(out) * k
-    if "conv" in target:
-        labels = ins.attr("dim_labels") or ""
-        if "BackwardFilter" in target:
-            dtype, fwd_out = _dims_of(comp, ins.operands[1])
-            filt = ins.arrays[0][1]
-            dtype = _dims_of(comp, ins.operands[0])[0]
-        elif "BackwardInput" in target:
-            dtype, fwd_out = _dims_of(comp, ins.operands[0])
-            filt = _dims_of(comp, ins.operands[1])[1]
-        else:
-            dtype, _ = _dims_of(comp, ins.operands[0])
-            fwd_out = ins.arrays[0][1]
-            filt = _dims_of(comp, ins.operands[1])[1]
-        return _short(dtype), _conv_flops(fwd_out, filt, labels)
-    return None
+        return _matmul(comp, ins, [int(c.strip('"')) for c in m.group(1).split(",") if c.strip()]
+                       if m else [])  # fmt: skip
+    if "conv" not in target:
+        return None
+    if "BackwardFilter" in target:  # the filter's gradient from the input and output's
+        dtype, fwd_out = _dims_of(comp, ins.operands[0])[0], _dims_of(comp, ins.operands[1])[1]
+        filt = ins.arrays[0][1]
+    elif "BackwardInput" in target:  # the input's gradient from the output's and the filter
+        dtype, fwd_out = _dims_of(comp, ins.operands[0])
+        filt = _dims_of(comp, ins.operands[1])[1]
+    else:
+        return _forward_conv(comp, ins)
+    return _short(dtype), _conv_flops(fwd_out, filt, ins.attr("dim_labels") or "")
 
 
 # --------------------------------------------------------------------- analysis
@@ -348,6 +323,10 @@ class Program:
         """The operand dtypes of the step's matrix products and convolutions."""
         return {d for k in self.kernels for d, f in k.flops.items() if f > 0}
 
+    def by_op(self, pattern: str) -> list[Kernel]:
+        """The kernels whose op name (jax's name stack) matches ``pattern``."""
+        return [k for k in self.kernels if re.search(pattern, k.op_name)]
+
 
 def _flops_in(
     comps: dict[str, dict[str, Instr]], comp: dict[str, Instr], ins: Instr
@@ -362,11 +341,10 @@ def _flops_in(
         if g:
             add(*g)
     elif ins.opcode == "dot":
-        add(*_dot_flops(comp, ins))
+        m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+        add(*_matmul(comp, ins, [int(c) for c in m.group(1).split(",") if c] if m else []))
     elif ins.opcode == "convolution":
-        dtype, _ = _dims_of(comp, ins.operands[0])
-        filt = _dims_of(comp, ins.operands[1])[1]
-        add(_short(dtype), _conv_flops(ins.arrays[0][1], filt, ins.attr("dim_labels") or ""))
+        add(*_forward_conv(comp, ins))
     elif ins.opcode == "fusion":
         for name in ins.called():
             sub = comps.get(name, {})
