@@ -131,15 +131,14 @@ def gpu_lines(results: list, why: str) -> tuple[list[str], list[tuple]]:
               "| variant | bytes (GiB) | bytes x float32 | bytes x Flax | temp (MiB) | "
               "temp x float32 | temp x Flax | roofline x float32 | kernels | GEMM dtypes |",
               "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]  # fmt: skip
-        for variant in GPU_VARIANTS:
-            p = programs[variant]
-            L.append(
-                f"| {variant} | {p.bytes / 2**30:.3f} | {p.bytes / base.bytes:.3f} | "
-                f"{p.bytes / flax.bytes:.3f} | {p.temp_bytes / 2**20:.1f} | "
-                f"{p.temp_bytes / base.temp_bytes:.3f} | {p.temp_bytes / flax.temp_bytes:.3f} | "
-                f"{p.roofline() / base.roofline():.3f} | {p.n_kernels} | "
-                f"{', '.join(sorted(p.gemm_dtypes()))} |"
-            )
+        L += [
+            f"| {v} | {p.bytes / 2**30:.3f} | {p.bytes / base.bytes:.3f} | "
+            f"{p.bytes / flax.bytes:.3f} | {p.temp_bytes / 2**20:.1f} | "
+            f"{p.temp_bytes / base.temp_bytes:.3f} | {p.temp_bytes / flax.temp_bytes:.3f} | "
+            f"{p.roofline() / base.roofline():.3f} | {p.n_kernels} | "
+            f"{', '.join(sorted(p.gemm_dtypes()))} |"
+            for v, p in ((v, programs[v]) for v in GPU_VARIANTS)
+        ]
         L.append("")
         ours = programs["jamp.autocast bfloat16"]
         br, tr = ours.bytes / flax.bytes, ours.temp_bytes / flax.temp_bytes
@@ -204,12 +203,10 @@ def section(
         rows = results[case.name]
         base = rows[0]
         base_res, base_temp = sum(base["residuals"].values()), base["temp"]
-        L += [f"### {case.name}: {case.describe}", ""]
-        L += [
-            "| variant | residuals (MiB) | residual ratio | temp (MiB) | temp ratio | "
-            "grad cosine [worst leaf] | loss |",
-            "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
-        ]
+        L += [f"### {case.name}: {case.describe}", "",
+              "| variant | residuals (MiB) | residual ratio | temp (MiB) | temp ratio | "
+              "grad cosine [worst leaf] | loss |",
+              "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
         ratios = {}
         for r in rows:
             total = sum(r["residuals"].values())
@@ -224,27 +221,18 @@ def section(
         t = torch_res.get(case.name)
         if t:
             ratios["torch.autocast bfloat16"] = t["bfloat16"] / t["float32"]
-            L.append(
-                f"| torch float32 (CPU, saved tensors) | {mib(t['float32'])} | 1.000 | | | | |"
-            )
-            L.append(
-                f"| torch.autocast bfloat16 (CPU, saved tensors) | {mib(t['bfloat16'])} | "
-                f"{t['bfloat16'] / t['float32']:.3f} | | | | |"
-            )
+            L += [f"| torch float32 (CPU, saved tensors) | {mib(t['float32'])} | 1.000 | | | | |",
+                  f"| torch.autocast bfloat16 (CPU, saved tensors) | {mib(t['bfloat16'])} | "
+                  f"{t['bfloat16'] / t['float32']:.3f} | | | | |"]  # fmt: skip
         L.append("")
         targets += _targets(case.name, rows, ratios)
     gpu_rows, gpu_targets = gpu_lines(*gpu)
-    L += gpu_rows
-    targets += gpu_targets
-    L += [
-        "### Targets (issues #17, #25)",
-        "",
-        "| target | measured | met | why (when missed) |",
-        "| --- | --- | --- | --- |",
-    ]
+    L += [*gpu_rows, "### Targets (issues #17, #25)", "",
+          "| target | measured | met | why (when missed) |",
+          "| --- | --- | --- | --- |"]  # fmt: skip
     L += [
         f"| {t} | {m} | {'yes' if ok else '**no**'} | {'' if ok else why} |"
-        for t, m, ok, why in targets
+        for t, m, ok, why in targets + gpu_targets
     ]
     L += ["", END]
     return "\n".join(L)
@@ -311,17 +299,14 @@ def _targets(model: str, rows: list[dict], ratios: dict[str, float]) -> list[tup
 
 def step_time(args, log) -> str:
     """Median training-step time of the GPT: float32, jamp.autocast, Flax dtype=."""
-    big = args.step_config == "large"
-    d, heads, layers, b, t = (1024, 16, 8, 16, 512) if big else (256, 4, 4, 8, 128)
-    if args.tiny:
-        d, heads, layers, b, t = 32, 2, 1, 2, 16
-    model = models.gpt_stack(d, heads, layers, b, t, seed=0)
+    sizes, title = timing.gpt_step_config(args)
+    model = models.gpt_stack(*sizes, seed=0)
     params, batch = model.params, model.batch
 
     def make_step(loss):
         def step(p, batch):
             value, g = jax.value_and_grad(loss)(p, batch)
-            return jax.tree_util.tree_map(lambda a, b: a - 1e-3 * b, p, g), value
+            return timing.sgd(p, g), value
 
         return jax.jit(step).lower(params, batch).compile()
 
@@ -333,8 +318,7 @@ def step_time(args, log) -> str:
         log(f"  compiled {name}")
     med = timing.time_compiled(compiled, args.step_rounds, args.step_reps)
     L = [
-        f"### GPT step time: d={d}, {heads} heads, {layers} layers, batch {b}x{t} "
-        f"({jax.default_backend()}: {jax.devices()[0].device_kind})",
+        title,
         "",
         f"`jax.value_and_grad` + SGD update, jitted; median step of {args.step_rounds} "
         f"interleaved rounds of {args.step_reps} steps, each waited for; XLA temp memory of "

@@ -1,16 +1,9 @@
 """jamp's benchmarks, one command line: ``python -m benchmarks <experiment> [options]``.
 
-    python -m benchmarks loss-scaling --tiny       # a loss-scaled step's cost, vs the peers
-    python -m benchmarks gpu-compile --tiny        # XLA:GPU's program of each step (no GPU)
-    python -m benchmarks autocast-memory --tiny    # what autocast's backward pass keeps
-    python -m benchmarks float8 --tiny             # float8's error against float32, curves
-    python -m benchmarks real-models --tiny        # autocast beside dtype= on real models
-    python -m benchmarks <experiment> --help       # its options
-
-``--tiny`` is a smoke test in seconds; without it an experiment runs at the sizes
-``RESULTS.md`` records. Each experiment is one module (a spoke) built on the shared
-models and step variants (the hub); ``benchmarks/README.md`` has the map, and says
-which section of ``RESULTS.md`` each one writes.
+Experiments: loss-scaling, gpu-compile, autocast-memory, float8, real-models; ``--tiny``
+runs one as a smoke test in seconds, ``<experiment> --help`` lists its options. Each is one
+module (a spoke) on the shared models and variants (the hub): ``benchmarks/README.md`` has
+the map, and which section of ``RESULTS.md`` each writes.
 """
 
 from __future__ import annotations
@@ -38,13 +31,9 @@ EXPERIMENTS = {
     "float8": float8,
     "real-models": real_models,
 }
-# --step-time's default GPT and its help, for the experiments that time GPT steps.
-STEP_CONFIGS = {
-    "autocast-memory": ("small", "GPT for --step-time: the memory benchmark's (small) or "
-                        "d=1024, 8 layers, batch 16x512 (large)"),
-    "float8": ("large", "GPT for --step-time: d=1024, 8 layers, batch 16x512 (large) or the "
-               "error table's d=256, 4 layers, batch 8x128 (small)"),
-}  # fmt: skip
+# --step-time's GPT by default, for the experiments that time GPT steps: d=256, 4 layers,
+# batch 8x128 (small) or d=1024, 8 layers, batch 16x512 (large).
+STEP_CONFIGS = {"autocast-memory": "small", "float8": "large"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -63,11 +52,11 @@ def parser() -> argparse.ArgumentParser:
             p.add_argument("--results", default="",
                            help="splice the section into this file, between markers")  # fmt: skip
         if name in STEP_CONFIGS:
-            default, help_ = STEP_CONFIGS[name]
             p.add_argument("--step-time", action="store_true",
                            help="time GPT training steps instead (for a GPU)")  # fmt: skip
-            p.add_argument("--step-config", choices=("small", "large"), default=default,
-                           help=help_)  # fmt: skip
+            p.add_argument("--step-config", choices=("small", "large"), default=STEP_CONFIGS[name],
+                           help="GPT: d=256, 4 layers, batch 8x128 (small) or d=1024, 8 layers, "
+                           "batch 16x512 (large)")  # fmt: skip
             p.add_argument("--step-rounds", type=int, default=10)
             p.add_argument("--step-reps", type=int, default=10)
         spoke.add_arguments(p)

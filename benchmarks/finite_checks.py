@@ -1,12 +1,11 @@
-"""The finite check alone: jamp's check beside other formulations and one-pass read floors
-(a spoke: its table and targets are part of ``python -m benchmarks loss-scaling``'s report).
+"""The finite check alone, beside other formulations and one-pass read floors (a spoke whose
+table and targets join ``python -m benchmarks loss-scaling``'s report).
 
-Every check maps a pytree to one bool scalar (True = all finite). The
-"read" entries are not checks: they are plain reductions that read every byte
-once and give the floor a check is compared against. Each is timed alone on
-gradient-like trees of several sizes and dtypes, interleaved, as a ratio to the
-fastest read of the same tree; ``sound`` says whether it flags a NaN and an inf
-in a large leaf and passes a finite tree whose sum overflows.
+Every check maps a pytree to one bool (True = all finite); a "read" is no check but a plain
+reduction reading every byte once, the floor a check is compared against. Each is timed
+alone, interleaved, on gradient-like trees of several sizes and dtypes; ``sound`` says
+whether it flags a NaN and an inf in a large leaf and passes a finite tree whose sum
+overflows.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from jax import lax
 
 import jamp
 from benchmarks import timing
+from benchmarks.report import target_row
 
 # The trees' element counts and the interleaved rounds, by mode (``--finite-sizes``
 # replaces the counts).
@@ -100,12 +100,9 @@ def peers_all_isfinite(tree):
 
 
 def jamp_scaled_check(tree):
-    """jamp's check as the training step runs it: the flag of ``unscale_and_check``.
-
-    Under ``jit`` the unscaled output is unused, so what runs is the check of
-    the unscaled values from one read of the scaled tree (``1/scale <= 1``
-    fast path, exact fallback of the unscaled values under ``lax.cond``).
-    """
+    """jamp's check as the training step runs it, the flag of ``unscale_and_check``: under
+    ``jit`` the unscaled values are checked from one read of the scaled tree (``1/scale <=
+    1`` fast path, exact fallback of the unscaled values under ``lax.cond``)."""
     return jamp.unscale_and_check(jamp.dynamic_loss_scale(2.0**15), tree)[1]
 
 
@@ -219,27 +216,25 @@ def measure(sizes, dtypes, rounds: int, log) -> list[dict]:
 
 def table(results: list[dict], rounds: int) -> list[str]:
     """The report's section: every check's time on every tree."""
-    L = ["## Finite check alone\n"]
-    L.append(
+    head = " | ".join(f"{r['n'] / 1e6:.1f}M {r['dtype']}" for r in results)
+    L = [
+        "## Finite check alone\n",
         "Each check maps a gradient-like tree (leaves of varied 2-D/1-D shapes) to one bool. "
-        f"{rounds} rounds, each in a shuffled order; per function one untimed call, "
-        f"then {results[0]['reps']} timed. Entries: median time in ms, and in parentheses "
-        "the ratio to the floor, the fastest "
-        "of the plain one-pass reductions (`read:` rows: each reads every byte once and "
-        "computes nothing a check needs; XLA cannot read all bytes faster than its fastest "
-        "full reduction). `sound` = flags NaN/inf in a large leaf and passes a finite tree "
-        "whose sum overflows, for every dtype. `jamp.all_finite` is jamp's current check "
-        "(on a CPU: large float32 leaves reduced to row sums by a matrix-vector product "
-        "with `2**-40` weights, those rows and the small leaves checked element by element "
-        "as one vector, float16 leaves by their non-finite flags, and an exact fallback under "
+        f"{rounds} rounds, each in a shuffled order; per function one untimed call, then "
+        f"{results[0]['reps']} timed. Entries: median time in ms, and in parentheses the ratio "
+        "to the floor, the fastest of the plain one-pass reductions (`read:` rows: each reads "
+        "every byte once and computes nothing a check needs; XLA cannot read all bytes faster "
+        "than its fastest full reduction). `sound` = flags NaN/inf in a large leaf and passes a "
+        "finite tree whose sum overflows, for every dtype. `jamp.all_finite` is jamp's current "
+        "check (on a CPU: large float32 leaves reduced to row sums by a matrix-vector product "
+        "with `2**-40` weights, those rows and the small leaves checked element by element as "
+        "one vector, float16 leaves by their non-finite flags, and an exact fallback under "
         "`lax.cond` only for a scale below 1 or a non-finite sum of other leaves); the "
-        "`unscale_and_check flag` row is the check jamp's training steps run "
-        "(`check_unscaled`: the unscaled values checked from one read of the scaled tree).\n"
-    )
-    cols = [(r["n"], r["dtype"]) for r in results]
-    head = " | ".join(f"{n / 1e6:.1f}M {d}" for n, d in cols)
-    L.append(f"| check | sound | {head} |")
-    L.append("| --- | --- | " + " | ".join("---:" for _ in cols) + " |")
+        "`unscale_and_check flag` row is the check jamp's training steps run (`check_unscaled`: "
+        "the unscaled values checked from one read of the scaled tree).\n",
+        f"| check | sound | {head} |",
+        "| --- | --- | " + " | ".join("---:" for _ in results) + " |",
+    ]
     for k in [*CHECKS, *READS]:
         sound = ""
         if k in CHECKS:
@@ -319,12 +314,10 @@ def targets(results: list[dict], backend: str = "cpu") -> list[str]:
         worst = max(results, key=lambda r: r["ratio"][k])
         misses = [r for r in results if r["ratio"][k] > FINITE_LIMIT]
         cells = ", ".join(f"{_m(r['n'])} {r['dtype']} {r['ratio'][k]:.2f}x" for r in misses)
-        met = not misses
-        miss, why = ("", "") if met else (f"over {FINITE_LIMIT}x: {cells}",
-                                          _why(k, misses, backend == "cpu"))  # fmt: skip
-        out.append(
-            f"| finite check `{k}` within {FINITE_LIMIT}x of the read floor, every size and "
-            f"dtype | worst {worst['ratio'][k]:.2f}x ({_m(worst['n'])} {worst['dtype']}) | "
-            f"{'yes' if met else '**no**'} | {miss} | {why} |"
+        target = (
+            f"finite check `{k}` within {FINITE_LIMIT}x of the read floor, every size and dtype"
         )
+        measured = f"worst {worst['ratio'][k]:.2f}x ({_m(worst['n'])} {worst['dtype']})"
+        why = _why(k, misses, backend == "cpu") if misses else ""
+        out.append(target_row(target, measured, not misses, f"over {FINITE_LIMIT}x: {cells}", why))
     return out

@@ -12,6 +12,7 @@ import argparse
 import functools
 import os
 import platform
+import re
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +23,7 @@ import numpy as np
 import optax
 
 import jamp
-from benchmarks import hlo, models, steps, timing
+from benchmarks import models, steps, timing
 from benchmarks.measure import finite, grad_cosines, rel_err
 from benchmarks.models import F32, normal
 from benchmarks.report import emit, log, marked, now
@@ -48,9 +49,8 @@ def variants(forward: Callable, gpt_like: bool) -> dict[str, tuple[str, Callable
     f = steps.float8_forwards(forward, reference, attention=gpt_like)
     out = {k: f[k] for k in ("float32", "bfloat16", "float8 current", "float8 delayed")}
     out["float8 delayed, first step"] = ("delayed", None)
-    out["float8 delayed (unmeasured='current'), first step"] = f[
-        "float8 delayed, unmeasured='current'"
-    ]
+    measuring = f["float8 delayed, unmeasured='current'"]
+    out["float8 delayed (unmeasured='current'), first step"] = measuring
     if gpt_like:
         out["float8, attention in bfloat16"] = f["float8, attention in bfloat16"]
     out["per-tensor reference"] = f["per-tensor reference"]
@@ -116,12 +116,9 @@ def error_cases(tiny: bool, names=("MLP", "GPT")) -> list[tuple]:
     """(name, forward, params, x, y, warm-up batches) per model."""
 
     def batches(seed, x_shape, y_shape, scale=1.0):
+        seeds = [(seed + 2 * i, seed + 2 * i + 1) for i in range(4)]
         return [
-            (
-                normal(seed + 2 * i, *x_shape, scale=scale),
-                normal(seed + 2 * i + 1, *y_shape, scale=scale),
-            )
-            for i in range(4)
+            (normal(a, *x_shape, scale=scale), normal(b, *y_shape, scale=scale)) for a, b in seeds
         ]
 
     cases = []
@@ -249,10 +246,8 @@ def _curve_table(rows: list[dict], extra: str) -> list[str]:
     window = max(1, n // 10)
     base = float(np.mean(rows[0]["losses"][-window:]))
     head = " | ".join(f"step {m}" for m in marks)
-    L = [
-        f"| mode | {head} | final (mean of last {window}) | final / float32 | {extra} |",
-        "| --- |" + " ---: |" * (len(marks) + 3),
-    ]
+    L = [f"| mode | {head} | final (mean of last {window}) | final / float32 | {extra} |",
+         "| --- |" + " ---: |" * (len(marks) + 3)]  # fmt: skip
     for r in rows:
         final = float(np.mean(r["losses"][-window:]))
         cells = " | ".join(f"{r['losses'][m]:.4g}" for m in marks)
@@ -276,32 +271,22 @@ def section(args, errors: dict, curves: list, elapsed: float) -> str:
         "",
     ]
     targets = []
+    head = "| variant | output error | grad cosine [worst leaf] | loss error |"
     for name, rows in errors.items():
-        L += [f"### {name}", ""]
-        L += [
-            "| variant | output error | grad cosine [worst leaf] | loss error |",
-            "| --- | ---: | ---: | ---: |",
-        ]
+        L += [f"### {name}", "", head, "| --- | ---: | ---: | ---: |"]
         for r in rows:
             fin = "" if r["finite"] else " non-finite"
-            L.append(
-                f"| {r['name']} | {r['out_err']:.4f} | {r['cosine']:.5f} [{r['worst']:.4f}]{fin} "
-                f"| {r['loss_err']:.2e} |"
-            )
+            L.append(f"| {r['name']} | {r['out_err']:.4f} | {r['cosine']:.5f} [{r['worst']:.4f}]"
+                     f"{fin} | {r['loss_err']:.2e} |")  # fmt: skip
             if r["name"] in ("float8 current", "float8 delayed"):
                 ok = r["out_err"] <= OUT_TARGET and r["cosine"] >= COSINE_TARGET and r["finite"]
                 targets.append((f"{name}: {r['name']}", r["out_err"], r["cosine"], ok))
         L.append("")
     for title, rows, extra in curves:
-        L += [f"### Training: {title}", ""]
-        L += _curve_table(rows, extra)
-        L.append("")
-    L += [
-        f"### Targets (issue #18): output error <= {OUT_TARGET}, grad cosine >= {COSINE_TARGET}",
-        "",
-        "| model: variant | output error | grad cosine | met |",
-        "| --- | ---: | ---: | --- |",
-    ]
+        L += [f"### Training: {title}", "", *_curve_table(rows, extra), ""]
+    L += [f"### Targets (issue #18): output error <= {OUT_TARGET}, grad cosine >= {COSINE_TARGET}",
+          "", "| model: variant | output error | grad cosine | met |",
+          "| --- | ---: | ---: | --- |"]  # fmt: skip
     L += [f"| {t} | {e:.4f} | {c:.5f} | {'yes' if ok else '**no**'} |" for t, e, c, ok in targets]
     L += ["", END]
     return "\n".join(L)
@@ -310,20 +295,31 @@ def section(args, errors: dict, curves: list, elapsed: float) -> str:
 # --------------------------------------------------------------------------- step time
 
 
+GEMM_TARGETS = ("__cublas$lt$matmul$f8", "__cublas$lt$matmul", "__cublas$gemm")
+
+
+def gemm_calls(hlo: str) -> dict[str, int]:
+    """GEMM custom calls by target; GEMM fusions (Triton, cuDNN); and computations holding a
+    ``dot`` of float8 values (a GEMM fusion fed float8, or a CPU that did not upcast)."""
+    targets = re.findall(r'custom_call_target="([^"]+)"', hlo)
+    out = {t: sum(1 for x in targets if x == t) for t in GEMM_TARGETS}
+    out["triton"] = len(re.findall(r'"kind":"__triton_gemm"', hlo))
+    out["cudnn"] = len(re.findall(r'"kind":"__cudnn\$fusion"', hlo))
+    computations = re.split(r"\n(?=\S)", hlo)  # each starts at column 0
+    out["f8 dots"] = sum(
+        1 for c in computations if re.search(r" dot\(", c) and re.search(r"f8e(4m3fn|5m2)\[", c)
+    )
+    return out
+
+
 def step_time(args, log) -> str:
     """Median GPT training-step time: bfloat16 and the float8 variants, and their GEMMs."""
-    big = args.step_config == "large"
-    d, heads, layers, b, t = (1024, 16, 8, 16, 512) if big else (256, 4, 4, 8, 128)
-    if args.tiny:
-        d, heads, layers, b, t = 32, 2, 1, 2, 16
+    (d, heads, layers, b, t), title = timing.gpt_step_config(args)
     x, y = normal(0, b, t, d), normal(1, b, t, d)
     params = models.gpt_params(d, layers)
     forward = functools.partial(models.gpt_forward, heads=heads)
     variants = steps.float8_forwards(forward, attention=True)
     del variants["float32"]
-
-    def sgd(p, g):
-        return jax.tree_util.tree_map(lambda a, b: a - 1e-3 * b, p, g)
 
     compiled, hlos = {}, {}
     for name, (kind, f) in sorted(variants.items(), key=lambda v: v[1][0] == "delayed"):
@@ -331,17 +327,15 @@ def step_time(args, log) -> str:
         def step(s, p, x, y, f=f):  # s: [] or [the float8 state]
             loss = lambda s, p: _mse(f(*s, p, x), y)  # noqa: E731
             value, (s, g) = jax.value_and_grad(loss, (0, 1))(s, p)
-            return s, sgd(p, g), value
+            return s, timing.sgd(p, g), value
 
         state = [jamp.float8.init(f, params, x)] if kind == "delayed" else []
         compiled[name] = (jax.jit(step).lower(state, params, x, y).compile(), (state, params, x, y))
-        hlos[name] = hlo.gemm_calls(compiled[name][0].as_text())
+        hlos[name] = gemm_calls(compiled[name][0].as_text())
         log(f"  compiled {name}: {hlos[name]}")
     med = timing.time_compiled(compiled, args.step_rounds, args.step_reps)
-    device = jax.devices()[0]
     L = [
-        f"### GPT step time: d={d}, {heads} heads, {layers} layers, batch {b}x{t} "
-        f"({jax.default_backend()}: {device.device_kind})",
+        title,
         "",
         f"`jax.value_and_grad` + SGD, jitted; median step of {args.step_rounds} interleaved "
         f"rounds of {args.step_reps} steps, each waited for. GEMMs in the compiled HLO: "
@@ -395,11 +389,8 @@ def measure_section(args: argparse.Namespace, log: Callable[[str], None]) -> str
         if id(forward) not in built:
             built[id(forward)] = build_steps(forward, name.startswith("GPT"))
         errors[name] = measure_error(name, built[id(forward)], params, x, y, warmup, log)
-    curves = []
     tasks = {"digits": (digits_curves, "test acc"), "regression": (regression_curves, "MSE, all")}
-    for make, extra in (tasks[k] for k in args.curves.split(",") if k):
-        title, rows = make(args.tiny, log)
-        curves.append((title, rows, extra))
+    curves = [(*tasks[k][0](args.tiny, log), tasks[k][1]) for k in args.curves.split(",") if k]
     return section(args, errors, curves, time.perf_counter() - t0)
 
 

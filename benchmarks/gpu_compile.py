@@ -1,34 +1,23 @@
 """The GPU compile as the benchmark: what XLA:GPU makes of every loss-scaled step (a spoke).
 
-Every step is compiled ahead of time for a described H200 (no device;
-``benchmarks/xla_gpu.py`` says how) and read from the compiled GPU program:
-modelled HBM bytes (each kernel's operands plus outputs), kernels launched,
-XLA's temp memory, conditionals, matrix FLOPs by operand dtype and a roofline
-time. Nothing is timed: the compiler's output is deterministic, so the
-numbers repeat exactly, and tests assert on them (tests/test_gpu_compile.py).
-Autotuning cannot run without a device, so GEMMs keep XLA's default
-configurations.
+Every step is compiled ahead of time for a described H200 (no device; ``xla_gpu.py`` says
+how) and read from the compiled program: modelled HBM bytes (each kernel's operands plus
+outputs), kernels launched, XLA's temp memory, conditionals, matrix FLOPs by operand dtype
+and a roofline time. Nothing is timed: the figures repeat exactly, and tests assert on
+them (``tests/test_gpu_compile.py``). GEMMs keep XLA's default configurations (autotuning
+needs a device).
 
-Models (all float32, ``optax.adamw(1e-3)``):
+Models (float32, ``optax.adamw(1e-3)``; ``models.py``): ``optimizer``, the optimizer step
+alone, 24 leaves (12 x 1024x1024 weights, 12 x 1024 biases), the gradients an input;
+``GPT``, 4 Flax pre-LayerNorm blocks (causal self-attention, gelu MLP), d 512, 8 heads,
+batch 16x512, MSE; ``ResNet``, a Flax ResNet with BatchNorm (its ``batch_stats`` kept on a
+skipped step), 3 stages of 2 basic blocks, 32x32x3 images, batch 64, cross-entropy;
+``CNN``, 3 x (Conv 3x3 + bias, GroupNorm(8), relu), 32x32x3 images, batch 32.
 
-``optimizer``
-    the optimizer step alone: 24 leaves (12 x 1024x1024 weights, 12 x 1024
-    biases), 12.6M parameters; the gradients are an input.
-``GPT``
-    4 Flax pre-LayerNorm blocks (causal self-attention, gelu MLP), d 512, 8
-    heads, batch 16x512, MSE loss: a whole train step.
-``ResNet``
-    a Flax ResNet with BatchNorm (its ``batch_stats`` kept on a skipped step,
-    ``docs/model-state.md``), 3 stages of 2 basic blocks, 32x32x3 images,
-    batch 64, cross-entropy.
-``CNN``
-    3 x (Conv 3x3 + bias, GroupNorm(8), relu), 32x32x3 images, batch 32.
-
-Variants (``benchmarks/steps.py``), each on the same model and inputs: the
-unscaled step (``plain``), every jamp path (``loss_scaling`` by each skip,
-``GradScaler.step``, ``value_and_grad`` + ``step_if_finite``, ``multi_steps``: one
-micro-step), and the peers (jmp, ``optax.apply_if_finite``, flax ``DynamicScale``);
-each with its state donated (``donate_argnums``) and not.
+Variants (``steps.py``), on the same model and inputs, state donated and not: the unscaled
+step, every jamp path (``loss_scaling`` by each skip, ``GradScaler.step``, ``value_and_grad``
++ ``step_if_finite``, a ``multi_steps`` micro-step) and the peers (jmp,
+``optax.apply_if_finite``, flax ``DynamicScale``).
 """
 
 from __future__ import annotations
@@ -56,23 +45,17 @@ BYTES_LIMIT = 1.143  # issue #24: the default loss-scaled optimizer step, x plai
 GPT_BYTES_LIMIT, GPT_KERNELS_LIMIT = 1.02, 1.10  # the GPT step with loss scaling, x unscaled
 
 
-def optimizer(tiny: bool = False) -> Model:
-    return models.optimizer(64, 256) if tiny else models.optimizer()
-
-
-def gpt(tiny: bool = False) -> Model:
-    return models.gpt_stack(*((32, 2, 2, 2, 16) if tiny else (512, 8, 4, 16, 512)))
-
-
-def resnet(tiny: bool = False) -> Model:
-    return models.resnet(*(((8, 16), 1, 8, 4) if tiny else ((64, 128, 256), 2, 32, 64)))
-
-
-def cnn(tiny: bool = False) -> Model:
-    return models.cnn(*(((8, 16, 16), 4, 4, 8) if tiny else ((32, 64, 128), 8, 32, 32)))
-
-
-MODELS = {"optimizer": optimizer, "GPT": gpt, "ResNet": resnet, "CNN": cnn}
+# The models at their sizes here, ``MODELS[name](tiny)``.
+MODELS: dict[str, Callable[[bool], Model]] = {
+    "optimizer": lambda tiny: models.optimizer(*((64, 256) if tiny else ())),
+    "GPT": lambda tiny: models.gpt_stack(*((32, 2, 2, 2, 16) if tiny else (512, 8, 4, 16, 512))),
+    "ResNet": lambda tiny: models.resnet(
+        *(((8, 16), 1, 8, 4) if tiny else ((64, 128, 256), 2, 32, 64))
+    ),
+    "CNN": lambda tiny: models.cnn(
+        *(((8, 16, 16), 4, 4, 8) if tiny else ((32, 64, 128), 8, 32, 32))
+    ),
+}
 VARIANTS: dict[str, Callable[[Model], tuple]] = {
     "plain (optax.adamw)": steps.plain,
     "jamp.loss_scaling": steps.loss_scaling,
@@ -111,12 +94,13 @@ def finite_check(model: Model, target: xla_gpu.Target) -> dict[str, xla_gpu.Prog
     def optax_check(g: Any) -> jax.Array:  # optax.apply_if_finite's check
         return jnp.all(jnp.array([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(g)]))
 
+    def scaled(g: Any) -> jax.Array:  # the flag of the check a loss-scaled step runs
+        return jamp.unscale_and_check(jamp.dynamic_loss_scale(steps.INIT_SCALE), g)[1]
+
     checks = {
         "read floor: sum of every leaf": lambda g: sum(jnp.sum(x) for x in jax.tree.leaves(g)),
         "jamp.all_finite": jamp.all_finite,
-        "jamp.unscale_and_check flag": lambda g: jamp.unscale_and_check(
-            jamp.dynamic_loss_scale(steps.INIT_SCALE), g
-        )[1],
+        "jamp.unscale_and_check flag": scaled,
         "jmp.all_finite": jmp.all_finite,
         "optax.apply_if_finite's check": optax_check,
     }
@@ -248,37 +232,20 @@ def section(args: argparse.Namespace, chosen: list[Model], results: dict, checks
         "and waits for the stream before it launches a branch (`conditional_thunk.cc`).",
     ]
     for model in chosen:
-        lines += [
-            "",
-            f"### {model.name}: {model.describe}",
-            "",
-            f"{model.n_params / 1e6:.2f}M float32 parameters in {model.n_leaves} leaves, "
-            "`optax.adamw(1e-3)`.",
-            "",
-        ]
-        lines += _table(results[model.name], target)
+        lines += ["", f"### {model.name}: {model.describe}", "",
+                  f"{model.n_params / 1e6:.2f}M float32 parameters in {model.n_leaves} leaves, "
+                  "`optax.adamw(1e-3)`.", "", *_table(results[model.name], target)]  # fmt: skip
     if checks:
-        lines += [
-            "",
-            "### The finite check alone, over the optimizer model's 24 leaves",
-            "",
-            "| check | bytes x one read | kernels | conditionals |",
-            "| --- | ---: | ---: | ---: |",
-        ]
         floor = checks["read floor: sum of every leaf"]
-        for name, p in checks.items():
-            lines.append(
-                f"| {name} | {p.bytes / floor.bytes:.4f} | {p.n_kernels} | {p.conditionals} |"
-            )
+        lines += ["", "### The finite check alone, over the optimizer model's 24 leaves", "",
+                  "| check | bytes x one read | kernels | conditionals |",
+                  "| --- | ---: | ---: | ---: |"]  # fmt: skip
+        lines += [f"| {name} | {p.bytes / floor.bytes:.4f} | {p.n_kernels} | {p.conditionals} |"
+                  for name, p in checks.items()]  # fmt: skip
     rows = targets(results)
     if rows:
-        lines += [
-            "",
-            "### Targets (issue #24)",
-            "",
-            "| target | measured | met |",
-            "| --- | --- | --- |",
-        ]
+        lines += ["", "### Targets (issue #24)", "", "| target | measured | met |",
+                  "| --- | --- | --- |"]  # fmt: skip
         lines += [f"| {t} | {m} | {'yes' if ok else '**no**'} |" for t, m, ok in rows]
     lines += ["", END]
     return "\n".join(lines)
@@ -300,6 +267,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         log(f"{model.name}: {model.describe}")
         donations = (True, False) if model.name in UNDONATED else (True,)
         results[model.name] = measure(model, donations, target, log)
-    checks = finite_check(optimizer(args.tiny), target)
+    checks = finite_check(MODELS["optimizer"](args.tiny), target)
     text = section(args, chosen, results, checks, target, time.perf_counter() - t0)
     return emit(args, text, START, END)

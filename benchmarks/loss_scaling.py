@@ -1,12 +1,11 @@
 """Loss scaling's cost per training step: each loss-scaled step against a plain one (a spoke).
 
-Every variant runs in one process, interleaved round by round (a fresh seeded order each
-round); each ratio is the median over rounds of the per-round ratio to the plain float32
+Every variant runs in one process, interleaved round by round in a fresh seeded order;
+each ratio is the median over rounds of the per-round ratio to the plain float32
 ``optax.adamw`` step, so load from other processes hits all variants alike. The report
 (``--out``, the whole file) has the step tables, torch's ``GradScaler``, the finite-check
-table (``finite_checks``, which the command line joins) and the targets, each judged
-from this run's numbers with the reason of a miss (``benchmarks/FINDINGS.md``'s, on
-XLA:CPU).
+table (``finite_checks``, joined by the command line) and the targets, each judged from
+this run's numbers with the reason of a miss (``FINDINGS.md``'s, on XLA:CPU).
 """
 
 from __future__ import annotations
@@ -18,15 +17,17 @@ import datetime
 import functools
 import os
 import platform
+import re
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from benchmarks import hlo, models, steps, timing
-from benchmarks.report import fmt, version
+from benchmarks import models, steps, timing
+from benchmarks.report import fmt, target_row, version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -81,6 +82,29 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 # ------------------------------------------------------------------ steps
 
 
+def _temp_bytes(compiled: Any) -> float:
+    """XLA's temporary allocation: allocated on every call, every branch's included."""
+    try:
+        return float(compiled.memory_analysis().temp_size_in_bytes)
+    except Exception:  # a backend without memory analysis
+        return float("nan")
+
+
+def hlo_stats(compiled: Any) -> dict[str, float]:
+    """Fusions, conditionals, bytes accessed and temp memory of a compiled step."""
+    text = compiled.as_text()
+    ca = compiled.cost_analysis()
+    if isinstance(ca, (list, tuple)):
+        ca = ca[0] if ca else {}
+    ca = ca or {}
+    return {
+        "fusions_total": len(re.findall(r"= [^\n]*? fusion\(", text)),
+        "conditionals": len(re.findall(r" conditional\(", text)),
+        "bytes_accessed": float(ca.get("bytes accessed", float("nan"))),
+        "temp_bytes": _temp_bytes(compiled),
+    }
+
+
 class _Step:
     """A variant's step, jitted with its state donated (or not), the state, and its traces."""
 
@@ -105,17 +129,13 @@ class _Step:
         return self.state
 
     def compile_time(self, batch, reuse: bool) -> tuple[float, float, dict]:
-        """Wall and CPU seconds of ``jax.jit(step).lower(...).compile()``.
-
-        With ``reuse`` it lowers ``self.run`` (whose later calls then reuse this
-        trace and executable: the one trace counted); otherwise a fresh jit of a
-        fresh function (for repeats).
-        """
+        """Wall and CPU seconds of ``lower(...).compile()``: of ``self.run`` with ``reuse`` (its
+        later calls reuse this trace: the one counted), else of a fresh jit (for repeats)."""
         j = self.run if reuse else jax.jit(self._fresh([]), donate_argnums=self._donate)
         c0, t0 = time.process_time(), time.perf_counter()
         compiled = j.lower(self.state, batch).compile()
         t1, c1 = time.perf_counter(), time.process_time()
-        return t1 - t0, c1 - c0, hlo.stats(compiled)
+        return t1 - t0, c1 - c0, hlo_stats(compiled)
 
 
 def _guarded(f: _Step, batch, n: int) -> str:
@@ -165,25 +185,14 @@ def bench_steps(
 
 
 def bench_torch(sizes, batch: int, rounds: int, per_round: int) -> dict | None:
+    """torch's ``GradScaler`` step against a plain AdamW step on the MLP, or None."""
     try:
         import torch
     except ImportError:
         return None
     torch.set_num_threads(os.cpu_count() or 1)
-    # XLA:CPU flushes subnormals to zero; torch does not by default, and after
-    # ~50 steps on one batch its GradScaler step ran 4x slower on subnormal
-    # arithmetic (FINDINGS 8). Flush in torch too, so both sides compute alike.
-    torch.set_flush_denormal(True)
-    try:
-        return _bench_torch(torch, sizes, batch, rounds, per_round)
-    finally:
-        torch.set_flush_denormal(False)  # torch's default
-
-
-def _bench_torch(torch, sizes, batch: int, rounds: int, per_round: int) -> dict:
     torch.manual_seed(0)
-    x = torch.randn(batch, sizes[0])
-    y = torch.randint(0, sizes[-1], (batch,))
+    x, y = torch.randn(batch, sizes[0]), torch.randint(0, sizes[-1], (batch,))
     lossf = torch.nn.CrossEntropyLoss()
     net_p, net_s = models.torch_mlp(sizes), models.torch_mlp(sizes)
     opt_p, opt_s = (torch.optim.AdamW(n.parameters(), lr=1e-3) for n in (net_p, net_s))
@@ -201,18 +210,19 @@ def _bench_torch(torch, sizes, batch: int, rounds: int, per_round: int) -> dict:
         scaler.update()
 
     fns = {"torch plain (AdamW)": plain, "torch.amp.GradScaler": scaled}
-    for f in fns.values():
-        for _ in range(2):
+    # XLA:CPU flushes subnormals to zero; torch does not by default, and after
+    # ~50 steps on one batch its GradScaler step ran 4x slower on subnormal
+    # arithmetic (FINDINGS 8). Flush in torch too, so both sides compute alike.
+    torch.set_flush_denormal(True)
+    try:
+        for f in (plain, plain, scaled, scaled):  # warm up
             f()
-    times = timing.time_calls(fns, (), rounds, reps=per_round)
-    base = times["torch plain (AdamW)"]
-    return {
-        "version": torch.__version__,
-        "rows": [
-            dict(name=k, ms=timing.median(v) * 1e3, ratio=timing.ratio_stats(v, base, per_round)[0])
-            for k, v in times.items()
-        ],
-    }
+        times = timing.time_calls(fns, (), rounds, reps=per_round)
+    finally:
+        torch.set_flush_denormal(False)  # torch's default
+    rows = [dict(name=k, ms=timing.median(v) * 1e3, ratio=timing.ratio_stats(
+        v, times["torch plain (AdamW)"], per_round)[0]) for k, v in times.items()]  # fmt: skip
+    return {"version": torch.__version__, "rows": rows}
 
 
 # ------------------------------------------------------------------ report
@@ -261,97 +271,73 @@ def where_ran(torch_ran: bool) -> str:
     return line + "."
 
 
-def _step_table(rows: list[dict]) -> list[str]:
-    L = [
-        "| variant | median step (ms) | ratio to plain [q1, q3] | CPU-time ratio | "
-        "page faults per step | steps |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
-    ]
-    for r in rows:
-        L.append(
-            f"| {r['name']} | {r['ms']:.1f} | {fmt(r['ratio'])} [{fmt(r['ratio_q1'], 2)}, "
-            f"{fmt(r['ratio_q3'], 2)}] | {fmt(r['cpu_ratio'])} | {r['faults']:.0f} | "
-            f"{r['steps']} |"
-        )
-    L.append("")
-    return L
-
-
 def report(args, cfg, step_results, torch_res, finite_lines, elapsed, scorecard) -> str:
     """The markdown report; ``scorecard`` is the targets table's rows (:func:`targets`)."""
-    L: list[str] = []
-    L.append("# jamp benchmark results\n")
-    L.append(f"- command: `{' '.join(['python -m benchmarks', *args.argv])}`")
-    L.append(
-        f"- date: {datetime.datetime.now().astimezone().isoformat(timespec='seconds')}; "
-        f"wall time of the run {elapsed:.0f} s"
-    )
-    L.extend(_machine())
-    L.append(
+    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    L = [
+        "# jamp benchmark results\n",
+        f"- command: `{' '.join(['python -m benchmarks', *args.argv])}`",
+        f"- date: {now}; wall time of the run {elapsed:.0f} s",
+        *_machine(),
         f"- settings: {args.mode}: {cfg['rounds']} rounds x {cfg['per_round']} steps per variant, "
         "variants interleaved (a fresh seeded shuffle of the order every round), state donated "
         "(`donate_argnums`) except in the MLP section marked **not** donated, every step "
-        "`block_until_ready`; timed steps run under "
-        "`jax.transfer_guard('disallow')`."
-    )
-    L.append(
+        "`block_until_ready`; timed steps run under `jax.transfer_guard('disallow')`.",
         "- ratio = median over rounds of (median step time of the variant in that round / "
         "median plain step time in that round); [q1, q3] its quartiles over rounds; CPU ratio is "
         "the same with process CPU time (all threads), which is less sensitive to other "
-        "processes taking the cores."
-    )
-    L.append(where_ran(bool(torch_res)))
-    L.append(
+        "processes taking the cores.",
+        where_ran(bool(torch_res)),
         "- the experiments and the HLO reading behind jamp's check and skip are in "
-        "`benchmarks/FINDINGS.md`.\n"
-    )
-
+        "`benchmarks/FINDINGS.md`.\n",
+    ]
     for model, rows in step_results:
-        L.append(f"## Training step: {model.describe}\n")
-        L.append(
+        L += [
+            f"## Training step: {model.describe}\n",
             f"{model.n_params / 1e6:.2f}M parameters in {model.n_leaves} leaves, "
-            "`optax.adamw(1e-3)`, "
-            "float32 parameters and compute (the loss-scaling overhead is what is measured).\n"
-        )
-        L.extend(_step_table(rows))
-        L.append(f"### Compile, traces, transfers, HLO ({model.name})\n")
-        L.append(
+            "`optax.adamw(1e-3)`, float32 parameters and compute (the loss-scaling overhead is "
+            "what is measured).\n",
+            "| variant | median step (ms) | ratio to plain [q1, q3] | CPU-time ratio | "
+            "page faults per step | steps |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
+        ]
+        L += [
+            f"| {r['name']} | {r['ms']:.1f} | {fmt(r['ratio'])} [{fmt(r['ratio_q1'], 2)}, "
+            f"{fmt(r['ratio_q3'], 2)}] | {fmt(r['cpu_ratio'])} | {r['faults']:.0f} | "
+            f"{r['steps']} |"
+            for r in rows
+        ]
+        L += [
+            "",
+            f"### Compile, traces, transfers, HLO ({model.name})\n",
             "| variant | compile (s) | compile ratio (wall / CPU) | "
             f"traces in {cfg['guard']} steps | "
             f"transfer guard: first call / steps 2-{cfg['guard']} | XLA bytes accessed ratio | "
-            "temp memory (MB) | fusions | conditionals |"
-        )
-        L.append("| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |")
-        for r in rows:
-            h = r["hlo"]
-            L.append(
-                f"| {r['name']} | {statistics.median(r['compile_wall']):.2f} | "
-                f"{fmt(r['compile_ratio'], 2)} / {fmt(r['compile_cpu_ratio'], 2)} | "
-                f"{r['traces']} | "
-                f"{r['guard_first']} / {r['guard_steps']} | {fmt(r['bytes_ratio'])} | "
-                f"{h['temp_bytes'] / 1e6:.1f} | {h['fusions_total']} | {h['conditionals']} |"
-            )
+            "temp memory (MB) | fusions | conditionals |",
+            "| --- | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: |",
+        ]
+        L += [
+            f"| {r['name']} | {statistics.median(r['compile_wall']):.2f} | "
+            f"{fmt(r['compile_ratio'], 2)} / {fmt(r['compile_cpu_ratio'], 2)} | {r['traces']} | "
+            f"{r['guard_first']} / {r['guard_steps']} | {fmt(r['bytes_ratio'])} | "
+            f"{r['hlo']['temp_bytes'] / 1e6:.1f} | {r['hlo']['fusions_total']} | "
+            f"{r['hlo']['conditionals']} |"
+            for r in rows
+        ]
         L.append("")
-
     if torch_res:
-        L.append(
+        L += [
             f"## PyTorch {torch_res['version']} (same MLP, AdamW, CPU, float32, subnormals "
-            "flushed to zero as XLA:CPU does)\n"
-        )
-        L.append("| variant | median step (ms) | ratio to torch plain |")
-        L.append("| --- | ---: | ---: |")
-        for r in torch_res["rows"]:
-            L.append(f"| {r['name']} | {r['ms']:.1f} | {fmt(r['ratio'])} |")
-        L.append("")
+            "flushed to zero as XLA:CPU does)\n",
+            "| variant | median step (ms) | ratio to torch plain |",
+            "| --- | ---: | ---: |",
+            *(f"| {r['name']} | {r['ms']:.1f} | {fmt(r['ratio'])} |" for r in torch_res["rows"]),
+            "",
+        ]
     else:
         L.append("## PyTorch\n\ntorch is not importable here: row skipped.\n")
-
-    L.extend(finite_lines)
-
-    L.append("## Targets\n")
-    L += ["| target | measured | met | miss by | why (when missed) |",
-          "| --- | --- | --- | --- | --- |", *scorecard]  # fmt: skip
-    L.append("")
+    head = "| target | measured | met | miss by | why (when missed) |"
+    L += [*finite_lines, "## Targets\n", head, "| --- | --- | --- | --- | --- |", *scorecard, ""]
     return "\n".join(L) + "\n"
 
 
@@ -361,16 +347,10 @@ def report(args, cfg, step_results, torch_res, finite_lines, elapsed, scorecard)
 def _step_why(name: str, r: dict, plain: dict, by: dict, n_params: int, cpu: bool) -> str:
     """Why the jamp step ``name`` is over its time limit, with this run's numbers."""
     bytes_ = f"XLA bytes accessed {r['bytes_ratio']:.3f}x plain"
-    temp = (
-        f"temp memory {r['hlo']['temp_bytes'] / 1e6:.1f} MB vs plain's "
-        f"{plain['hlo']['temp_bytes'] / 1e6:.1f} MB"
-    )
-    faults = (
-        f"; on a CPU a step page-faults through its whole temp arena ({r['faults']:.0f} faults "
-        f"per step vs plain's {plain['faults']:.0f})"
-        if cpu
-        else ""
-    )
+    temp = (f"temp memory {r['hlo']['temp_bytes'] / 1e6:.1f} MB vs plain's "
+            f"{plain['hlo']['temp_bytes'] / 1e6:.1f} MB")  # fmt: skip
+    faults = (f"; on a CPU a step page-faults through its whole temp arena ({r['faults']:.0f} "
+              f"faults per step vs plain's {plain['faults']:.0f})") if cpu else ""  # fmt: skip
     if name == "jamp.loss_scaling":
         return (
             "Optax form: the updates are written at the `cond` boundary and re-read by "
@@ -379,28 +359,21 @@ def _step_why(name: str, r: dict, plain: dict, by: dict, n_params: int, cpu: boo
         )
     if name == "jamp.loss_scaling(report_nonfinite=True)":
         base = by.get("jamp.loss_scaling")
-        extra = (
-            f" ({r['ms'] - base['ms']:+.2f} ms a step vs `jamp.loss_scaling` in this run)"
-            if base
-            else ""
-        )
+        extra = base and (f" ({r['ms'] - base['ms']:+.2f} ms a step vs `jamp.loss_scaling` "
+                          "in this run)")  # fmt: skip
         return (
             "as `jamp.loss_scaling`, plus: the host callback in the skip branch makes JAX drop "
             "its C++ dispatch fast path for the whole executable (`pxla.create_cpp_call` returns "
             "None when `has_host_callbacks`): Python dispatch and runtime-token handling on "
-            f"every step, clean or not{extra}"
+            f"every step, clean or not{extra or ''}"
         )
     if name == "jamp.GradScaler.step":
         extra = (r["hlo"]["bytes_accessed"] - plain["hlo"]["bytes_accessed"]) / 1e6
+        cpu_why = ("; XLA:CPU cannot fuse it into the matmuls that produce them, and jamp reads "
+                   "them in its matrix kernels") if cpu else ""  # fmt: skip
         return (
             f"one extra read of every gradient for the check ({bytes_}: {extra:+.1f} MB, where "
-            f"the float32 gradients are {4 * n_params / 1e6:.1f} MB)"
-            + (
-                "; XLA:CPU cannot fuse it into the matmuls that produce them, and jamp reads "
-                "them in its matrix kernels"
-                if cpu
-                else ""
-            )
+            f"the float32 gradients are {4 * n_params / 1e6:.1f} MB){cpu_why}"
         )
     if name == "jamp.loss_scaling(skip='select')":
         return (
@@ -478,11 +451,8 @@ def targets(step_results, guard: int, backend: str = "cpu") -> list[str]:
     cpu = backend == "cpu"
     out = []
 
-    def row(target, measured, met, miss="", why=""):
-        out.append(
-            f"| {target} | {measured} | {'yes' if met else '**no**'} | "
-            f"{'' if met else miss} | {'' if met else why} |"
-        )
+    def row(*cells):
+        out.append(target_row(*cells))
 
     for model, rows in step_results:
         undonated = model.name.endswith("-undonated")
@@ -552,47 +522,33 @@ def targets(step_results, guard: int, backend: str = "cpu") -> list[str]:
 # ------------------------------------------------------------------ the run
 
 
-def _stamped(log: Callable[[str], None], t_start: float, msg: str) -> None:
-    log(f"[{time.perf_counter() - t_start:6.1f}s] {msg}")
-
-
 def run(args: argparse.Namespace, log: Callable[[str], None], finite=None) -> str:
     """Times the steps (and torch's), writes the report to ``--out`` and returns it;
     ``finite()``, run last, gives the finite-check section's lines and its targets' rows."""
-    cfg = dict(CONFIGS[args.mode])
-    t_start = time.perf_counter()
-    log = functools.partial(_stamped, log, t_start)
-    variants = dict(VARIANTS)
-    tiny = args.mode == "tiny"
-    mlp, gpt = (models.tiny_mlp, models.tiny_gpt) if tiny else (models.mlp, models.gpt)
-    step_results = []
+    cfg, t_start, tiny = CONFIGS[args.mode], time.perf_counter(), args.mode == "tiny"
+    stamp = log
+    log = lambda msg: stamp(f"[{time.perf_counter() - t_start:6.1f}s] {msg}")  # noqa: E731
+    mlp, gpt = models.mlp, models.gpt
+    if tiny:
+        mlp, gpt = lambda: models.mlp((16, 32, 10), 4), lambda: models.gpt(64, 16, 1, 2, 8, 2)
     names = [m.strip() for m in args.models.split(",") if m.strip()]
-
-    def run_model(model: models.Model, vs: dict, donate: bool = True) -> None:
-        rows = bench_steps(model, vs, cfg, log, donate=donate)
-        step_results.append((model, rows))
-        for r in rows:
-            log(
-                f"    {r['name']:55s} {r['ms']:8.1f} ms  x{r['ratio']:.3f}"
-                f"  cpu x{r['cpu_ratio']:.3f}"
-            )
-
-    for name in names:
-        model = {"MLP": mlp, "GPT": gpt}[name]()
-        log(f"{model.describe}: {model.n_params / 1e6:.2f}M params, {model.n_leaves} leaves")
-        run_model(model, variants)
+    runs = [({"MLP": mlp, "GPT": gpt}[name](), VARIANTS, True) for name in names]
     if "MLP" in names:
         # The same MLP steps with the state not donated (a jax.jit without
         # donate_argnums, as many training loops are written): XLA's choices flip.
         model = mlp()
-        model = dataclasses.replace(
-            model,
-            name="MLP-undonated",
-            describe=model.describe + ", state **not** donated",
-        )
-        log(f"{model.describe}")
-        vs = {k: v for k, v in variants.items() if "report_nonfinite" not in k}
-        run_model(model, vs, donate=False)
+        describe = model.describe + ", state **not** donated"
+        model = dataclasses.replace(model, name="MLP-undonated", describe=describe)
+        kept = {k: v for k, v in VARIANTS.items() if "report_nonfinite" not in k}
+        runs.append((model, kept, False))
+    step_results = []
+    for model, variants, donate in runs:
+        log(f"{model.describe}: {model.n_params / 1e6:.2f}M params, {model.n_leaves} leaves")
+        step_results.append((model, bench_steps(model, variants, cfg, log, donate=donate)))
+        for r in step_results[-1][1]:
+            log(
+                f"    {r['name']:55s} {r['ms']:8.1f} ms x{r['ratio']:.3f} cpu x{r['cpu_ratio']:.3f}"
+            )
     torch_res = None
     if not args.no_torch:
         sizes = (16, 32, 10) if tiny else (784, 2048, 2048, 2048, 1024, 10)

@@ -38,13 +38,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @dataclasses.dataclass(frozen=True)
 class Model:
-    """A model's float32 parameters, its state and a batch, and its loss.
-
-    ``loss(params, mstate, batch) -> (float32 loss, new mstate)``, or ``None`` for the
-    optimizer step alone, whose batch is the gradients. ``at(dtype, param_dtype)`` is
-    the loss of the model built with its own ``dtype=`` (Flax's half precision), on the
-    same parameters; ``at()`` is ``loss``.
-    """
+    """Float32 parameters, the model state, a batch and ``loss(params, mstate, batch) -> (float32
+    loss, new mstate)`` (``None`` for the optimizer step alone, whose batch is the gradients);
+    ``at(dtype, param_dtype)`` is the loss of the model built with its own ``dtype=``."""
 
     name: str
     describe: str
@@ -188,14 +184,6 @@ def gpt(vocab=8192, d=256, layers=6, heads=4, seq=64, batch=4, seed=0) -> Model:
 
     describe = f"GPT d={d}, {layers} layers, {heads} heads, vocab {vocab}, seq {seq}, batch {batch}"
     return Model("GPT", describe, params, tokens, loss)
-
-
-def tiny_mlp() -> Model:
-    return mlp(sizes=(16, 32, 10), batch=4)
-
-
-def tiny_gpt() -> Model:
-    return gpt(vocab=64, d=16, layers=1, heads=2, seq=8, batch=2)
 
 
 def optimizer(n: int = 1024, m: int = 1024, layers: int = 12) -> Model:

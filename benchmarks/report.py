@@ -74,3 +74,10 @@ def by_dtype(res: dict[str, int]) -> str:
     order = ("float32", "bfloat16", "float16", "bool", "int32")
     keys = sorted(res, key=lambda k: (order.index(k) if k in order else 99, k))
     return ", ".join(f"{k} {mib(res[k])}" for k in keys if res[k])
+
+
+def target_row(target: str, measured: str, met: bool, miss: str = "", why: str = "") -> str:
+    """A row of a targets table: ``| target | measured | met | miss by | why |``, the last two
+    empty when the target is met."""
+    return (f"| {target} | {measured} | {'yes' if met else '**no**'} | {'' if met else miss} | "
+            f"{'' if met else why} |")  # fmt: skip

@@ -31,21 +31,15 @@ HALF = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
 HISTORY = 16  # delayed scaling's amax history, in steps
 
 
-def fresh(tree: Any) -> Any:
-    """A copy with new buffers (donation deletes the ones it is given)."""
-    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
-
-
-def _adamw() -> optax.GradientTransformation:
-    return optax.adamw(LR)
-
-
 def _init(model: Model, tx: Any, extra: Any = ()) -> tuple:
+    """The first state: of shape structs, or of new buffers (donation deletes its input)."""
     leaves = jax.tree_util.tree_leaves(model.params)
     if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
         return model.params, jax.eval_shape(tx.init, model.params), model.mstate, extra
-    params = fresh(model.params)
-    return params, tx.init(params), fresh(model.mstate), extra
+    params, mstate = jax.tree_util.tree_map(
+        lambda x: jnp.array(x, copy=True), (model.params, model.mstate)
+    )
+    return params, tx.init(params), mstate, extra
 
 
 def _grads(model: Model, params: Any, ms: Any, batch: Any, scale: Callable) -> tuple:
@@ -68,38 +62,38 @@ def _keep(finite: jax.Array, new: Any, old: Any) -> Any:
 # --------------------------------------------------------------------- training steps
 
 
-def plain(model: Model) -> tuple:
-    """The unscaled step."""
-    tx = _adamw()
+def _optax(model: Model, tx: Any, scaled: bool = False, keep: bool = False) -> tuple:
+    """A step of the Optax transformation ``tx``: the gradients of the loss (times the loss
+    scale in ``tx``'s state with ``scaled``); with ``keep``, a step ``tx`` skipped keeps the
+    model state too (``opt.last_finite``)."""
 
     def step(state: tuple, batch: Any) -> tuple:
         params, opt, ms, extra = state
-        grads, ms = _grads(model, params, ms, batch, lambda x: x)
+        scale = functools.partial(jamp.scale, jamp.get_loss_scale(opt)) if scaled else None
+        grads, new_ms = _grads(model, params, ms, batch, scale or (lambda x: x))
         updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, ms, extra
+        new_params = optax.apply_updates(params, updates)
+        return new_params, opt, _keep(opt.last_finite, new_ms, ms) if keep else new_ms, extra
 
     return _init(model, tx), step
+
+
+def plain(model: Model) -> tuple:
+    """The unscaled step."""
+    return _optax(model, optax.adamw(LR))
 
 
 def loss_scaling(model: Model, skip: str = "auto", report_nonfinite: bool = False) -> tuple:
     """``jamp.loss_scaling(adamw, dynamic_loss_scale(2**15))``, the Optax form."""
     scale = jamp.dynamic_loss_scale(INIT_SCALE)
-    tx = jamp.loss_scaling(_adamw(), scale, report_nonfinite=report_nonfinite, skip=skip)
-
-    def step(state: tuple, batch: Any) -> tuple:
-        params, opt, ms, extra = state
-        ls = jamp.get_loss_scale(opt)
-        grads, new_ms = _grads(model, params, ms, batch, lambda x: jamp.scale(ls, x))
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, _keep(opt.last_finite, new_ms, ms), extra
-
-    return _init(model, tx), step
+    tx = jamp.loss_scaling(optax.adamw(LR), scale, report_nonfinite=report_nonfinite, skip=skip)
+    return _optax(model, tx, scaled=True, keep=True)
 
 
 def grad_scaler(model: Model, skip: str = "auto") -> tuple:
     """``jamp.GradScaler``'s scale, step and update."""
     scaler = jamp.GradScaler(init_scale=INIT_SCALE, skip=skip)
-    tx = _adamw()
+    tx = optax.adamw(LR)
 
     def step(state: tuple, batch: Any) -> tuple:
         params, opt, ms, sc = state
@@ -114,7 +108,7 @@ def grad_scaler(model: Model, skip: str = "auto") -> tuple:
 def value_and_grad(model: Model) -> tuple:
     """``jamp.value_and_grad`` + ``step_if_finite`` (the optimizer step alone:
     ``unscale_and_check`` + ``step_if_finite``, the same pure functions)."""
-    tx = _adamw()
+    tx = optax.adamw(LR)
 
     def step(state: tuple, batch: Any) -> tuple:
         params, opt, ms, ls = state
@@ -132,29 +126,17 @@ def value_and_grad(model: Model) -> tuple:
 
 def multi_steps(model: Model) -> tuple:
     """One micro-step of ``jamp.multi_steps(jamp.loss_scaling(adamw), 4)``."""
-    inner = jamp.loss_scaling(_adamw(), jamp.dynamic_loss_scale(INIT_SCALE))
-    tx = jamp.multi_steps(inner, every_k_schedule=4)
-
-    def step(state: tuple, batch: Any) -> tuple:
-        params, opt, ms, extra = state
-        ls = jamp.get_loss_scale(opt)
-        grads, new_ms = _grads(model, params, ms, batch, lambda x: jamp.scale(ls, x))
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, new_ms, extra
-
-    return _init(model, tx), step
+    inner = jamp.loss_scaling(optax.adamw(LR), jamp.dynamic_loss_scale(INIT_SCALE))
+    return _optax(model, jamp.multi_steps(inner, every_k_schedule=4), scaled=True)
 
 
 def jmp_dynamic(model: Model, restart: bool = False) -> tuple:
-    """jmp's ``DynamicLossScale``, ``all_finite`` and ``select_tree``.
-
-    With ``restart`` the state keeps the scale alone and the counter restarts at every
-    step, as the GPU-compile rows of ``RESULTS.md`` were compiled: the growth period
-    never completes, and XLA folds the growth away.
-    """
+    """jmp's ``DynamicLossScale``, ``all_finite`` and ``select_tree``. With ``restart`` the state
+    keeps the scale alone and the counter restarts every step, as the GPU-compile rows of
+    ``RESULTS.md`` were compiled: the growth period never completes, XLA folds it away."""
     import jmp
 
-    tx = _adamw()
+    tx = optax.adamw(LR)
 
     def step(state: tuple, batch: Any) -> tuple:
         params, opt, ms, extra = state
@@ -175,16 +157,9 @@ def jmp_dynamic(model: Model, restart: bool = False) -> tuple:
 def apply_if_finite(model: Model) -> tuple:
     """``optax.apply_if_finite(adamw, 5)``: the update skipped on a non-finite gradient,
     no loss scale."""
-    tx = optax.apply_if_finite(_adamw(), max_consecutive_errors=5)
-
-    def step(state: tuple, batch: Any) -> tuple:
-        params, opt, ms, extra = state
-        grads, new_ms = _grads(model, params, ms, batch, lambda x: x)
-        updates, opt = tx.update(grads, opt, params)
-        ms = _keep(opt.last_finite, new_ms, ms)
-        return optax.apply_updates(params, updates), opt, ms, extra
-
-    return _init(model, tx), step
+    return _optax(
+        model, optax.apply_if_finite(optax.adamw(LR), max_consecutive_errors=5), keep=True
+    )
 
 
 def flax_dynamic_scale(model: Model) -> tuple:
@@ -193,7 +168,7 @@ def flax_dynamic_scale(model: Model) -> tuple:
     then ``jnp.where`` between the new state and the old."""
     from flax.training.dynamic_scale import DynamicScale
 
-    tx = _adamw()
+    tx = optax.adamw(LR)
 
     def unscale_check(ds: DynamicScale, grads: Any) -> tuple:
         # flax.training.dynamic_scale.DynamicScale.value_and_grad, after its jax.grad.
@@ -225,12 +200,8 @@ def flax_dynamic_scale(model: Model) -> tuple:
         def keep(new: Any, old: Any) -> Any:
             return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
 
-        return (
-            keep(new_params, params),
-            keep(new_opt, opt),
-            keep(new_ms, ms),
-            (ds.scale, ds.fin_steps),
-        )
+        extra = (ds.scale, ds.fin_steps)
+        return keep(new_params, params), keep(new_opt, opt), keep(new_ms, ms), extra
 
     extra = (jnp.asarray(INIT_SCALE, jnp.float32), jnp.zeros((), jnp.int32))
     return _init(model, tx, extra), step

@@ -37,12 +37,10 @@ def orders(names: list[str], rounds: int, seed: int = 0) -> list[list[str]]:
     follows the same one (a heavy predecessor slows the next few calls: with a
     rotation, ``finite_checks``' row after the 40 MB temporaries of
     ``read: integer max of bits`` ran at 1.8x its real cost)."""
-    rng = random.Random(seed)
-    out = []
+    rng, out = random.Random(seed), []
     for _ in range(rounds):
-        order = list(names)
-        rng.shuffle(order)
-        out.append(order)
+        out.append(list(names))
+        rng.shuffle(out[-1])
     return out
 
 
@@ -96,3 +94,19 @@ def time_compiled(steps: dict[str, tuple[Callable, tuple]], rounds: int, reps: i
         jax.block_until_ready(fn(*args))
     times = time_calls({k: lambda f=f, a=a: f(*a) for k, (f, a) in steps.items()}, (), rounds, reps)
     return {k: median(v) for k, v in times.items()}
+
+
+def gpt_step_config(args) -> tuple[tuple[int, ...], str]:
+    """``--step-time``'s GPT, ``(d, heads, layers, batch, time)``, and its table's title."""
+    big = args.step_config == "large"
+    d, heads, layers, b, t = (1024, 16, 8, 16, 512) if big else (256, 4, 4, 8, 128)
+    if args.tiny:
+        d, heads, layers, b, t = 32, 2, 1, 2, 16
+    where = f"{jax.default_backend()}: {jax.devices()[0].device_kind}"
+    title = f"### GPT step time: d={d}, {heads} heads, {layers} layers, batch {b}x{t} ({where})"
+    return (d, heads, layers, b, t), title
+
+
+def sgd(params, grads, lr: float = 1e-3):
+    """``params - lr * grads``: the update a step-time run times after the gradients."""
+    return jax.tree_util.tree_map(lambda a, b: a - lr * b, params, grads)
