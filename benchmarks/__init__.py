@@ -1,1 +1,1 @@
-"""jamp benchmarks: ``python -m benchmarks [--quick|--tiny] [--out PATH]``."""
+"""jamp's benchmarks: ``python -m benchmarks <experiment> [options]`` (``benchmarks/README.md``)."""

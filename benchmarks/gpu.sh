@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# jamp on one GPU: the GPU-branch tests, then three benchmark runs (~12 minutes in all).
+# jamp on one GPU: the GPU-branch tests, then three benchmark runs (~10 minutes in all).
 #
 #     bash benchmarks/gpu.sh [OUT_DIR]      # from any directory
 #     PYTHON=/path/to/python bash benchmarks/gpu.sh
@@ -18,7 +18,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)  # an OUT_DIR relative to the caller's directory stays there
 PY=${PYTHON:-python}
 SMOKE=${GPU_SH_SMOKE:-0}
-cd "$ROOT"  # `-m benchmarks` and the tests run from the repository root
+cd "$ROOT"  # `python -m benchmarks <experiment>` and the tests run from the repository root
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
 # ---------------------------------------------------------------- GPU-branch tests
@@ -97,40 +97,28 @@ main() {
   # 1. Same benchmark as on CPU (float32 steps, every peer on both models,
   #    finite checks up to 50M elements); ~3 min.
   echo "== 1. float32 benchmark on $backend: ${MODE[*]}"
-  if timeout 300 "$PY" -m benchmarks "${MODE[@]}" --all-peers "${FINITE_SIZES[@]}" --no-torch \
+  if timeout 300 "$PY" -m benchmarks loss-scaling "${MODE[@]}" "${FINITE_SIZES[@]}" --no-torch \
     --out "$OUT/RESULTS_gpu_f32.md" 2>&1 | tee "$OUT/log_f32.txt"; then
     status[f32]="ok: $OUT/RESULTS_gpu_f32.md"
   else
     status[f32]="FAILED or timed out (rc $?): see $OUT/log_f32.txt"
   fi
 
-  # 2. Half-precision GPT step speed-up over float32, one process, interleaved:
-  #    plain f32 vs plain and jamp.GradScaler.step with float16/bfloat16 matmuls; ~2 min.
-  echo "== 2. half-precision GPT speed-up on $backend: ${MODE[*]}"
-  if timeout 200 "$PY" -m benchmarks "${MODE[@]}" --models GPT --no-finite --no-torch \
-    --variants jamp --half-speedup --out "$OUT/RESULTS_gpu_half.md" 2>&1 |
-    tee "$OUT/log_half.txt"; then
-    status[half]="ok: $OUT/RESULTS_gpu_half.md"
-    grep -h "^| \|^- ran on" "$OUT/RESULTS_gpu_half.md" | head -40 || true
-  else
-    status[half]="FAILED or timed out (rc $?): see $OUT/log_half.txt"
-  fi
-
-  # 3. Float8 (issue #18): GPT step time of bfloat16 vs jamp.autocast(f, "float8")
+  # 2. Float8 (issue #18): GPT step time of bfloat16 vs jamp.autocast(f, "float8")
   #    (current, delayed, attention in bfloat16) on d=1024, 8 layers, batch 16x512, and
   #    the cuBLASLt float8 GEMMs (__cublas$lt$matmul$f8) in each compiled step; ~3 min.
-  echo "== 3. float8 step time and float8 GEMMs on $backend: ${FLOAT8[*]}"
-  if timeout 300 "$PY" -m benchmarks.float8 --step-time "${FLOAT8[@]}" \
+  echo "== 2. float8 step time and float8 GEMMs on $backend: ${FLOAT8[*]}"
+  if timeout 300 "$PY" -m benchmarks float8 --step-time "${FLOAT8[@]}" \
     --out "$OUT/RESULTS_gpu_float8.md" 2>&1 | tee "$OUT/log_float8.txt"; then
     status[float8]="ok: $OUT/RESULTS_gpu_float8.md"
   else
     status[float8]="FAILED or timed out (rc $?): see $OUT/log_float8.txt"
   fi
 
-  # 4. Autocast (issue #17): GPT step time and temp memory of float32 vs
+  # 3. Autocast (issue #17): GPT step time and temp memory of float32 vs
   #    jamp.autocast bfloat16/float16 vs Flax modules with dtype=; ~2 min.
-  echo "== 4. autocast step time on $backend: ${AUTOCAST[*]}"
-  if timeout 240 "$PY" -m benchmarks.autocast_memory --step-time "${AUTOCAST[@]}" \
+  echo "== 3. autocast step time on $backend: ${AUTOCAST[*]}"
+  if timeout 240 "$PY" -m benchmarks autocast-memory --step-time "${AUTOCAST[@]}" \
     --out "$OUT/RESULTS_gpu_autocast.md" 2>&1 | tee "$OUT/log_autocast.txt"; then
     status[autocast]="ok: $OUT/RESULTS_gpu_autocast.md"
   else
@@ -140,11 +128,10 @@ main() {
   echo "== summary (what ran where: $OUT/where.txt)"
   echo "==   0. GPU-branch tests: ${status[tests]}"
   echo "==   1. float32 benchmark: ${status[f32]}"
-  echo "==   2. half-precision speed-up: ${status[half]}"
-  echo "==   3. float8 step time: ${status[float8]}"
-  echo "==   4. autocast step time: ${status[autocast]}"
-  [[ ${status[tests]} != FAILED* && ${status[f32]} == ok* && ${status[half]} == ok* &&
-    ${status[float8]} == ok* && ${status[autocast]} == ok* ]]
+  echo "==   2. float8 step time: ${status[float8]}"
+  echo "==   3. autocast step time: ${status[autocast]}"
+  [[ ${status[tests]} != FAILED* && ${status[f32]} == ok* && ${status[float8]} == ok* &&
+    ${status[autocast]} == ok* ]]
 }
 
 main 2>&1 | tee "$OUT/gpu.sh.log"

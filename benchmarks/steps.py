@@ -1,9 +1,15 @@
-"""Training-step variants: the plain Optax step, jamp's two forms, and the peers.
+"""Every variant the benchmarks compare, each written once (the hub; ``benchmarks/README.md``).
 
-Every builder returns ``(state, step)``: ``step(state, batch) -> state`` is a
-pure Python function (not yet jitted) whose ``state`` holds params, the
-optimizer state and any loss-scale state. ``make_jit`` jits it with the whole
-state donated (params and optimizer state are updated in place).
+**Training steps** (``loss_scaling`` times them, ``gpu_compile`` compiles them): each
+builder takes a :class:`models.Model` and returns ``(state, step)``; ``step(state, batch)
+-> state`` is pure (not yet jitted) over ``state = (params, opt_state, mstate, extra)``:
+``mstate`` the model's state (BatchNorm's statistics, kept on a skipped step), ``extra`` a
+loss scale kept outside the optimizer state. Arrays give fresh buffers (donation deletes
+what it is given), shape structs shape structs. On the optimizer step alone the batch is
+the gradients. Every step runs ``optax.adamw(1e-3)``; a loss scale starts at ``2**15``.
+
+**Precision variants of a loss** (:func:`precision_losses`) and **float8 variants of a
+forward function** (:func:`float8_forwards`).
 """
 
 from __future__ import annotations
@@ -17,162 +23,240 @@ import jax.numpy as jnp
 import optax
 
 import jamp
+from benchmarks.models import Model
 
 LR = 1e-3
 INIT_SCALE = 2.0**15
+HALF = {"bfloat16": jnp.bfloat16, "float16": jnp.float16}
+HISTORY = 16  # delayed scaling's amax history, in steps
 
 
-def fresh(tree: Any) -> Any:
-    """A copy with new buffers (donation deletes the ones it is given)."""
-    return jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), tree)
-
-
-def _adamw() -> optax.GradientTransformation:
-    return optax.adamw(LR)
-
-
-# ------------------------------------------------------------------ variants
-
-
-def _optax_step(model, tx):
-    """An unscaled step through the Optax transformation ``tx``."""
-    params = fresh(model.params)
-
-    def step(state, batch):
-        params, opt_state = state
-        grads = jax.grad(model.loss)(params, batch)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return (params, tx.init(params)), step
-
-
-def plain(model):
-    return _optax_step(model, _adamw())
-
-
-def jamp_loss_scaling(model, report_nonfinite=False, skip="cond"):
-    tx = jamp.loss_scaling(
-        _adamw(),
-        jamp.dynamic_loss_scale(INIT_SCALE),
-        report_nonfinite=report_nonfinite,
-        skip=skip,
+def _init(model: Model, tx: Any, extra: Any = ()) -> tuple:
+    """The first state: of shape structs, or of new buffers (donation deletes its input)."""
+    leaves = jax.tree_util.tree_leaves(model.params)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        return model.params, jax.eval_shape(tx.init, model.params), model.mstate, extra
+    params, mstate = jax.tree_util.tree_map(
+        lambda x: jnp.array(x, copy=True), (model.params, model.mstate)
     )
-    params = fresh(model.params)
-
-    def step(state, batch):
-        params, opt_state = state
-        ls = jamp.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: jamp.scale(ls, model.loss(p, batch)))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return (params, tx.init(params)), step
+    return params, tx.init(params), mstate, extra
 
 
-def jamp_grad_scaler(model, step_fn=None, skip="cond"):
-    """``jamp.GradScaler``'s step and update; or an experiment's ``step_fn``, which takes
-    ``scaler.step``'s arguments and returns ``(params, opt_state, found_inf)``."""
+def _grads(model: Model, params: Any, ms: Any, batch: Any, scale: Callable) -> tuple:
+    """(gradients of ``scale(loss)``, new model state); the batch itself for the optimizer."""
+    if model.loss is None:
+        return batch, ms
+
+    def scaled(p: Any) -> tuple[jax.Array, Any]:
+        loss, new = model.loss(p, ms, batch)
+        return scale(loss), new
+
+    return jax.grad(scaled, has_aux=True)(params)
+
+
+def _keep(finite: jax.Array, new: Any, old: Any) -> Any:
+    """The model state of a finite step, else the old one (docs/model-state.md)."""
+    return jamp.compat.select_tree(finite, new, old) if jax.tree_util.tree_leaves(new) else new
+
+
+# --------------------------------------------------------------------- training steps
+
+
+def _optax(model: Model, tx: Any, scaled: bool = False, keep: bool = False) -> tuple:
+    """A step of the Optax transformation ``tx``: the gradients of the loss (times the loss
+    scale in ``tx``'s state with ``scaled``); with ``keep``, a step ``tx`` skipped keeps the
+    model state too (``opt.last_finite``)."""
+
+    def step(state: tuple, batch: Any) -> tuple:
+        params, opt, ms, extra = state
+        scale = functools.partial(jamp.scale, jamp.get_loss_scale(opt)) if scaled else None
+        grads, new_ms = _grads(model, params, ms, batch, scale or (lambda x: x))
+        updates, opt = tx.update(grads, opt, params)
+        new_params = optax.apply_updates(params, updates)
+        return new_params, opt, _keep(opt.last_finite, new_ms, ms) if keep else new_ms, extra
+
+    return _init(model, tx), step
+
+
+def plain(model: Model) -> tuple:
+    """The unscaled step."""
+    return _optax(model, optax.adamw(LR))
+
+
+def loss_scaling(model: Model, skip: str = "auto", report_nonfinite: bool = False) -> tuple:
+    """``jamp.loss_scaling(adamw, dynamic_loss_scale(2**15))``, the Optax form."""
+    scale = jamp.dynamic_loss_scale(INIT_SCALE)
+    tx = jamp.loss_scaling(optax.adamw(LR), scale, report_nonfinite=report_nonfinite, skip=skip)
+    return _optax(model, tx, scaled=True, keep=True)
+
+
+def grad_scaler(model: Model, skip: str = "auto") -> tuple:
+    """``jamp.GradScaler``'s scale, step and update."""
     scaler = jamp.GradScaler(init_scale=INIT_SCALE, skip=skip)
-    tx = _adamw()
-    params = fresh(model.params)
+    tx = optax.adamw(LR)
 
-    def step(state, batch):
-        params, opt_state, sc = state
-        grads = jax.grad(lambda p: scaler.scale(sc, model.loss(p, batch)))(params)
-        if step_fn is None:
-            params, opt_state, sc = scaler.step(sc, tx, grads, opt_state, params)
-            return params, opt_state, scaler.update(sc)
-        params, opt_state, found_inf = step_fn(sc, tx, grads, opt_state, params)
-        return params, opt_state, jamp.update(sc, jnp.logical_not(found_inf))
+    def step(state: tuple, batch: Any) -> tuple:
+        params, opt, ms, sc = state
+        grads, new_ms = _grads(model, params, ms, batch, lambda x: scaler.scale(sc, x))
+        params, opt, sc = scaler.step(sc, tx, grads, opt, params)
+        new_ms = _keep(jnp.logical_not(scaler.found_inf(sc)), new_ms, ms)
+        return params, opt, new_ms, scaler.update(sc)
 
-    return (params, tx.init(params), scaler.init()), step
+    return _init(model, tx, scaler.init()), step
 
 
-def jmp_dynamic(model):
+def value_and_grad(model: Model) -> tuple:
+    """``jamp.value_and_grad`` + ``step_if_finite`` (the optimizer step alone:
+    ``unscale_and_check`` + ``step_if_finite``, the same pure functions)."""
+    tx = optax.adamw(LR)
+
+    def step(state: tuple, batch: Any) -> tuple:
+        params, opt, ms, ls = state
+        if model.loss is None:
+            grads, finite = jamp.unscale_and_check(ls, batch)
+            new_ms, ls = ms, jamp.update(ls, finite)
+        else:
+            out = jamp.value_and_grad(model.loss, has_aux=True)(ls, params, ms, batch)
+            grads, finite, new_ms, ls = out.grads, out.finite, out.aux, out.loss_scale
+        params, opt = jamp.step_if_finite(finite, tx, grads, opt, params)
+        return params, opt, _keep(finite, new_ms, ms), ls
+
+    return _init(model, tx, jamp.dynamic_loss_scale(INIT_SCALE)), step
+
+
+def multi_steps(model: Model) -> tuple:
+    """One micro-step of ``jamp.multi_steps(jamp.loss_scaling(adamw), 4)``."""
+    inner = jamp.loss_scaling(optax.adamw(LR), jamp.dynamic_loss_scale(INIT_SCALE))
+    return _optax(model, jamp.multi_steps(inner, every_k_schedule=4), scaled=True)
+
+
+def jmp_dynamic(model: Model, restart: bool = False) -> tuple:
+    """jmp's ``DynamicLossScale``, ``all_finite`` and ``select_tree``. With ``restart`` the state
+    keeps the scale alone and the counter restarts every step, as the GPU-compile rows of
+    ``RESULTS.md`` were compiled: the growth period never completes, XLA folds it away."""
     import jmp
 
-    tx = _adamw()
-    params = fresh(model.params)
-    ls0 = jmp.DynamicLossScale(jnp.asarray(INIT_SCALE, jnp.float32))
+    tx = optax.adamw(LR)
 
-    def step(state, batch):
-        params, opt_state, ls = state
-        grads = jax.grad(lambda p: ls.scale(model.loss(p, batch)))(params)
+    def step(state: tuple, batch: Any) -> tuple:
+        params, opt, ms, extra = state
+        ls = jmp.DynamicLossScale(extra) if restart else jmp.DynamicLossScale(*extra)
+        grads, new_ms = _grads(model, params, ms, batch, ls.scale)
         grads = ls.unscale(grads)
         finite = jmp.all_finite(grads)
-        ls = ls.adjust(finite)
-        updates, new_opt = tx.update(grads, opt_state, params)
+        updates, new_opt = tx.update(grads, opt, params)
         new_params = optax.apply_updates(params, updates)
-        params, opt_state = jmp.select_tree(finite, (new_params, new_opt), (params, opt_state))
-        return params, opt_state, ls
+        params, opt, ms = jmp.select_tree(finite, (new_params, new_opt, new_ms), (params, opt, ms))
+        ls = ls.adjust(finite)
+        return params, opt, ms, ls.loss_scale if restart else (ls.loss_scale, ls.counter)
 
-    return (params, tx.init(params), ls0), step
+    scale = jnp.asarray(INIT_SCALE, jnp.float32)
+    return _init(model, tx, scale if restart else (scale, jnp.zeros((), jnp.int32))), step
 
 
-def flax_dynamic_scale(model):
+def apply_if_finite(model: Model) -> tuple:
+    """``optax.apply_if_finite(adamw, 5)``: the update skipped on a non-finite gradient,
+    no loss scale."""
+    return _optax(
+        model, optax.apply_if_finite(optax.adamw(LR), max_consecutive_errors=5), keep=True
+    )
+
+
+def flax_dynamic_scale(model: Model) -> tuple:
+    """flax's ``DynamicScale``: its ``value_and_grad`` (on the optimizer step alone, the
+    same unscale, per-leaf ``all(isfinite)`` and scale update on the given gradients),
+    then ``jnp.where`` between the new state and the old."""
     from flax.training.dynamic_scale import DynamicScale
 
-    tx = _adamw()
-    params = fresh(model.params)
-    ds0 = DynamicScale(scale=INIT_SCALE)  # flax's documented usage (Python scalars)
+    tx = optax.adamw(LR)
 
-    def step(state, batch):
-        params, opt_state, ds = state
-        ds, finite, _, grads = ds.value_and_grad(model.loss)(params, batch)
-        updates, new_opt = tx.update(grads, opt_state, params)
+    def unscale_check(ds: DynamicScale, grads: Any) -> tuple:
+        # flax.training.dynamic_scale.DynamicScale.value_and_grad, after its jax.grad.
+        grads = jax.tree_util.tree_map(lambda g: jnp.asarray(g, jnp.float32) / ds.scale, grads)
+        finite = jnp.array(True)
+        for g in jax.tree_util.tree_leaves(grads):
+            finite &= jnp.all(jax.lax.is_finite(g))
+        grow = ds.fin_steps == ds.growth_interval
+        fin_scale = jnp.where(
+            grow & finite, jnp.minimum(ds.scale * ds.growth_factor, 3.4e38), ds.scale
+        )
+        new_scale = jnp.where(finite, fin_scale, ds.scale * ds.backoff_factor)
+        steps = jnp.where(grow | (~finite), 0, ds.fin_steps + 1)
+        return ds.replace(fin_steps=steps, scale=new_scale), finite, grads
+
+    def step(state: tuple, batch: Any) -> tuple:
+        params, opt, ms, (scale, fin_steps) = state
+        ds = DynamicScale(scale=scale, fin_steps=fin_steps)
+        if model.loss is None:
+            ds, finite, grads = unscale_check(ds, batch)
+            new_ms = ms
+        else:
+            ds, finite, (_, new_ms), grads = ds.value_and_grad(model.loss, has_aux=True)(
+                params, ms, batch
+            )
+        updates, new_opt = tx.update(grads, opt, params)
         new_params = optax.apply_updates(params, updates)
 
-        def keep(new, old):
+        def keep(new: Any, old: Any) -> Any:
             return jax.tree_util.tree_map(lambda a, b: jnp.where(finite, a, b), new, old)
 
-        return keep(new_params, params), keep(new_opt, opt_state), ds
+        extra = (ds.scale, ds.fin_steps)
+        return keep(new_params, params), keep(new_opt, opt), keep(new_ms, ms), extra
 
-    return (params, tx.init(params), ds0), step
-
-
-def optax_apply_if_finite(model):
-    return _optax_step(model, optax.apply_if_finite(_adamw(), max_consecutive_errors=5))
+    extra = (jnp.asarray(INIT_SCALE, jnp.float32), jnp.zeros((), jnp.int32))
+    return _init(model, tx, extra), step
 
 
-VARIANTS: dict[str, Callable] = {
-    "plain (f32 optax.adamw)": plain,
-    "jamp.loss_scaling": jamp_loss_scaling,
-    "jamp.loss_scaling(report_nonfinite=True)": functools.partial(
-        jamp_loss_scaling, report_nonfinite=True
-    ),
-    "jamp.loss_scaling(skip='select')": functools.partial(jamp_loss_scaling, skip="select"),
-    "jamp.GradScaler.step": jamp_grad_scaler,
-    "jamp.GradScaler(skip='select').step": functools.partial(jamp_grad_scaler, skip="select"),
-    "jmp DynamicLossScale + select_tree": jmp_dynamic,
-    "flax DynamicScale + where": flax_dynamic_scale,
-    "optax.apply_if_finite (no scaling)": optax_apply_if_finite,
-}
+# --------------------------------------------------------------------- precision variants
 
 
-def make_jit(step: Callable, donate: bool = True, counter: list | None = None) -> Callable:
-    """``jax.jit(step)`` with the state donated; ``counter`` counts Python traces."""
-    if counter is not None:
-        inner = step
+def precision_losses(at: Callable, dtypes=("bfloat16",), jmp_policy: bool = False) -> dict:
+    """``name -> loss`` on the same float32 parameters, from a model's ``at(dtype,
+    param_dtype)``: ``float32``, and per dtype ``jamp.autocast <dtype>`` (of the float32
+    loss), ``Flax dtype=<dtype>`` and, with ``jmp_policy``, ``jmp policy <dtype>`` (jmp's
+    ``p=f32,c=<dtype>,o=f32`` on the model built with ``param_dtype=<dtype>``)."""
+    out = {"float32": at()}
+    for name in dtypes:
+        dt = HALF[name]
+        out[f"jamp.autocast {name}"] = jamp.autocast(out["float32"], dt)
+        out[f"Flax dtype={name}"] = at(dt)
+        if jmp_policy:
+            out[f"jmp policy {name}"] = _jmp_policy(at(None, dt), name)
+    return out
 
-        def step(state, batch):  # noqa: F811
-            counter.append(1)
-            return inner(state, batch)
 
-    return jax.jit(step, donate_argnums=(0,) if donate else ())
+def _jmp_policy(loss: Callable, name: str) -> Callable:
+    import jmp
+
+    policy = jmp.get_policy(f"p=f32,c={name},o=f32")
+
+    def cast(p: Any, *rest: Any) -> Any:  # (params, [mstate,] (inputs, targets))
+        *mstate, (x, y) = rest
+        return loss(policy.cast_to_compute(p), *mstate, (policy.cast_to_compute(x), y))
+
+    return cast
 
 
-def make_flat_jit(step: Callable, state: Any, donate: bool = True) -> tuple[Callable, list]:
-    """``step`` over the flat list of state leaves, jitted, and those leaves.
-
-    Used for ``.lower().compile()``: lowering a tree state rebuilds every node
-    from placeholder ``ArgInfo`` leaves, which jmp's ``DynamicLossScale``
-    rejects in its ``__post_init__``.
-    """
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-
-    def flat(leaves, batch):
-        out = step(jax.tree_util.tree_unflatten(treedef, leaves), batch)
-        return jax.tree_util.tree_leaves(out)
-
-    return jax.jit(flat, donate_argnums=(0,) if donate else ()), leaves
+def float8_forwards(forward: Callable, reference: Callable | None = None,
+                    attention: bool = False) -> dict[str, tuple[str, Callable]]:  # fmt: skip
+    """``name -> (kind, forward)``: kind ``plain`` takes ``forward``'s arguments, ``delayed``
+    a float8 state first (``jamp.float8.init``). ``benchmarks/float8.py`` defines each;
+    ``attention`` adds the one whose ``forward(..., attention_dtype=bfloat16)``."""
+    measuring = jamp.float8.DelayedScaling(HISTORY, unmeasured="current")
+    out = {
+        "float32": ("plain", forward),
+        "bfloat16": ("plain", jamp.autocast(forward, jnp.bfloat16)),
+        "float8 current": ("plain", jamp.autocast(forward, "float8")),
+        "float8 delayed": (
+            "delayed", jamp.autocast(forward, "float8", recipe=jamp.float8.DelayedScaling(HISTORY))
+        ),
+        "float8 delayed, unmeasured='current'": (
+            "delayed", jamp.autocast(forward, "float8", recipe=measuring)
+        ),
+    }  # fmt: skip
+    if attention:
+        attend = functools.partial(forward, attention_dtype=jnp.bfloat16)
+        out["float8, attention in bfloat16"] = ("plain", jamp.autocast(attend, "float8"))
+    if reference is not None:
+        out["per-tensor reference"] = ("plain", reference)
+    return out

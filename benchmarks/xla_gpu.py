@@ -1,40 +1,18 @@
-"""XLA:GPU without a GPU: compile for a described H200 or H100 and read the program.
+"""XLA:GPU without a GPU (the hub): compile for a described H200 and read the program.
 
-jax's CUDA PJRT plugin compiles ahead of time for a *described* device
-(deviceless AOT): :func:`compile_for` lowers a function for a
-``GpuTargetConfigProto`` and returns what XLA:GPU makes of it, the real GPU
-program: its fusions, Triton GEMM fusions, cuBLAS and cuDNN calls, copies and
-conditionals, and XLA's own temp-buffer size. :func:`analyse` reads that
-program into per-step figures (:class:`Program`):
-
-- **kernels**: the launches of one step: every instruction of the entry
-  computation that runs on the device (a fusion, a library call, a copy, an
-  unfused op), plus, for a ``conditional``, the thunk and the kernels of its
-  costliest branch, and for a ``while`` or ``call``, the kernels of what it runs
-  (once);
-- **bytes**: modelled HBM traffic: for each kernel, the bytes of its operands
-  plus its outputs (a ``conditional`` counts its costliest branch);
-- **temp**: XLA's temp allocation (``memory_analysis()``);
-- **FLOPs** of matrix products and convolutions, by operand dtype;
-- **roofline**: per kernel, the larger of FLOPs / the dtype's dense peak and
-  bytes / the memory bandwidth, summed.
-
-Autotuning cannot run without a device, so GEMMs get XLA's default
-configurations; fusion and buffer decisions are the GPU compiler's own, and
-the output is deterministic: tests may assert on it.
-
-Setup (``pip install "jax-amp[gpu-compile]"``, which is ``jax[cuda13-local]``: the
-plugin with no CUDA wheels; ``ptxas`` from a CUDA toolkit on ``PATH``). The
-plugin must not initialise a CUDA backend in a process without a GPU, so a
-process that uses this module runs with ``JAX_PLATFORMS=cpu`` (the tests'
-conftest sets it; ``python -m benchmarks.gpu_compile`` sets it before jax is
-imported): the topology, not a device, is what is compiled for.
+jax's CUDA plugin compiles ahead of time for a described device: :func:`compile_for` gives
+the real GPU program of a function, and :func:`analyse` reads it into a :class:`Program`:
+the kernels of one step (a ``conditional`` counts its thunk and costliest branch, a
+``while`` or ``call`` what it runs, once), the bytes each moves (operands plus outputs),
+XLA's temp memory, matrix FLOPs by operand dtype and a roofline time. GEMMs keep XLA's
+default configurations (autotuning needs a device); the rest is the compiler's own, and
+deterministic. Needs ``jax-amp[gpu-compile]``, ``ptxas`` on ``PATH`` and
+``JAX_PLATFORMS=cpu``: the plugin must not open a device (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import math
 import re
 import warnings
@@ -46,9 +24,8 @@ import jax
 # --------------------------------------------------------------------- targets
 
 
-def _target_config(name: str, *, bandwidth: float, memory: int) -> str:
-    return f"""
-gpu_device_info {{
+_H200 = """
+gpu_device_info {
   threads_per_block_limit: 1024
   threads_per_warp: 32
   shared_memory_per_block: 49152
@@ -60,22 +37,22 @@ gpu_device_info {{
   block_dim_limit_x: 2147483647
   block_dim_limit_y: 65535
   block_dim_limit_z: 65535
-  memory_bandwidth: {int(bandwidth)}
+  memory_bandwidth: 4800000000000
   l2_cache_size: 52428800
   clock_rate_ghz: 1.98
-  device_memory_size: {memory}
-  cuda_compute_capability {{ major: 9 minor: 0 }}
+  device_memory_size: 150754820096
+  cuda_compute_capability { major: 9 minor: 0 }
   registers_per_core_limit: 65536
   registers_per_block_limit: 65536
-}}
+}
 platform_name: "CUDA"
-dnn_version_info {{ major: 9 minor: 10 }}
-runtime_version {{ major: 13 minor: 0 patch: 0 }}
-device_description_str: "{name}"
+dnn_version_info { major: 9 minor: 10 }
+runtime_version { major: 13 minor: 0 patch: 0 }
+device_description_str: "NVIDIA H200"
 """
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # hashed by identity: mesh() caches by target
 class Target:
     """A described GPU: its ``GpuTargetConfigProto`` and the peaks of its roofline."""
 
@@ -87,21 +64,7 @@ class Target:
 
 
 _HOPPER_PEAKS = {"bf16": 989e12, "f16": 989e12, "f8": 1979e12, "f32": 494e12, "f64": 67e12}
-
-TARGETS = {
-    "H200": Target(
-        "H200",
-        _target_config("NVIDIA H200", bandwidth=4.8e12, memory=150_754_820_096),
-        4.8e12,
-        _HOPPER_PEAKS,
-    ),
-    "H100": Target(
-        "H100",
-        _target_config("NVIDIA H100 80GB HBM3", bandwidth=3.35e12, memory=85_520_809_984),
-        3.35e12,
-        _HOPPER_PEAKS,
-    ),
-}
+TARGETS = {"H200": Target("H200", _H200, 4.8e12, _HOPPER_PEAKS)}
 
 
 def unavailable() -> str | None:
@@ -119,16 +82,13 @@ def unavailable() -> str | None:
     return None
 
 
+@functools.cache
 def mesh(target: Target) -> jax.sharding.Mesh:
     """A one-device mesh of the described GPU ``target``."""
-    return _mesh(target.config)
-
-
-@functools.cache
-def _mesh(config: str) -> jax.sharding.Mesh:
     from jax.experimental import topologies
 
-    topo = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+    topo = topologies.get_topology_desc(platform="cuda", target_config=target.config,
+                                        topology="1x1x1")  # fmt: skip
     return topologies.make_mesh(topo, (1,), ("x",))
 
 
@@ -145,29 +105,17 @@ def specs(tree: Any, target: Target = TARGETS["H200"]) -> Any:
 
 
 def compile_for(
-    fun: Any,
-    *args: Any,
-    donate_argnums: tuple[int, ...] = (),
-    target: Target = TARGETS["H200"],
-    static_argnums: tuple[int, ...] = (),
+    fun: Any, *args: Any, donate_argnums: tuple[int, ...] = (), target: Target = TARGETS["H200"]
 ) -> Any:
-    """``jax.jit(fun, donate_argnums=...)`` compiled for ``target``: a ``Compiled``.
-
-    ``args`` are arrays, shape structs or pytrees of them; only their shapes
-    and dtypes are used.
-    """
-    placed = [a if i in static_argnums else specs(a, target) for i, a in enumerate(args)]
-    jitted = jax.jit(fun, donate_argnums=donate_argnums, static_argnums=static_argnums)
-    return compile_lowered(jitted.lower(*placed))
+    """``jax.jit(fun, donate_argnums=...)`` compiled for ``target``, on the shapes and dtypes
+    of ``args`` (arrays, shape structs or pytrees of them)."""
+    placed = [specs(a, target) for a in args]
+    return compile_lowered(jax.jit(fun, donate_argnums=donate_argnums).lower(*placed))
 
 
 def compile_lowered(lowered: Any) -> Any:
-    """``lowered.compile()`` for a GPU target without a device.
-
-    With a persistent compilation cache on (the test suite's), JAX finds a program it
-    compiled before but cannot load it without a device client: it warns, and compiles
-    it anew, which is what is wanted here.
-    """
+    """``lowered.compile()`` for a GPU target without a device (a persistent compilation
+    cache's entry cannot load without a device client: JAX warns and compiles anew, as wanted)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Error reading persistent compilation cache entry")
         return lowered.compile()
@@ -191,8 +139,8 @@ FREE = {
     "parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
     "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain",
 }  # fmt: skip
-# Calls whose called computation is what runs (each of its kernels counted).
-CALLS = {"call", "async-start", "async-update", "async-done"}
+# Calls whose called computations are what runs (each of their kernels counted once).
+CALLS = {"call", "while", "async-start", "async-update", "async-done"}
 
 
 @dataclass
@@ -221,14 +169,9 @@ class Instr:
 
     def called(self) -> list[str]:
         """Names of the computations this instruction calls."""
-        names = re.findall(
-            r"\b(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([^\s,}]+)",
-            self.attrs,
+        return re.findall(r"\b(?:calls|to_apply|body|condition)=%?([^\s,}]+)", self.attrs) + (
+            self.branches()
         )
-        m = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
-        if m:
-            names += [n.strip().lstrip("%") for n in m.group(1).split(",") if n.strip()]
-        return names
 
     def branches(self) -> list[str]:
         m = re.search(r"branch_computations=\{([^}]*)\}", self.attrs)
@@ -261,23 +204,14 @@ def parse(text: str) -> tuple[dict[str, dict[str, Instr]], str]:
     entry = ""
     current: dict[str, Instr] | None = None
     for line in text.splitlines():
-        h = _HEADER.match(line)
-        if h:
+        if h := _HEADER.match(line):
             current = comps.setdefault(h.group(2), {})
-            if h.group(1):
-                entry = h.group(2)
-            continue
-        if line.startswith("}"):
+            entry = h.group(2) if h.group(1) else entry
+        elif line.startswith("}"):
             current = None
-            continue
-        if current is None:
-            continue
-        m = _INSTR.match(line)
-        if not m:
-            continue
-        name, shape, opcode, rest = m.groups()
-        operands, attrs = _split_operands(rest)
-        current[name] = Instr(name, shape, opcode, operands, attrs)
+        elif current is not None and (m := _INSTR.match(line)):
+            name, shape, opcode, rest = m.groups()
+            current[name] = Instr(name, shape, opcode, *_split_operands(rest))
     return comps, entry
 
 
@@ -293,13 +227,11 @@ def _short(dtype: str) -> str:
     return "f8" if dtype.startswith("f8") else dtype
 
 
-def _dot_flops(comp: dict[str, Instr], ins: Instr) -> tuple[str, float]:
-    out = ins.arrays[0][1]
+def _matmul(comp: dict[str, Instr], ins: Instr, contract: list[int]) -> tuple[str, float]:
+    """(lhs dtype, FLOPs) of a product contracting the lhs dimensions ``contract``."""
     lhs_dtype, lhs = _dims_of(comp, ins.operands[0])
-    cdims = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
-    contract = [int(c) for c in cdims.group(1).split(",") if c] if cdims else []
     k = math.prod(lhs[c] for c in contract) if lhs else 1
-    return _short(lhs_dtype), 2.0 * math.prod(out) * k
+    return _short(lhs_dtype), 2.0 * math.prod(ins.arrays[0][1]) * k
 
 
 def _conv_flops(fwd_out: tuple[int, ...], filt: tuple[int, ...], labels: str) -> float:
@@ -312,32 +244,29 @@ def _conv_flops(fwd_out: tuple[int, ...], filt: tuple[int, ...], labels: str) ->
     return 2.0 * math.prod(fwd_out) * math.prod(filt) / max(o, 1)
 
 
+def _forward_conv(comp: dict[str, Instr], ins: Instr) -> tuple[str, float]:
+    dtype, filt = _dims_of(comp, ins.operands[0])[0], _dims_of(comp, ins.operands[1])[1]
+    return _short(dtype), _conv_flops(ins.arrays[0][1], filt, ins.attr("dim_labels") or "")
+
+
 def _gemm_flops(comp: dict[str, Instr], ins: Instr) -> tuple[str, float] | None:
     """The (operand dtype, FLOPs) of a library call that is a GEMM or a convolution."""
-    target = ins.attr("custom_call_target") or ""
-    target = target.strip('"')
+    target = (ins.attr("custom_call_target") or "").strip('"')
     if "gemm" in target or "matmul" in target:
         m = re.search(r'"lhs_contracting_dimensions":\[([^\]]*)\]', ins.attrs)
-        contract = [int(c.strip('"')) for c in m.group(1).split(",") if c.strip()] if m else []
-        lhs_dtype, lhs = _dims_of(comp, ins.operands[0])
-        out = ins.arrays[0][1]
-        k = math.prod(lhs[c] for c in contract) if lhs else 1
-        return _short(lhs_dtype), 2.0 * math.prod(out) * k
-    if "conv" in target:
-        labels = ins.attr("dim_labels") or ""
-        if "BackwardFilter" in target:
-            dtype, fwd_out = _dims_of(comp, ins.operands[1])
-            filt = ins.arrays[0][1]
-            dtype = _dims_of(comp, ins.operands[0])[0]
-        elif "BackwardInput" in target:
-            dtype, fwd_out = _dims_of(comp, ins.operands[0])
-            filt = _dims_of(comp, ins.operands[1])[1]
-        else:
-            dtype, _ = _dims_of(comp, ins.operands[0])
-            fwd_out = ins.arrays[0][1]
-            filt = _dims_of(comp, ins.operands[1])[1]
-        return _short(dtype), _conv_flops(fwd_out, filt, labels)
-    return None
+        return _matmul(comp, ins, [int(c.strip('"')) for c in m.group(1).split(",") if c.strip()]
+                       if m else [])  # fmt: skip
+    if "conv" not in target:
+        return None
+    if "BackwardFilter" in target:  # the filter's gradient from the input and output's
+        dtype, fwd_out = _dims_of(comp, ins.operands[0])[0], _dims_of(comp, ins.operands[1])[1]
+        filt = ins.arrays[0][1]
+    elif "BackwardInput" in target:  # the input's gradient from the output's and the filter
+        dtype, fwd_out = _dims_of(comp, ins.operands[0])
+        filt = _dims_of(comp, ins.operands[1])[1]
+    else:
+        return _forward_conv(comp, ins)
+    return _short(dtype), _conv_flops(fwd_out, filt, ins.attr("dim_labels") or "")
 
 
 # --------------------------------------------------------------------- analysis
@@ -352,7 +281,6 @@ class Kernel:
     op_name: str
     bytes: float
     flops: dict[str, float]
-    kind: str  # "fusion", "gemm" (library or Triton GEMM), "conv", "copy", "conditional", ...
 
     def time(self, target: Target) -> float:
         t = self.bytes / target.bandwidth
@@ -368,7 +296,6 @@ class Program:
     kernels: list[Kernel]
     temp_bytes: float
     conditionals: int
-    whiles: int
     copies: int
     text: str = field(repr=False, default="")
 
@@ -414,11 +341,10 @@ def _flops_in(
         if g:
             add(*g)
     elif ins.opcode == "dot":
-        add(*_dot_flops(comp, ins))
+        m = re.search(r"lhs_contracting_dims=\{([0-9,]*)\}", ins.attrs)
+        add(*_matmul(comp, ins, [int(c) for c in m.group(1).split(",") if c] if m else []))
     elif ins.opcode == "convolution":
-        dtype, _ = _dims_of(comp, ins.operands[0])
-        filt = _dims_of(comp, ins.operands[1])[1]
-        add(_short(dtype), _conv_flops(ins.arrays[0][1], filt, ins.attr("dim_labels") or ""))
+        add(*_forward_conv(comp, ins))
     elif ins.opcode == "fusion":
         for name in ins.called():
             sub = comps.get(name, {})
@@ -427,17 +353,6 @@ def _flops_in(
                     for d, f in _flops_in(comps, sub, inner).items():
                         add(d, f)
     return flops
-
-
-def _kind(comp: dict[str, Instr], ins: Instr, flops: dict[str, float]) -> str:
-    if ins.opcode == "custom-call":
-        t = (ins.attr("custom_call_target") or "").strip('"')
-        return "conv" if "conv" in t else ("gemm" if flops else "custom-call")
-    if ins.opcode == "fusion":
-        if flops:
-            return "gemm"
-        return "fusion"
-    return ins.opcode
 
 
 def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], counts: dict) -> None:
@@ -455,13 +370,8 @@ def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], coun
                 if sum(k.bytes for k in ks) >= sum(k.bytes for k in best):
                     best = ks
             pred = comp.get(ins.operands[0]) if ins.operands else None
-            out.append(Kernel(ins.name, op, ins.op_name(), pred.nbytes if pred else 0, {}, op))
+            out.append(Kernel(ins.name, op, ins.op_name(), pred.nbytes if pred else 0, {}))
             out.extend(best)
-            continue
-        if op == "while":
-            counts["whiles"] += 1
-            for sub in ins.called():
-                _walk(comps, sub, out, counts)
             continue
         if op in CALLS:
             for sub in ins.called():
@@ -471,7 +381,7 @@ def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], coun
             counts["copies"] += 1
         nbytes = ins.nbytes + sum(comp[o].nbytes for o in ins.operands if o in comp)
         flops = _flops_in(comps, comp, ins)
-        out.append(Kernel(ins.name, op, ins.op_name(), nbytes, flops, _kind(comp, ins, flops)))
+        out.append(Kernel(ins.name, op, ins.op_name(), nbytes, flops))
 
 
 def analyse(compiled: Any) -> Program:
@@ -479,27 +389,10 @@ def analyse(compiled: Any) -> Program:
     text = compiled.as_text()
     comps, entry = parse(text)
     kernels: list[Kernel] = []
-    counts = {"conditionals": 0, "whiles": 0, "copies": 0}
+    counts = {"conditionals": 0, "copies": 0}
     _walk(comps, entry, kernels, counts)
     try:
         temp = float(compiled.memory_analysis().temp_size_in_bytes)
     except Exception:  # noqa: BLE001 - a backend without memory analysis
         temp = float("nan")
-    return Program(kernels, temp, counts["conditionals"], counts["whiles"], counts["copies"], text)
-
-
-def summary(p: Program, target: Target = TARGETS["H200"]) -> dict[str, Any]:
-    """The figures of ``p`` as plain numbers (for tables and JSON)."""
-    return {
-        "kernels": p.n_kernels,
-        "bytes": p.bytes,
-        "temp": p.temp_bytes,
-        "conditionals": p.conditionals,
-        "copies": p.copies,
-        "flops": p.flops,
-        "roofline_s": p.roofline(target),
-    }
-
-
-def dumps(p: Program) -> str:
-    return json.dumps(summary(p), sort_keys=True)
+    return Program(kernels, temp, counts["conditionals"], counts["copies"], text)

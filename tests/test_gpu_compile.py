@@ -14,7 +14,7 @@ import pytest
 
 import jamp
 from benchmarks import gpu_compile as G
-from benchmarks import xla_gpu
+from benchmarks import models, steps, xla_gpu
 
 pytestmark = pytest.mark.usefixtures("gpu_compiler")  # conftest: skips, or fails in CI
 
@@ -42,6 +42,7 @@ def test_gemm_flops_by_operand_dtype_and_roofline():
     p = _compile(lambda x, w: x @ w, bf, w)
     assert p.flops == {"bf16": 2.0 * 512 * 1024 * 256}
     assert p.gemm_dtypes() == {"bf16"}
+    assert p.flops in [k.flops for k in p.by_op("dot_general")]  # kernels by jax's name stack
     t = p.roofline()
     assert t >= p.flops["bf16"] / 989e12 and t >= p.bytes / 4.8e12
     p32 = _compile(lambda x, w: x @ w, _f32(512, 1024), _f32(1024, 256))
@@ -63,19 +64,15 @@ def test_a_conditional_counts_its_thunk_and_its_costliest_branch():
 @pytest.fixture(scope="module")
 def optimizer_programs():
     """The 24-leaf adamw step of the benchmark (12.6M parameters), each variant compiled
-    once, donated and not."""
-    model = G.optimizer_model()
-    names = [
-        "plain (optax.adamw)",
-        *G.DEFAULTS,
-        "jamp.loss_scaling(skip='cond')",
-        *G.PEERS,
-    ]
+    once, donated and not (the cond form donated only)."""
+    model = models.optimizer()
+    names = ["plain (optax.adamw)", *G.DEFAULTS, "jamp.loss_scaling(skip='cond')", *G.PEERS]
     with jax.numpy_dtype_promotion("standard"):  # optax's adam (see the marker in conftest)
         return {
             (name, donate): G.compile_variant(model, name, donate)
             for donate in (True, False)
             for name in names
+            if donate or "cond" not in name
         }
 
 
@@ -107,7 +104,7 @@ def test_cond_over_a_donated_state_copies_it_and_syncs(optimizer_programs):
 
 @pytest.mark.standard_promotion
 def test_the_finite_check_alone_reads_the_tree_once_in_few_kernels():
-    model = G.optimizer_model()
+    model = models.optimizer()
     checks = G.finite_check(model, xla_gpu.TARGETS["H200"])
     floor = checks["read floor: sum of every leaf"]
     for name in ("jamp.all_finite", "jamp.unscale_and_check flag"):
@@ -124,7 +121,7 @@ def test_the_finite_check_alone_reads_the_tree_once_in_few_kernels():
 
 @pytest.fixture(scope="module")
 def gpt_programs():
-    model = G.gpt_model(tiny=True, layers=1)
+    model = models.gpt_stack(d=32, heads=2, layers=1, b=2, t=16)  # one block of the tiny GPT
     names = ["plain (optax.adamw)", "jamp.loss_scaling", G.PEERS[0]]
     with jax.numpy_dtype_promotion("standard"):  # optax's adam (see the marker in conftest)
         return model, {name: G.compile_variant(model, name, True) for name in names}
@@ -191,8 +188,8 @@ def test_multi_steps_conditional_is_removed_by_the_gpu_compiler():
     # multi_steps applies the inner step under lax.cond, which JAX lowers as a
     # conditional; XLA:GPU turns it into running both branches and a select (its
     # docstring says so), so the compiled micro-step has no host sync.
-    model = G.optimizer_model(tiny=True)
-    state, step = G.VARIANTS["jamp.multi_steps (a micro-step)"](model)
+    model = models.optimizer(64, 256)
+    state, step = steps.multi_steps(model)
     lowered = jax.jit(step).lower(xla_gpu.specs(state), xla_gpu.specs(model.batch))
     assert "stablehlo.if" in lowered.as_text() or "stablehlo.case" in lowered.as_text()
     assert xla_gpu.analyse(xla_gpu.compile_lowered(lowered)).conditionals == 0
@@ -206,8 +203,8 @@ def test_the_benchmark_section_reports_this_runs_numbers(optimizer_programs, tmp
         {"name": name, "donate": donate, "program": p}
         for (name, donate), p in optimizer_programs.items()
     ]
-    model = G.optimizer_model()
-    args = argparse.Namespace(tiny=False, target="H200")
+    model = models.optimizer()
+    args = argparse.Namespace(tiny=False)
     text = G.section(args, [model], {"optimizer": rows}, {}, xla_gpu.TARGETS["H200"], 1.0)
     assert text.startswith(G.START) and text.endswith(G.END)
     assert "compiled for an H200 target, no device, autotuning off" in text

@@ -229,3 +229,130 @@ def test_grad_scaler_step_reaches_the_skip_machinery_directly():
 def test_every_package_has_a_folder_of_tests():
     for package in PACKAGES:
         assert list((ROOT / "tests" / package).glob("test_*.py")), package
+
+
+# ---------------------------------------------------------------- benchmarks/: hub and spokes
+#
+# benchmarks/README.md: the hub holds what the experiments share (the models, the step
+# variants, the readers of compiled programs, the timing and the writing of a section);
+# each experiment is a spoke that imports the hub only; the command line imports the spokes.
+
+BENCH = ROOT / "benchmarks"
+# The hub, in order: each module imports only the hub modules listed before it.
+BENCH_HUB = ["xla_gpu", "timing", "report", "measure", "models", "steps"]
+BENCH_SPOKES = [
+    "loss_scaling", "finite_checks", "gpu_compile", "autocast_memory", "float8", "real_models"
+]  # fmt: skip
+BENCH_ENTRY = ["cli", "__main__"]
+BENCH_MODULES = {p.stem: p for p in BENCH.glob("*.py") if p.name != "__init__.py"}
+BENCH_LINES = 4000  # all of benchmarks/*.py, as `wc -l` counts them
+
+
+def _bench_imports(path):
+    """The benchmarks modules ``path`` imports, at its top or inside a function."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if module == "benchmarks" or (node.level and not module):  # `from . import models`
+                out.update(a.name for a in node.names)
+            elif module.startswith("benchmarks."):
+                out.add(module.split(".")[1])
+            elif node.level:  # `from .models import Model`
+                out.add(module.split(".")[0])
+        elif isinstance(node, ast.Import):
+            out.update(a.name.split(".")[1] for a in node.names if a.name.startswith("benchmarks."))
+    return out
+
+
+def test_every_benchmarks_module_is_hub_spoke_or_entry():
+    assert set(BENCH_MODULES) == {*BENCH_HUB, *BENCH_SPOKES, *BENCH_ENTRY}
+
+
+@pytest.mark.parametrize("name", BENCH_HUB)
+def test_benchmarks_hub_imports_only_the_hub_before_it(name):
+    deps = _bench_imports(BENCH_MODULES[name])
+    assert deps <= set(BENCH_HUB[: BENCH_HUB.index(name)]), f"{name} imports {deps}"
+
+
+@pytest.mark.parametrize("name", BENCH_SPOKES)
+def test_benchmarks_spoke_imports_only_the_hub(name):
+    deps = _bench_imports(BENCH_MODULES[name])
+    assert deps <= set(BENCH_HUB), f"{name} imports {deps - set(BENCH_HUB)}"
+
+
+def test_no_benchmarks_import_cycle():
+    graph = {name: _bench_imports(path) for name, path in BENCH_MODULES.items()}
+    done, active = set(), []
+
+    def visit(node):
+        assert node not in active, " -> ".join([*active, node])
+        if node in done:
+            return
+        active.append(node)
+        for dep in graph.get(node, ()):
+            visit(dep)
+        active.pop()
+        done.add(node)
+
+    for name in graph:
+        visit(name)
+
+
+def test_no_benchmarks_module_uses_another_modules_private_names():
+    for name, path in BENCH_MODULES.items():
+        tree = ast.parse(path.read_text())
+        aliases = set()  # names bound to benchmarks modules: `from benchmarks import models`
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks"):
+                private = [a.name for a in node.names if a.name.startswith("_")]
+                assert not private, f"{name} imports {private} from {node.module}"
+                if node.module == "benchmarks":
+                    aliases.update(a.asname or a.name for a in node.names)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                if node.value.id in aliases and node.attr.startswith("_"):
+                    raise AssertionError(f"{name} uses {node.value.id}.{node.attr}")
+
+
+def _module_level(tree):
+    """The nodes a module runs when imported: not inside a function, class or lambda body."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _is_environ(node):
+    return (isinstance(node, ast.Attribute) and node.attr == "environ") or (
+        isinstance(node, ast.Name) and node.id == "environ"
+    )
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_MODULES))
+def test_no_benchmarks_module_sets_the_environment_at_import(name):
+    """JAX_PLATFORMS and the like are set in the CLI's main(), before jax starts a backend,
+    or by the tests' conftest: never as a side effect of importing a module."""
+    for node in _module_level(ast.parse(BENCH_MODULES[name].read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else []
+        if isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        for target in targets:
+            assert not (isinstance(target, ast.Subscript) and _is_environ(target.value)), name
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            writes = node.func.attr in ("setdefault", "update", "pop", "__setitem__")
+            assert not (writes and _is_environ(node.func.value)), f"{name} sets os.environ"
+            assert node.func.attr != "putenv", f"{name} calls os.putenv"
+
+
+@pytest.mark.parametrize("name", sorted(BENCH_MODULES))
+def test_benchmarks_module_within_its_budget_of_code_lines(name):
+    n = code_lines(BENCH_MODULES[name].read_text())
+    assert n <= CODE_LINES, f"benchmarks/{name}.py: {n} code lines (budget {CODE_LINES})"
+
+
+def test_benchmarks_within_their_budget_of_lines():
+    n = sum(len(p.read_text().splitlines()) for p in BENCH.glob("*.py"))
+    assert n <= BENCH_LINES, f"benchmarks/*.py: {n} lines (budget {BENCH_LINES})"

@@ -4,7 +4,8 @@ Each train step is compiled for a described H200 with no device
 (``benchmarks/xla_gpu.py``) and read from the compiled GPU program. The shapes
 are the smallest that keep the program's structure (causal attention whose
 rows are long enough for XLA's softmax fusions, a gelu MLP, a conv +
-GroupNorm CNN); ``benchmarks/autocast_memory.py`` measures the full sizes.
+GroupNorm CNN; ``benchmarks/models.py``); ``python -m benchmarks autocast-memory``
+measures the full sizes.
 Skipped, with the reason, where jax's CUDA plugin is missing.
 """
 
@@ -18,7 +19,7 @@ import pytest
 
 import jamp
 from benchmarks import xla_gpu
-from benchmarks.autocast_memory import CNN, GPTStack
+from benchmarks.models import CNN, DropoutBlock, GPTStack, GQABlock
 
 pytestmark = pytest.mark.usefixtures("gpu_compiler")  # conftest: skips, or fails in CI
 
@@ -26,7 +27,7 @@ BF16 = jnp.bfloat16
 B, T, D, HEADS = 2, 256, 64, 2
 # The CNN's head: jnp.mean of the last activations is float32 under autocast (a sum and a
 # division) and the Dense reads it so, where Flax's mean returns bfloat16: 0.13% of the
-# bytes at these shapes, 0.0% at the benchmark's (python -m benchmarks.autocast_memory).
+# bytes at these shapes, 0.0% at the benchmark's (python -m benchmarks autocast-memory).
 CNN_BYTES_LIMIT = 1.002
 # The dropout block: 0.969x Flax's bytes at the benchmark's shapes (d 512, 8 heads, 16x512);
 # at these, where attention's T*T passes weigh less, 1.024x (before: 1.225x): the backward
@@ -156,8 +157,6 @@ def test_attention_dropout_step_is_as_lean_as_flax_dtype():
     step, against the block built with dtype=bfloat16, same inputs and dropout key. Before:
     bytes 1.125x Flax's (the probabilities written twice, once kept, once dropped), residuals
     0.678x vs 0.677x float32's (exp's and div's float32 outputs kept past the dropout)."""
-    from benchmarks.autocast_memory import DropoutBlock
-
     programs, residuals = _block_programs(lambda dtype: DropoutBlock(HEADS, dtype))
     ours, flax = programs["autocast"], programs["flax"]
     assert residuals["autocast"] <= residuals["flax"], residuals
@@ -172,9 +171,7 @@ def test_grouped_kv_attention_step_is_as_lean_as_flax_dtype():
     probabilities reshaped to (B, T, K, G, S)), dropout on the probabilities, trained one SGD
     step beside the block at dtype=bfloat16, same inputs and dropout key. Before the fused
     rule took in the reshape: 1.150x Flax's bytes and 1.207x its temp at the benchmark's
-    shapes (python -m benchmarks.autocast_memory --models GQA), float32 exp kept."""
-    from benchmarks.autocast_memory import GQABlock
-
+    shapes (python -m benchmarks autocast-memory --models GQA), float32 exp kept."""
     programs, residuals = _block_programs(lambda dtype: GQABlock(4, 2, dtype))
     ours, flax = programs["autocast"], programs["flax"]
     assert residuals["autocast"] <= residuals["flax"], residuals
@@ -182,3 +179,20 @@ def test_grouped_kv_attention_step_is_as_lean_as_flax_dtype():
     assert ours.temp_bytes <= flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
     assert not _entry_buffers(ours, f"f32[{B},{T},4,{T}]")  # no float32 probabilities
     assert ours.gemm_dtypes() == {"bf16"}
+
+
+def test_the_autocast_memory_section_reports_these_programs():
+    """The autocast-memory benchmark's GPU-compile table and target, rendered from the GPT
+    programs above (python -m benchmarks autocast-memory compiles its own, larger)."""
+    from benchmarks import autocast_memory
+
+    p = _programs("GPT")
+    programs = {"float32": p["float32"], "jamp.autocast bfloat16": p["autocast"],
+                "Flax dtype=bfloat16": p["flax"]}  # fmt: skip
+    lines, targets = autocast_memory.gpu_lines([("GPT", "one block", programs)], "")
+    for name, program in programs.items():
+        (row,) = [line for line in lines if line.startswith(f"| {name} |")]
+        cells = [c.strip() for c in row.strip("|").split("|")]
+        assert len(cells) == 10 and cells[-2] == str(program.n_kernels), row
+    ((target, measured, met, _),) = targets
+    assert target.startswith("GPT train step on the GPU compile") and met, measured

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/real_models.py: flax NNX's built-in layers at tiny shapes.
+"""Smoke test of the real-models benchmark: flax NNX's built-in layers at tiny shapes.
 
 In this process (no subprocess: the benchmark counts no compiles), under the standard
 dtype promotion a user's program runs with: Flax's bfloat16 modules promote inside.
@@ -6,7 +6,7 @@ dtype promotion a user's program runs with: Flax's bfloat16 modules promote insi
 
 import jax
 
-from benchmarks import real_models
+from benchmarks import cli
 
 
 def test_nnx_builtins_autocast_keeps_no_more_than_flax_dtype(tmp_path):
@@ -15,7 +15,7 @@ def test_nnx_builtins_autocast_keeps_no_more_than_flax_dtype(tmp_path):
     results = tmp_path / "RESULTS.md"
     results.write_text("# results\n\nearlier sections\n")
     with jax.numpy_dtype_promotion("standard"):
-        out = real_models.main(["--tiny", "--models", "nnx,lm1b", "--results", str(results)])
+        out = cli.main(["real-models", "--tiny", "--models", "nnx,lm1b", "--results", str(results)])
     assert out.startswith("<!-- real-models:start -->")
     assert out.rstrip().endswith("<!-- real-models:end -->")
     assert results.read_text().startswith("# results\n\nearlier sections\n\n<!-- real-models")
