@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import models, steps, timing
-from benchmarks.report import fmt, target_row, version
+from benchmarks.report import fmt, replace_head, target_row, version
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -560,7 +560,6 @@ def run(args: argparse.Namespace, log: Callable[[str], None], finite=None) -> st
     scorecard = targets(step_results, cfg["guard"], jax.default_backend()) + list(finite_targets)
     elapsed = time.perf_counter() - t_start
     text = report(args, cfg, step_results, torch_res, list(finite_lines), elapsed, scorecard)
-    with open(args.out, "w") as fh:
-        fh.write(text)
+    replace_head(args.out, text)  # the other experiments' sections are kept
     log(f"wrote {args.out}")
     return text

@@ -10,23 +10,30 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import pathlib
 import re
 import sys
 
 
+def _read(path: str) -> str:
+    return pathlib.Path(path).read_text() if os.path.exists(path) else ""
+
+
 def splice(path: str, text: str, start: str, end: str) -> None:
     """Puts ``text`` between the markers ``start`` and ``end`` in ``path``, or appends it."""
-    old = ""
-    if os.path.exists(path):
-        with open(path) as fh:
-            old = fh.read()
+    old = _read(path)
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    if pattern.search(old):
-        new = pattern.sub(lambda _: text, old)
-    else:
-        new = old.rstrip("\n") + ("\n\n" if old else "") + text + "\n"
-    with open(path, "w") as fh:
-        fh.write(new)
+    new = pattern.sub(lambda _: text, old) if pattern.search(old) else None
+    pathlib.Path(path).write_text(new or old.rstrip("\n") + ("\n\n" if old else "") + text + "\n")
+
+
+def replace_head(path: str, text: str) -> None:
+    """Writes ``text`` as the part of ``path`` before its first section marker, keeping the
+    sections (the loss-scaling report is that part; every other experiment a section)."""
+    old = _read(path)
+    first = re.search(r"^<!-- [a-z0-9-]+:start -->$", old, re.M)
+    rest = "" if first is None else "\n\n" + old[first.start() :]
+    pathlib.Path(path).write_text(text.rstrip("\n") + rest if rest else text)
 
 
 def marked(text: str, start: str, end: str) -> str:

@@ -9,7 +9,7 @@ import types
 import jax
 import pytest
 
-from benchmarks import cli, finite_checks, loss_scaling
+from benchmarks import cli, finite_checks, loss_scaling, report
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -53,6 +53,16 @@ def test_loss_scaling_tiny_writes_every_table(tmp_path):
         assert "| 1 | ok / ok |" in line, line
     targets = text.split("## Targets")[1]
     assert len(re.findall(r"\| (yes|\*\*no\*\*) \|", targets)) == 5 * 3 + 1 + 1 + 2
+
+
+def test_the_loss_scaling_report_keeps_the_other_sections(tmp_path):
+    out = tmp_path / "RESULTS.md"
+    section = "<!-- float8:start -->\nfloat8 figures\n\n<!-- float8:end -->\n"
+    out.write_text("# old report\n\n" + section)
+    report.replace_head(str(out), "# new report\n")
+    assert out.read_text() == "# new report\n\n" + section
+    report.replace_head(str(tmp_path / "new.md"), "# report\n")
+    assert (tmp_path / "new.md").read_text() == "# report\n"
 
 
 def _step_row(name, ratio, bytes_ratio=1.0):
