@@ -16,6 +16,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jamp
+from jamp._src.finite import default as finite_default
 from jamp._src.finite.check import check_unscaled
 
 # ---------------------------------------------------------------- the finite check
@@ -138,6 +139,29 @@ def test_other_platforms_get_the_plain_sum():
         assert "dot_general" not in text and "optimization_barrier" not in text, platform
     both = export.export(jax.jit(jamp.all_finite), platforms=("cpu", "cuda"))(x)
     assert "dot_general" in both.mlir_module()
+
+
+def test_default_branch_has_no_conditional_and_one_reduction_per_large_leaf():
+    # On a GPU a conditional is a host sync: the branch must decide without one.
+    leaves = [jnp.ones((512, 512)), jnp.ones((512,)), jnp.ones((3, 3, 64, 96))]
+    jaxpr = jax.make_jaxpr(lambda *x: finite_default.default_finite(*x, inv=jnp.float32(0.5)))(
+        *leaves
+    )
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert "cond" not in prims and "while" not in prims
+    # a reduction per large leaf (its trailing axes), then a sum per distinct shape:
+    # (512,) holds the first leaf's rows and the second leaf, (3, 3) the third's rows
+    assert prims.count("reduce_or") == 2 and prims.count("reduce_sum") == 2, prims
+    assert "concatenate" not in prims, prims
+
+
+def test_default_branch_joins_many_shapes_into_one_sum():
+    # Beyond FEW_SHAPES distinct shapes, the sums are joined into one (its exactness:
+    # test_finite_default.py).
+    shapes = [(n,) for n in range(10, 10 + finite_default.FEW_SHAPES + 3)]
+    leaves = [jnp.ones(s) for s in shapes]
+    prims = [e.primitive.name for e in jax.make_jaxpr(finite_default.default_finite)(*leaves).eqns]
+    assert prims.count("concatenate") == 1 and prims.count("reduce_sum") == 1, prims
 
 
 # ---------------------------------------------------------------- the report
