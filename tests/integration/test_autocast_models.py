@@ -106,7 +106,7 @@ class _BatchNormCNN(nn.Module):
 @pytest.mark.standard_promotion  # Flax's BatchNorm(dtype=bfloat16) promotes internally
 def test_batchnorm_cnn_gradients_are_as_close_to_float32_as_flax_dtype():
     x, labels = _randn(0, 64, 8, 8, 3), jnp.asarray(_rng(1).integers(0, 10, 64), jnp.int32)
-    variables = _BatchNormCNN().init(jax.random.key(0), x)
+    variables = jax.jit(_BatchNormCNN().init)(jax.random.key(0), x)  # one compile, not one per op
     params, stats = variables["params"], variables["batch_stats"]
 
     def loss_of(model):
@@ -210,7 +210,8 @@ def _attention_losses():
     module, f32 = make(None)
     _, flax = make(BF16)
     x = _randn(0, B, T, D)
-    params = module.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x, mask=mask)
+    keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+    params = jax.jit(module.init)(keys, x, mask=mask)  # one compile, not one per op
     return params, x, f32, flax
 
 
