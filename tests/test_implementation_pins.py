@@ -272,7 +272,6 @@ def test_delayed_scaling_quantises_without_waiting_for_the_operands_amax():
 def test_the_stage_costs_nothing_in_the_compiled_step():
     """The jaxpr of a GradScaler iteration is the jaxpr of the same step written with
     the pieces it is made of: the stage and its checks leave no trace in it."""
-    from jamp._src.finite.check import check_unscaled
     from jamp._src.skip import apply_or_keep
 
     scaler = jamp.GradScaler(init_scale=1024.0)
