@@ -256,8 +256,8 @@ def test_check_is_exact_on_float32_leaves_up_to_the_largest(shape, bad, branch):
     # Large float32 leaves (the CPU's product rows) and small ones (gathered):
     # any inf or NaN, first, middle or last, is found, and finite values up to
     # float32's largest are finite. On a CPU this takes one read, with no exact
-    # branch (test_implementation_pins.py pins that); elsewhere the exact
-    # branch settles the sums that overflow.
+    # branch (test_implementation_pins.py pins that); elsewhere (the default
+    # branch) the sums are of zeros and NaNs, which cannot overflow.
     jitted = jax.jit(BRANCHES[branch].all_finite)
 
     def check(*leaves):
