@@ -1,21 +1,28 @@
 """Implementation pins: these pin how the current implementation compiles, not what it does.
 
 Jaxpr shapes and primitive counts, HLO text, fusion counts and temp-memory bytes of the
-finite check and the report. An honest refactor may change them: update them
+finite check and the report, the StableHLO and the jaxpr of float8 products, and the
+jaxpr of a GradScaler step. An honest refactor may change them: update them
 deliberately, with the reason (benchmarks/FINDINGS.md records why each shape was
-chosen). They are not behaviour; the behaviour is tested in test_finite.py,
-test_finite_cpu.py, test_finite_default.py and test_report.py.
+chosen). They are not behaviour; the behaviour is tested in finite/ (test_finite.py,
+test_finite_cpu.py, test_finite_default.py, test_report.py), test_float8.py,
+autocast/test_autocast_float8.py and grad_scaler/test_grad_scaler.py.
 """
 
 import jax
 import jax.extend
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from _autocast_helpers import randn
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+from test_float8 import MM, operands, spec
 
 import jamp
+from jamp._src import float8
+from jamp._src.finite import default as finite_default
 from jamp._src.finite.check import check_unscaled
 
 # ---------------------------------------------------------------- the finite check
@@ -140,6 +147,29 @@ def test_other_platforms_get_the_plain_sum():
     assert "dot_general" in both.mlir_module()
 
 
+def test_default_branch_has_no_conditional_and_one_reduction_per_large_leaf():
+    # On a GPU a conditional is a host sync: the branch must decide without one.
+    leaves = [jnp.ones((512, 512)), jnp.ones((512,)), jnp.ones((3, 3, 64, 96))]
+    jaxpr = jax.make_jaxpr(lambda *x: finite_default.default_finite(*x, inv=jnp.float32(0.5)))(
+        *leaves
+    )
+    prims = [e.primitive.name for e in jaxpr.eqns]
+    assert "cond" not in prims and "while" not in prims
+    # a reduction per large leaf (its trailing axes), then a sum per distinct shape:
+    # (512,) holds the first leaf's rows and the second leaf, (3, 3) the third's rows
+    assert prims.count("reduce_or") == 2 and prims.count("reduce_sum") == 2, prims
+    assert "concatenate" not in prims, prims
+
+
+def test_default_branch_joins_many_shapes_into_one_sum():
+    # Beyond FEW_SHAPES distinct shapes, the sums are joined into one (its exactness:
+    # test_finite_default.py).
+    shapes = [(n,) for n in range(10, 10 + finite_default.FEW_SHAPES + 3)]
+    leaves = [jnp.ones(s) for s in shapes]
+    prims = [e.primitive.name for e in jax.make_jaxpr(finite_default.default_finite)(*leaves).eqns]
+    assert prims.count("concatenate") == 1 and prims.count("reduce_sum") == 1, prims
+
+
 # ---------------------------------------------------------------- the report
 
 
@@ -179,3 +209,111 @@ def test_log_under_vmap_has_no_callback_outside_a_cond():
         return n
 
     assert callbacks_outside_cond(jaxpr.jaxpr) == 0
+
+
+# ---------------------------------------------------------------- float8 autocast
+
+
+def test_the_stablehlo_is_the_pattern_xla_gpu_rewrites_into_a_float8_gemm():
+    """float8 operands converted from float32, a float32 dot_general, a scalar multiply."""
+    f = jamp.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "float8")
+    w, x = randn(0, 16, 32), randn(1, 8, 16)
+    text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(w, x).as_text()
+    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 3
+    signatures = sorted(line.split(" : ")[-1] for line in dots)
+    assert signatures == [
+        "(tensor<8x16xf8E4M3FN>, tensor<16x32xf8E4M3FN>) -> tensor<8x32xf32>",
+        "(tensor<8x32xf8E5M2>, tensor<16x32xf8E4M3FN>) -> tensor<8x16xf32>",
+        "(tensor<8x32xf8E5M2>, tensor<8x16xf8E4M3FN>) -> tensor<32x16xf32>",
+    ]
+    assert text.count("-> tensor<8x16xf8E4M3FN>") >= 1 and "-> tensor<8x32xf8E5M2>" in text
+    # Each product's result is multiplied by a broadcast scalar (the inverse scales).
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if "stablehlo.dot_general" in line:
+            name = line.split("=")[0].strip()
+            after = "\n".join(lines[i + 1 : i + 4])
+            assert "stablehlo.broadcast_in_dim" in after and f"stablehlo.multiply {name}" in after
+    # XLA:CPU upcasts float8 operands for its dot; the float8 converts stay in its HLO.
+    compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(w, x).compile().as_text()
+    assert "f8e4m3fn" in compiled and "f8e5m2" in compiled
+
+
+def test_delayed_scaling_quantises_without_waiting_for_the_operands_amax():
+    """With unmeasured="one" the operand's quantisation does not depend on its own amax, so
+    XLA can compute the amax in the pass that quantises (with "current" it must wait for
+    it). The values: test_float8.py."""
+    e4m3 = np.dtype(jnp.float8_e4m3fn)
+    lhs, rhs = operands(MM, 9)
+
+    def waits_for_amax(recipe):
+        """Whether a float8 convert of the forward pass depends on a reduce_max."""
+        fresh = float8.init_state(recipe)
+        f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+        jaxpr = jax.make_jaxpr(f)(lhs, rhs, *fresh).jaxpr.eqns[0].params["call_jaxpr"].jaxpr
+        from_max = set()
+        for e in jaxpr.eqns:
+            ins = {v for v in e.invars if not isinstance(v, jax.extend.core.Literal)}
+            if e.primitive.name == "reduce_max" or ins & from_max:
+                from_max.update(e.outvars)
+            if e.primitive.name == "convert_element_type" and e.params["new_dtype"] == e4m3:
+                if ins & from_max:
+                    return True
+        return False
+
+    assert not waits_for_amax(jamp.float8.DelayedScaling(amax_history_len=2))
+    assert waits_for_amax(jamp.float8.DelayedScaling(amax_history_len=2, unmeasured="current"))
+
+
+# ---------------------------------------------------------------- GradScaler
+
+
+def test_the_stage_costs_nothing_in_the_compiled_step():
+    """The jaxpr of a GradScaler iteration is the jaxpr of the same step written with
+    the pieces it is made of: the stage and its checks leave no trace in it."""
+    from jamp._src.skip import apply_or_keep
+
+    scaler = jamp.GradScaler(init_scale=1024.0)
+    tx = optax.sgd(0.1, momentum=0.9)
+    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
+    opt_state = tx.init(params)
+    x = jnp.ones((2, 4))
+
+    def grads_of(state, params):
+        loss = lambda p: jnp.sum((x @ p["w"] + p["b"][None, :]) ** 2)  # noqa: E731
+        return jax.grad(lambda p: jamp.scale(state, loss(p)))(params)
+
+    def with_scaler(state, params, opt_state, unscale_first):
+        grads = grads_of(state, params)
+        if unscale_first:
+            grads, state = scaler.unscale(state, grads)
+        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+        return scaler.update(state), params, opt_state
+
+    def by_hand(state, params, opt_state, unscale_first):
+        grads = grads_of(state, params)
+        found_inf = None
+        if unscale_first:  # the old API: grads, found_inf = unscale(...); step(found_inf=...)
+            grads, finite = jamp.unscale_and_check(state, grads)
+            found_inf = jnp.logical_not(finite)
+            finite = jnp.logical_not(found_inf)
+            unscaled = lambda: grads  # noqa: E731
+        else:
+            finite = check_unscaled(state, grads)
+            unscaled = lambda: jamp.unscale(state, grads)  # noqa: E731
+
+        def apply():
+            updates, new_opt_state = tx.update(unscaled(), opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+
+        params, opt_state = apply_or_keep(finite, apply, lambda _: (params, opt_state))
+        if found_inf is None:
+            found_inf = jnp.logical_not(finite)
+        return jamp.update(state, jnp.logical_not(found_inf)), params, opt_state
+
+    for unscale_first in (False, True):
+        args = (params, opt_state, unscale_first)
+        ours = jax.make_jaxpr(with_scaler, static_argnums=3)(scaler.init(), *args)
+        theirs = jax.make_jaxpr(by_hand, static_argnums=3)(jamp.dynamic_loss_scale(1024.0), *args)
+        assert str(ours) == str(theirs), unscale_first

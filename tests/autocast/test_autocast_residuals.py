@@ -25,7 +25,7 @@ def _attention_model():
     model = nn.MultiHeadDotProductAttention(num_heads=H, qkv_features=D, deterministic=True)
     x = randn(0, B, T, D)
     mask = nn.make_causal_mask(jnp.ones((B, T)))
-    params = model.init(jax.random.key(0), x, mask=mask)
+    params = jax.jit(model.init)(jax.random.key(0), x, mask=mask)  # one compile, not one per op
     return model, params, x, mask
 
 
@@ -196,7 +196,7 @@ def test_flax_mlp_with_gelu_keeps_no_float32_hidden_activation(dtype):
             return nn.Dense(D)(nn.gelu(nn.Dense(4 * D)(x)))
 
     model, x = MLP(), randn(0, B, T, D)
-    params = model.init(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)
 
     def loss(p, x):
         return jnp.sum(jnp.sin(model.apply(p, x)))
@@ -260,7 +260,7 @@ def test_flax_attention_dropout_keeps_its_mask_not_a_float32_multiplier(broadcas
 
     t = 12  # not the head size: the shapes of the scores and of p @ v differ
     x, mask = randn(0, B, t, D), nn.make_causal_mask(jnp.ones((B, t)))
-    params = model().init(jax.random.key(0), x, mask=mask)
+    params = jax.jit(model().init)(jax.random.key(0), x, mask=mask)
 
     def loss_of(m):
         def loss(p, x):

@@ -64,14 +64,19 @@ BRANCHES = {
     "cpu": _called_directly(cpu_finite),
     "default": _called_directly(default_finite),
 }
+# The exactness tests run on both branches. The dispatch (the public functions) runs the
+# CPU branch's program on this machine (eagerly, lax.platform_dependent calls cpu_finite
+# itself; under jit it lowers that branch alone): it is tested on its own, eagerly and
+# under jit, by test_the_public_functions_run_the_platforms_branch, under vmap and
+# across devices below.
+BOTH = ["cpu", "default"]
 EVERY = list(BRANCHES)  # the dispatch and both branches
-BOTH = ["cpu", "default"]  # the branches alone, where the dispatch is tested beside
 
 
 # ---------------------------------------------------------------- all_finite
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, ml_dtypes.bfloat16, np.complex64])
 @pytest.mark.parametrize("wrap", EAGER_AND_JIT)
 @pytest.mark.parametrize("bad", [np.inf, -np.inf, np.nan])
@@ -88,7 +93,7 @@ def test_all_finite_catches_every_kind_in_large_leaves(wrap, bad, size, dtype, b
     assert bool(wrap(all_finite)({"a": jnp.ones(3), "b": jnp.ones(size, dtype)}))
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 @pytest.mark.parametrize("wrap", EAGER_AND_JIT)
 def test_all_finite_large_finite_values_do_not_overflow(wrap, branch):
     # A sum of these overflows float32; they are all finite.
@@ -97,7 +102,7 @@ def test_all_finite_large_finite_values_do_not_overflow(wrap, branch):
     assert bool(wrap(BRANCHES[branch].all_finite)([x, -x, h]))
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 @pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.complex64])
 def test_all_finite_every_dtype(dtype, branch):
     all_finite = BRANCHES[branch].all_finite
@@ -135,13 +140,20 @@ def trees_with_injections(draw):
     return leaves
 
 
-@pytest.mark.parametrize("branch", EVERY)
+# The CPU branch eagerly, as the public functions run it here (primitive by primitive); the
+# default branch, which runs on GPUs and TPUs, compiled: here its eager run would be an
+# XLA:CPU run of a program no CPU runs, with the same logic (sums of zeros and NaNs), and
+# one program per drawn tree costs less than one per primitive.
+@pytest.mark.parametrize(
+    "branch,wrap",
+    [pytest.param("cpu", lambda f: f, id="cpu"), pytest.param("default", jax.jit, id="default")],
+)
 @settings(max_examples=40, deadline=None)
 @given(leaves=trees_with_injections())
-def test_all_finite_equals_numpy(leaves, branch):
+def test_all_finite_equals_numpy(leaves, branch, wrap):
     expected = all(np.isfinite(x.astype(np.float32)).all() for x in leaves)
     tree = {f"l{i}": jnp.asarray(x) for i, x in enumerate(leaves)}
-    assert bool(BRANCHES[branch].all_finite(tree)) == expected
+    assert bool(wrap(BRANCHES[branch].all_finite)(tree)) == expected
 
 
 # ---------------------------------------------------------------- golden unscale kernel
@@ -180,7 +192,7 @@ def _kernel_outputs() -> list:
     return outs
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 def test_unit_unscale_golden(branch):
     cases = _unscale_cases()
     assert len(cases) == 74
@@ -222,7 +234,7 @@ def test_unit_unscale_golden(branch):
     assert caught_by_jamp_only > 0  # inv=1024 on 3e38: torch misses it, jamp does not
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 def test_unscale_and_check_catches_overflow_created_by_unscaling(branch):
     state = jamp.static_loss_scale(2.0**-10)
     g = jnp.array([3e38, 1.0], jnp.float32)  # finite, scaled
@@ -230,7 +242,7 @@ def test_unscale_and_check_catches_overflow_created_by_unscaling(branch):
     assert not bool(finite) and np.isinf(np.asarray(out)[0])
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 def test_unscale_and_check_disabled_still_checks(branch):
     unscale_and_check = BRANCHES[branch].unscale_and_check
     _, finite = unscale_and_check(jamp.no_loss_scale(), {"g": jnp.array([jnp.nan])})
@@ -244,26 +256,25 @@ def test_check_is_exact_on_float32_leaves_up_to_the_largest(shape, bad, branch):
     # Large float32 leaves (the CPU's product rows) and small ones (gathered):
     # any inf or NaN, first, middle or last, is found, and finite values up to
     # float32's largest are finite. On a CPU this takes one read, with no exact
-    # branch (test_implementation_pins.py pins that); elsewhere the exact
-    # branch settles the sums that overflow.
+    # branch (test_implementation_pins.py pins that); elsewhere (the default
+    # branch) the sums are of zeros and NaNs, which cannot overflow.
     jitted = jax.jit(BRANCHES[branch].all_finite)
 
     def check(*leaves):
         return jitted(list(leaves))
 
+    # Two programs per shape: the leaf alone, and a small leaf then the leaf.
     big = np.full(shape, np.finfo(np.float32).max, np.float32)
     big.reshape(-1)[::2] *= -1
     assert bool(check(jnp.asarray(big)))
-    assert bool(check(jnp.asarray(np.abs(big)), jnp.ones(7)))
-    assert not bool(check(jnp.asarray(big), jnp.full((10,), np.nan)))
+    assert bool(check(jnp.ones(3), jnp.asarray(np.abs(big))))
+    assert not bool(check(jnp.full((3,), np.nan), jnp.asarray(big)))
     n = int(np.prod(shape))
     for where in (0, n // 2 + 1, n - 1):
         x = np.ones(shape, np.float32)
         x.reshape(-1)[where] = bad
         assert not bool(check(jnp.asarray(x))), where
         assert not bool(check(jnp.ones(3), jnp.asarray(x))), where
-        assert not bool(jax.jit(jamp.all_finite)({"x": jnp.asarray(x)}))
-    assert bool(jax.jit(jamp.all_finite)(jnp.ones(shape)))
 
 
 # One leaf of each kind the CPU check sorts leaves into, and the values that
@@ -280,37 +291,78 @@ _KINDS = {
 }
 
 
-@pytest.mark.parametrize("branch", EVERY)
+def _leaves_of_every_kind(hit=None, bad=None) -> dict:
+    """A leaf of each kind in ``_KINDS``; ``hit``'s middle element set to ``bad`` ("big":
+    its kind's value that overflows once unscaled at a scale of 2**-10)."""
+    rng = np.random.default_rng(0)
+    leaves = {k: rng.normal(size=s).astype(d) for k, (s, d, _) in _KINDS.items()}
+    if hit is not None:
+        shape, _, big = _KINDS[hit]
+        leaves[hit].reshape(-1)[int(np.prod(shape)) // 2] = big if bad == "big" else bad
+    return leaves
+
+
+def _unscaled_is_finite(leaves: dict, scale: float) -> bool:
+    """NumPy: whether every leaf unscaled as jamp.unscale does it (float32 arithmetic,
+    rounded to the leaf's dtype; a complex leaf's parts in float32) is finite."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        inv = np.float32(1 / scale)
+        return all(
+            np.isfinite(
+                v * inv if v.dtype == np.complex64 else (v.astype(np.float32) * inv).astype(v.dtype)
+            ).all()
+            for v in leaves.values()
+        )
+
+
+@pytest.mark.parametrize("branch", BOTH)
 @pytest.mark.parametrize("scale", [2.0**-10, 1.0, 2.0**10])
 @pytest.mark.parametrize("hit", list(_KINDS))
 @pytest.mark.parametrize("bad", ["big", np.inf, np.nan])
 def test_check_is_exact_on_every_kind_of_leaf(scale, hit, bad, branch):
-    rng = np.random.default_rng(0)
-    leaves = {k: rng.normal(size=s).astype(d) for k, (s, d, _) in _KINDS.items()}
-    shape, _, big = _KINDS[hit]
-    x = leaves[hit]
-    x.reshape(-1)[int(np.prod(shape)) // 2] = big if bad == "big" else bad
+    leaves = _leaves_of_every_kind(hit, bad)
     state = jamp.static_loss_scale(scale)
-
-    def expected():
-        with np.errstate(over="ignore", invalid="ignore"):
-            inv = np.float32(1 / scale)
-            return all(
-                np.isfinite(
-                    v * inv
-                    if v.dtype == np.complex64
-                    else (v.astype(np.float32) * inv).astype(v.dtype)
-                ).all()
-                for v in leaves.values()
-            )
-
     tree = {k: jnp.asarray(v) for k, v in leaves.items()}
     b = BRANCHES[branch]
-    assert bool(jax.jit(b.check_unscaled)(state, tree)) == expected()
+    assert bool(jax.jit(b.check_unscaled)(state, tree)) == _unscaled_is_finite(leaves, scale)
     assert bool(jax.jit(b.all_finite)(tree)) == (bad == "big")
 
 
-@pytest.mark.parametrize("branch", EVERY)
+# ---------------------------------------------------------------- the dispatch
+
+
+@pytest.mark.parametrize("wrap", EAGER_AND_JIT)
+def test_the_public_functions_run_the_platforms_branch(wrap):
+    """The public functions, eagerly and under jit, on a tree of large and small float32
+    and float16 leaves: each answer is NumPy's (the branches' exactness is tested above),
+    the unscaled values are jamp.unscale's, a disabled state still checks, and invalid
+    input is refused under jit too."""
+    all_finite, check = wrap(jamp.all_finite), wrap(check_unscaled)
+    unscale_and_check = wrap(jamp.unscale_and_check)
+    state = jamp.static_loss_scale(2.0**-10)  # unscaling can overflow: the exact branch runs
+    kinds = ("rows", "small32", "small16", "half")
+    # clean; a NaN in a large float32 leaf; an inf among the gathered float16 values; a
+    # float16 leaf that overflows once unscaled only
+    for hit, bad in [(None, None), ("rows", np.nan), ("small16", np.inf), ("half", "big")]:
+        leaves = {k: v for k, v in _leaves_of_every_kind(hit, bad).items() if k in kinds}
+        tree = {k: jnp.asarray(v) for k, v in leaves.items()}
+        raw, want = bad in (None, "big"), _unscaled_is_finite(leaves, 2.0**-10)
+        assert bool(all_finite(tree)) == raw, hit
+        assert bool(check(state, tree)) == want, hit
+        grads, finite = unscale_and_check(state, tree)
+        assert bool(finite) == want, hit
+        for k, v in jamp.unscale(state, tree).items():
+            a, b = np.asarray(grads[k]), np.asarray(v)
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), k
+        _, finite = unscale_and_check(jamp.no_loss_scale(), tree)  # disabled: still checks
+        assert bool(finite) == raw, hit
+    with pytest.raises(TypeError, match=r"expected `state` to be a LossScaleState.*got dict"):
+        wrap(lambda t: jamp.unscale_and_check({}, t))(tree)
+    with pytest.raises(TypeError, match=r"`filter` to return a bool for each leaf"):
+        wrap(lambda t: jamp.all_finite(t, filter=lambda x: jnp.ones(2, bool)))(tree)
+
+
+@pytest.mark.parametrize("branch", BOTH)
 @pytest.mark.parametrize("scale", [2.0**-10, 1.0, 2.0**10])
 def test_fast_path_and_fallback_agree_with_numpy(scale, branch):
     state = jamp.static_loss_scale(scale)
@@ -333,7 +385,7 @@ def test_fast_path_and_fallback_agree_with_numpy(scale, branch):
         assert bool(finite) == expected, (scale, x[:3])
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 def test_fallback_is_exact_on_many_leaves_of_mixed_dtypes(branch):
     rng = np.random.default_rng(1)
     shapes = [(3, 5), (7,), (2, 2, 2), (1,), (11, 4)] * 4
@@ -444,7 +496,7 @@ def test_a_program_exported_for_several_platforms_is_exact_here():
     assert bool(both.call(x)) and not bool(both.call(jnp.asarray(bad)))
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 @pytest.mark.parametrize("scale", [2.0**-1, 1.0, 2.0**10])
 @pytest.mark.parametrize("fill", [1e38, 2e38, 3e38])
 def test_large_leaves_unscaling_overflow_is_exact(scale, fill, branch):
@@ -461,7 +513,7 @@ def test_large_leaves_unscaling_overflow_is_exact(scale, fill, branch):
     assert expected == (scale >= 1 or fill < 2e38)
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 def test_float64_leaves_are_checked_exactly(branch):
     # float64 leaves are summed in float32 on the first read, where 1e300
     # overflows; the exact branch then decides, in float64.
@@ -478,7 +530,7 @@ def test_float64_leaves_are_checked_exactly(branch):
         assert not bool(unscaled(state, [big.at[0, 0].set(1e308), small]))
 
 
-@pytest.mark.parametrize("branch", EVERY)
+@pytest.mark.parametrize("branch", BOTH)
 def test_python_float_leaves_are_checked_as_unscale_makes_them(branch):
     """A Python float leaf becomes float32 in jamp.unscale (as in torch), under
     x64 too: the flag describes that float32 value, not a float64 one."""

@@ -787,57 +787,6 @@ def test_a_state_captured_from_outside_a_trace_is_not_marked():
         assert float(scaler.update(state, new_scale=v).scale) == v
 
 
-def test_the_stage_costs_nothing_in_the_compiled_step():
-    """The jaxpr of a GradScaler iteration is the jaxpr of the same step written with
-    the pieces it is made of: the stage and its checks leave no trace in it."""
-    from jamp._src.finite.check import check_unscaled
-    from jamp._src.skip import apply_or_keep
-
-    scaler = jamp.GradScaler(init_scale=1024.0)
-    tx = optax.sgd(0.1, momentum=0.9)
-    params = {"w": jnp.ones((4, 3)), "b": jnp.ones(3)}
-    opt_state = tx.init(params)
-    x = jnp.ones((2, 4))
-
-    def grads_of(state, params):
-        loss = lambda p: jnp.sum((x @ p["w"] + p["b"][None, :]) ** 2)  # noqa: E731
-        return jax.grad(lambda p: jamp.scale(state, loss(p)))(params)
-
-    def with_scaler(state, params, opt_state, unscale_first):
-        grads = grads_of(state, params)
-        if unscale_first:
-            grads, state = scaler.unscale(state, grads)
-        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
-        return scaler.update(state), params, opt_state
-
-    def by_hand(state, params, opt_state, unscale_first):
-        grads = grads_of(state, params)
-        found_inf = None
-        if unscale_first:  # the old API: grads, found_inf = unscale(...); step(found_inf=...)
-            grads, finite = jamp.unscale_and_check(state, grads)
-            found_inf = jnp.logical_not(finite)
-            finite = jnp.logical_not(found_inf)
-            unscaled = lambda: grads  # noqa: E731
-        else:
-            finite = check_unscaled(state, grads)
-            unscaled = lambda: jamp.unscale(state, grads)  # noqa: E731
-
-        def apply():
-            updates, new_opt_state = tx.update(unscaled(), opt_state, params)
-            return optax.apply_updates(params, updates), new_opt_state
-
-        params, opt_state = apply_or_keep(finite, apply, lambda _: (params, opt_state))
-        if found_inf is None:
-            found_inf = jnp.logical_not(finite)
-        return jamp.update(state, jnp.logical_not(found_inf)), params, opt_state
-
-    for unscale_first in (False, True):
-        args = (params, opt_state, unscale_first)
-        ours = jax.make_jaxpr(with_scaler, static_argnums=3)(scaler.init(), *args)
-        theirs = jax.make_jaxpr(by_hand, static_argnums=3)(jamp.dynamic_loss_scale(1024.0), *args)
-        assert str(ours) == str(theirs), unscale_first
-
-
 @pytest.mark.parametrize("skip", ["auto", "cond", "select"])
 def test_a_skipped_step_hands_back_the_old_parameters_subnormals_and_minus_zero_included(skip):
     """GradScaler.step keeps the old buffers on a skipped step: every bit, -0.0 and a

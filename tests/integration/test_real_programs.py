@@ -7,6 +7,7 @@ was fixed.
 """
 
 import dataclasses
+import functools
 import logging
 import math
 
@@ -259,22 +260,30 @@ class _OptaxLoss(nn.Module):  # optax's test_multi_steps_mixed_precision model
 @pytest.mark.standard_promotion  # adam
 @pytest.mark.parametrize("opt_kwargs", [{}, {"mu_dtype": jnp.float32}], ids=["adam", "mu_f32"])
 def test_optax_multi_steps_mixed_precision_combinations(opt_kwargs):
-    """optax's own test, for multi_steps(loss_scaling(adam)) against plain adam."""
+    """optax's own test, for multi_steps(loss_scaling(adam)) against plain adam: the dtypes
+    over k + 1 steps, for every pair of update and parameter dtypes. Dtypes are settled
+    when jit traces the step, so each pair is evaluated as jit traces it (jax.eval_shape,
+    states fed back step after step); the most mixed pair is also compiled and run."""
     k_steps, loss = 4, _OptaxLoss()
     dtypes = [jnp.float32, jnp.float16, jnp.bfloat16]
+    dtype_of = lambda t: jax.tree.map(lambda x: x.dtype, t)  # noqa: E731
     for upd_dtype in dtypes:
         for param_dtype in dtypes:
+            if upd_dtype == jnp.float16 and param_dtype == jnp.bfloat16:
+                evaluate = jax.jit  # compiled and run
+            else:
+                evaluate = lambda f: functools.partial(jax.eval_shape, f)  # noqa: E731
             data = jnp.ones([32, 7], param_dtype)
-            params = loss.init({"params": jax.random.key(0)}, data, param_dtype=param_dtype)[
-                "params"
-            ]
+            params = evaluate(
+                lambda d, t=param_dtype: loss.init({"params": jax.random.key(0)}, d, param_dtype=t)
+            )(data)["params"]
             opt = optax.adam(0.1, **opt_kwargs)
             ms = jamp.multi_steps(
                 jamp.loss_scaling(optax.adam(0.1, **opt_kwargs), jamp.no_loss_scale()), k_steps
             )
-            opt_state, ms_state = opt.init(params), ms.init(params)
+            opt_state, ms_state = evaluate(opt.init)(params), evaluate(ms.init)(params)
 
-            @jax.jit
+            @evaluate
             def step(params, opt_state, ms_state, data, upd_dtype=upd_dtype, opt=opt, ms=ms):
                 g = jax.grad(lambda p: loss.apply({"params": p}, data))(params)
                 g = jax.tree.map(lambda x: x.astype(upd_dtype), g)
@@ -282,11 +291,11 @@ def test_optax_multi_steps_mixed_precision_combinations(opt_kwargs):
                 ms_updates, ms_state = ms.update(g, ms_state, params)
                 return updates, opt_state, ms_updates, ms_state
 
+            apply_updates = evaluate(optax.apply_updates)
             for _ in range(k_steps + 1):
                 updates, opt_state, ms_updates, ms_state = step(params, opt_state, ms_state, data)
-                dtype_of = lambda t: jax.tree.map(lambda x: x.dtype, t)  # noqa: E731
                 assert dtype_of(updates) == dtype_of(ms_updates), (upd_dtype, param_dtype)
-                new_params = optax.apply_updates(params, ms_updates)
+                new_params = apply_updates(params, ms_updates)
                 assert dtype_of(new_params) == dtype_of(params)
                 params = new_params
 
