@@ -1,5 +1,7 @@
 """jamp.value_and_grad: gradients of a scaled loss, unscaled and checked, and retries."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -275,3 +277,17 @@ def test_step_if_finite_skipped_keeps_the_old_parameters_bit_for_bit(skip):
         np.asarray(new["w"]).view(np.uint32), np.asarray(params["w"]).view(np.uint32)
     )
     assert_trees_equal(new_opt, opt_state)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_step_if_finite_updates_a_float8_parameter_in_float32(jit):
+    """A float8 parameter meets a float32 update, which no promotion takes: the sum is made
+    in float32 and rounded back to float8 (the fuzz test found a TypePromotionError)."""
+    tx = optax.sgd(0.5)
+    params = {"w": jnp.array([1.0, -2.0, 0.25], jnp.float8_e4m3fn)}
+    grads = {"w": jnp.array([0.5, 1.0, 0.125], jnp.float32)}
+    step = functools.partial(jamp.step_if_finite, jnp.bool_(True), tx)
+    new, _ = (jax.jit(step) if jit else step)(grads, tx.init(params), params)
+    want = (params["w"].astype(jnp.float32) - 0.5 * grads["w"]).astype(jnp.float8_e4m3fn)
+    assert new["w"].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(new["w"], want)

@@ -269,12 +269,13 @@ def apply_updates(params: Params, updates: Updates) -> Params:
             return p
         p, u = jnp.asarray(p), jnp.asarray(u)
         # optax's p + u with standard promotion, written out (strict promotion passes); a
-        # float8 update, which no promotion takes, is added in float32.
+        # float8 parameter or update, which no promotion takes, is added in float32 (or in
+        # the parameter's own dtype, when wider) and rounded back to the parameter's dtype.
         try:
             with jax.numpy_dtype_promotion("standard"):
                 dtype = jnp.promote_types(p.dtype, u.dtype)
         except jax.dtypes.TypePromotionError:
-            dtype = jnp.promote_types(jnp.float32, p.dtype)
+            dtype = p.dtype if jnp.finfo(p.dtype).bits >= 32 else jnp.dtype(jnp.float32)
         return (p.astype(dtype) + u.astype(dtype)).astype(p.dtype)
 
     return jax.tree_util.tree_map(one, params, updates, is_leaf=lambda x: x is None)
