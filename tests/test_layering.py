@@ -143,8 +143,8 @@ def test_no_upward_import(name):
     assert "flax" not in top, f"{name} imports flax at import time"
 
 
-def test_no_import_cycle():
-    graph = {name: _imports(path)[0] for name, path in MODULES.items()}
+def assert_acyclic(graph):
+    """No import cycle in ``graph`` (``{module: modules it imports}``), or the cycle."""
     done, active = set(), []
 
     def visit(node):
@@ -152,7 +152,7 @@ def test_no_import_cycle():
         if node in done:
             return
         active.append(node)
-        for dep in graph[node]:
+        for dep in graph.get(node, ()):
             visit(dep)
         active.pop()
         done.add(node)
@@ -161,22 +161,32 @@ def test_no_import_cycle():
         visit(name)
 
 
+def assert_no_private_use(name, path, package, is_module):
+    """``path`` neither imports a private name from ``package`` nor reads one off a module
+    of it it imported (``is_module(dotted)``: whether ``from <module> import <x>`` names one)."""
+    tree = ast.parse(path.read_text())
+    aliases = set()  # names bound to modules: `from jamp._src import loss_scale as ls`
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(package):
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            assert not private, f"{name} imports {private} from {node.module}"
+            aliases.update(a.asname or a.name for a in node.names if is_module(node.module, a.name))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id in aliases and node.attr.startswith("_"):
+                raise AssertionError(f"{name} uses {node.value.id}.{node.attr}")
+
+
+def test_no_import_cycle():
+    assert_acyclic({name: _imports(path)[0] for name, path in MODULES.items()})
+
+
 def test_no_module_uses_another_modules_private_names():
+    def is_module(module, name):  # `from jamp._src.finite import cpu`: a module
+        return f"{module.removeprefix('jamp._src').lstrip('.')}.{name}".lstrip(".") in MODULES
+
     for name, path in MODULES.items():
-        tree = ast.parse(path.read_text())
-        aliases = set()  # names bound to jamp modules: `from jamp._src import loss_scale as ls`
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jamp"):
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                assert not private, f"{name} imports {private} from {node.module}"
-                base = node.module.removeprefix("jamp._src").lstrip(".")
-                for a in node.names:  # `from jamp._src.finite import cpu`: a module
-                    if f"{base}.{a.name}".lstrip(".") in MODULES:
-                        aliases.add(a.asname or a.name)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-                if node.value.id in aliases and node.attr.startswith("_"):
-                    raise AssertionError(f"{name} uses {node.value.id}.{node.attr}")
+        assert_no_private_use(name, path, "jamp", is_module)
 
 
 def code_lines(text):
@@ -282,37 +292,12 @@ def test_benchmarks_spoke_imports_only_the_hub(name):
 
 
 def test_no_benchmarks_import_cycle():
-    graph = {name: _bench_imports(path) for name, path in BENCH_MODULES.items()}
-    done, active = set(), []
-
-    def visit(node):
-        assert node not in active, " -> ".join([*active, node])
-        if node in done:
-            return
-        active.append(node)
-        for dep in graph.get(node, ()):
-            visit(dep)
-        active.pop()
-        done.add(node)
-
-    for name in graph:
-        visit(name)
+    assert_acyclic({name: _bench_imports(path) for name, path in BENCH_MODULES.items()})
 
 
 def test_no_benchmarks_module_uses_another_modules_private_names():
     for name, path in BENCH_MODULES.items():
-        tree = ast.parse(path.read_text())
-        aliases = set()  # names bound to benchmarks modules: `from benchmarks import models`
-        for node in ast.walk(tree):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("benchmarks"):
-                private = [a.name for a in node.names if a.name.startswith("_")]
-                assert not private, f"{name} imports {private} from {node.module}"
-                if node.module == "benchmarks":
-                    aliases.update(a.asname or a.name for a in node.names)
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
-                if node.value.id in aliases and node.attr.startswith("_"):
-                    raise AssertionError(f"{name} uses {node.value.id}.{node.attr}")
+        assert_no_private_use(name, path, "benchmarks", lambda module, _: module == "benchmarks")
 
 
 def _module_level(tree):
