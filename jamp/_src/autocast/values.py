@@ -206,10 +206,6 @@ def bind(
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
-def sds(aval: jax.core.ShapedArray) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
-
-
 def float0_zeros(aval: jax.core.ShapedArray) -> np.ndarray:
     return np.zeros(aval.shape, dtype=jax.dtypes.float0)
 
