@@ -569,6 +569,20 @@ def first_mismatch(tree: PyTree, like: PyTree) -> str | None:
     return None
 
 
+def _mismatch(
+    tree: PyTree, like: PyTree, strict: bool
+) -> str | tuple[jax.tree_util.PyTreeDef, jax.tree_util.PyTreeDef] | None:
+    """What ``check_updates`` and ``check_state_matches`` refuse: the path and shapes of the
+    first leaf of another shape, or (``strict`` only: another structure may be intended)
+    both trees' structures; ``None`` when they match."""
+    where = first_mismatch(tree, like)
+    if where is None or (where == "structure" and not strict):
+        return None
+    if where == "structure":
+        return jax.tree_util.tree_structure(tree), jax.tree_util.tree_structure(like)
+    return where
+
+
 def _unfit_parameter(updates: Updates, params: Params) -> str | None:
     """The path of a floating gradient for an integer or boolean parameter, if any (its
     update would be cast back to the parameter's dtype: True for a bool), or of an integer
@@ -609,11 +623,11 @@ def check_updates(updates: Updates, params: Params | None, fn: str, strict: bool
             "dtype (a bool becomes True), and an integer gradient is never unscaled. Keep "
             "such leaves out of the parameters and gradients (filter=eqx.is_inexact_array)."
         )
-    where = first_mismatch(updates, params)
-    if where is None or (where == "structure" and not strict):
+    where = _mismatch(updates, params, strict)
+    if where is None:
         return
-    if where == "structure":
-        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (updates, params))
+    if isinstance(where, tuple):
+        got_def, want_def = where
         detail = f"a tree of structure {str(got_def):.200} for `params` {str(want_def):.200}"
     else:
         detail = f"different shapes at {where}"
@@ -645,11 +659,11 @@ def check_state_matches(
     want = expected_state(init, params)
     if want is None:
         return
-    where = first_mismatch(state, want)
-    if where is None or (where == "structure" and not strict):
+    where = _mismatch(state, want, strict)
+    if where is None:
         return
-    if where == "structure":
-        got_def, want_def = (jax.tree_util.tree_structure(t) for t in (state, want))
+    if isinstance(where, tuple):
+        got_def, want_def = where
         detail = f"structure {str(got_def):.300}, where its init gives {str(want_def):.300}"
     else:
         detail = f"different shapes at {where} (the state's, then its init's)"
