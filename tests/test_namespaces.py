@@ -122,15 +122,24 @@ def test_nothing_in_the_repository_uses_a_moved_name():
 
 
 def test_import_jamp_imports_neither_flax_nor_equinox():
+    """jamp first, flax after: a Flax TrainState with a loss-scaled optimizer still saves and
+    restores with flax.serialization, as when flax was imported by jamp."""
     code = (
         "import sys, jamp\n"
         "assert not [m for m in sys.modules if m.split('.')[0] in ('flax', 'equinox')]\n"
-        "import flax.serialization as s\n"  # registered when flax's serialization is imported
-        "from flax.serialization import from_state_dict, to_state_dict\n"
-        "state = jamp.GradScaler().init()\n"
-        "saved = to_state_dict(state)\n"
-        "assert set(saved) == {'scale', 'growth_tracker', 'overflow_streak'}, saved\n"
-        "assert from_state_dict(state, saved).scale == state.scale\n"
+        "import jax.numpy as jnp, optax\n"
+        "from flax import serialization\n"  # registers jamp's states, as it is imported
+        "from flax.training import train_state\n"
+        "tx = jamp.loss_scaling(optax.sgd(0.1), jamp.dynamic_loss_scale(1024.0))\n"
+        "ts = train_state.TrainState.create(apply_fn=None, params={'w': jnp.ones(2)}, tx=tx)\n"
+        "saved = serialization.to_bytes(ts)\n"
+        "new = jamp.GradScaler().init()\n"
+        "assert set(serialization.to_state_dict(new)) == {'scale', 'growth_tracker', "
+        "'overflow_streak'}\n"
+        "fresh = ts.replace(opt_state=tx.init({'w': jnp.ones(2)})._replace(\n"
+        "    loss_scale=jamp.dynamic_loss_scale(2.0)))\n"
+        "back = serialization.from_bytes(fresh, saved)\n"
+        "assert float(jamp.get_loss_scale(back.opt_state).scale) == 1024.0\n"
     )
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=ROOT)
