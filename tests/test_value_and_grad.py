@@ -282,7 +282,8 @@ def test_step_if_finite_skipped_keeps_the_old_parameters_bit_for_bit(skip):
 @pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 def test_step_if_finite_updates_a_float8_parameter_in_float32(jit):
     """A float8 parameter meets a float32 update, which no promotion takes: the sum is made
-    in float32 and rounded back to float8 (the fuzz test found a TypePromotionError)."""
+    in float32 and rounded back to float8 (the fuzz test found a TypePromotionError). Every
+    value here is exact in float32 and float8, so the comparison is exact whatever XLA fuses."""
     tx = optax.sgd(0.5)
     params = {"w": jnp.array([1.0, -2.0, 0.25], jnp.float8_e4m3fn)}
     grads = {"w": jnp.array([0.5, 1.0, 0.125], jnp.float32)}
@@ -291,3 +292,30 @@ def test_step_if_finite_updates_a_float8_parameter_in_float32(jit):
     want = (params["w"].astype(jnp.float32) - 0.5 * grads["w"]).astype(jnp.float8_e4m3fn)
     assert new["w"].dtype == jnp.float8_e4m3fn
     np.testing.assert_array_equal(new["w"], want)
+
+
+def test_a_donated_grad_scaler_train_step_updates_float8_parameters():
+    """The user's program: a jitted GradScaler train step over float8 weights whose
+    gradients go to the optimizer in float32, parameters and optimizer state donated, run
+    twice. Every value is exact in float8 and float32: the comparison is exact."""
+    scaler, tx = jamp.GradScaler(init_scale=4.0), optax.sgd(0.5)
+    x = jnp.array([1.0, 2.0, 0.5], jnp.float32)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def train_step(params, opt_state, state):
+        def loss(p):
+            return scaler.scale(state, jnp.sum(p["w"].astype(jnp.float32) * x))
+
+        # float8 gradients, as their parameters; the optimizer runs in float32
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), jax.grad(loss)(params))
+        params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)
+        return params, opt_state, scaler.update(state)
+
+    params = {"w": jnp.array([1.0, -2.0, 0.25], jnp.float8_e4m3fn)}
+    opt_state, state = tx.init(params), scaler.init()
+    want = params["w"].astype(jnp.float32)
+    for _ in range(2):
+        params, opt_state, state = train_step(params, opt_state, state)
+        want = (want - 0.5 * x).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    assert params["w"].dtype == jnp.float8_e4m3fn
+    np.testing.assert_array_equal(params["w"].astype(jnp.float32), want)
