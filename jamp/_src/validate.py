@@ -569,9 +569,7 @@ def first_mismatch(tree: PyTree, like: PyTree) -> str | None:
     return None
 
 
-def _mismatch(
-    tree: PyTree, like: PyTree, strict: bool
-) -> str | tuple[jax.tree_util.PyTreeDef, jax.tree_util.PyTreeDef] | None:
+def _mismatch(tree: PyTree, like: PyTree, strict: bool) -> str | tuple[object, object] | None:
     """What ``check_updates`` and ``check_state_matches`` refuse: the path and shapes of the
     first leaf of another shape, or (``strict`` only: another structure may be intended)
     both trees' structures; ``None`` when they match."""
