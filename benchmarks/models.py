@@ -297,6 +297,30 @@ def gpt_forward(
     return x
 
 
+def bf16_einsum(subscripts: str, a: jax.Array, b: jax.Array) -> jax.Array:
+    """A product of bfloat16 operands with a float32 result (the forward of mixed precision)."""
+    return jnp.einsum(subscripts, a.astype(BF16), b.astype(BF16), preferred_element_type=F32)
+
+
+def char_gpt(d: int, layers: int, heads: int, seq: int, seed: int = 0) -> tuple[dict, Callable]:
+    """The optimizer-memory GPT: (float32 params, ``loss(params, tokens (b, seq + 1))``).
+
+    Byte tokens (vocab 256), learned positions, float8's block stack (:func:`gpt_forward`)
+    with every product in bfloat16 (:func:`bf16_einsum`) on a float32 residual stream, a
+    final LayerNorm and the tied embedding as the head; the mean cross-entropy."""
+    params = {"wte": normal(seed + 1000, 256, d, scale=0.02), "blocks": gpt_params(d, layers, seed),
+              "wpe": normal(seed + 1001, seq, d, scale=0.02),
+              "lnf": (jnp.ones(d, F32), jnp.zeros(d, F32))}  # fmt: skip
+
+    def loss(p: dict, tokens: jax.Array) -> jax.Array:
+        inp, tgt = tokens[:, :-1], tokens[:, 1:]
+        x = p["wte"][inp].astype(F32) + p["wpe"][: inp.shape[1]].astype(F32)
+        x = gpt_forward(p["blocks"], x, heads, einsum=bf16_einsum)
+        return xent(bf16_einsum("btd,vd->btv", layer_norm(x, *p["lnf"]), p["wte"]), tgt)
+
+    return params, loss
+
+
 def load(path: str, name: str) -> Any:
     """The module at ``path``, imported as ``name`` (its dataclasses look themselves up)."""
     spec = importlib.util.spec_from_file_location(name, path)
