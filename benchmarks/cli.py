@@ -1,9 +1,9 @@
 """jamp's benchmarks, one command line: ``python -m benchmarks <experiment> [options]``.
 
-Experiments: loss-scaling, gpu-compile, autocast-memory, float8, real-models; ``--tiny``
-runs one as a smoke test in seconds, ``<experiment> --help`` lists its options. Each is one
-module (a spoke) on the shared models and variants (the hub): ``benchmarks/README.md`` has
-the map, and which section of ``RESULTS.md`` each writes.
+Experiments: loss-scaling, gpu-compile, autocast-memory, float8, real-models,
+optimizer-memory; ``--tiny`` runs one as a smoke test in seconds, ``<experiment> --help``
+lists its options. Each is one module (a spoke) on the shared models and variants (the
+hub): ``benchmarks/README.md`` has the map, and which section of ``RESULTS.md`` each writes.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from benchmarks import (
     float8,
     gpu_compile,
     loss_scaling,
+    optimizer_memory,
     real_models,
     report,
 )
@@ -30,6 +31,7 @@ EXPERIMENTS = {
     "autocast-memory": autocast_memory,
     "float8": float8,
     "real-models": real_models,
+    "optimizer-memory": optimizer_memory,
 }
 # --step-time's GPT by default, for the experiments that time GPT steps: d=256, 4 layers,
 # batch 8x128 (small) or d=1024, 8 layers, batch 16x512 (large).
@@ -77,8 +79,10 @@ def main(argv: list[str] | None = None) -> str:
     args = parser().parse_args(argv)
     args.argv = argv
     name = args.experiment
-    if name in ("gpu-compile", "real-models") or (name == "autocast-memory" and not args.step_time):
-        use_cpu()  # GPU-compile rows; real-models measures residuals, on any backend alike
+    if name in ("gpu-compile", "real-models", "optimizer-memory") or (
+        name == "autocast-memory" and not args.step_time
+    ):  # GPU-compile rows; real-models measures residuals, on any backend alike;
+        use_cpu()  # optimizer-memory's training is sized for two CPU cores
     if name == "loss-scaling":
         finite = None if args.no_finite else (lambda log: finite_checks.run(args, log))
         return loss_scaling.run(args, report.log, finite)
