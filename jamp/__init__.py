@@ -2,12 +2,13 @@
 
 Loss scaling with immutable state and pure functions, an Optax transformation
 that mirrors ``torch.amp.GradScaler``, and op-level ``autocast``. The main
-paths are here; three namespaces hold the rest: ``jamp.float8`` (float8
+paths are here; four namespaces hold the rest: ``jamp.float8`` (float8
 products' delayed scaling), ``jamp.debug`` (what overflowed, what autocast
-ran and kept) and ``jamp.compat`` (jmp's and flax's helpers, for migrants).
+ran and kept), ``jamp.optimizer`` (the optimizer-memory states) and
+``jamp.compat`` (jmp's and flax's helpers, for migrants).
 """
 
-from jamp import compat, debug, float8
+from jamp import compat, debug, float8, optimizer  # noqa: F401 (the namespaces)
 from jamp._src import flax_support as _flax_support
 from jamp._src.autocast.api import autocast
 from jamp._src.autocast.api import autocast_disabled as _autocast_disabled
@@ -26,6 +27,8 @@ from jamp._src.loss_scale import (
     update,
 )
 from jamp._src.loss_scaling import ScaledOptimizerState, loss_scaling, multi_steps
+from jamp._src.optimizer.master import master_weights
+from jamp._src.optimizer.state import low_precision_state
 from jamp._src.policy import Policy
 from jamp._src.value_and_grad import (
     ScaledValueAndGrad,
@@ -107,4 +110,7 @@ __all__ = [
     # op-level mixed precision
     "autocast",
     "Policy",
+    # the optimizer's memory: bfloat16 parameters with a master, narrow moments
+    "master_weights",
+    "low_precision_state",
 ]

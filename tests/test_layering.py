@@ -39,6 +39,7 @@ FLOORS = {
     "lookup": FRONT,
     "autocast": FRONT,
     "flax_support": FRONT,
+    "optimizer": FRONT,
     # the GradScaler facade over the shared pieces
     "grad_scaler": FACADE,
 }
@@ -47,6 +48,7 @@ PACKAGES = {
     "finite": ["default", "cpu", "check", "report"],
     "autocast": ["rules", "values", "sums", "residuals", "flow", "interpreter", "float8", "api"],
     "grad_scaler": ["records", "scaler"],
+    "optimizer": ["rounding", "quantize", "master", "state"],
 }
 THIRD_PARTY = {GROUND: {"jax", "numpy"}, CHECKS: {"jax", "numpy"}}
 STDLIB_OK = {

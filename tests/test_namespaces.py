@@ -44,12 +44,12 @@ def test_the_top_level_holds_the_main_paths_only():
     assert len(jamp.__all__) <= 25, jamp.__all__
     assert len(set(jamp.__all__)) == len(jamp.__all__)
     public = {n for n in dir(jamp) if not n.startswith("_")}
-    assert public == set(jamp.__all__) | {"float8", "debug", "compat"}
+    assert public == set(jamp.__all__) | {"float8", "debug", "optimizer", "compat"}
     for name in jamp.__all__:
         assert getattr(jamp, name).__module__.startswith("jamp._src."), name
 
 
-@pytest.mark.parametrize("namespace", ["float8", "debug", "compat"])
+@pytest.mark.parametrize("namespace", ["float8", "debug", "optimizer", "compat"])
 def test_each_namespace_lists_what_it_holds(namespace):
     module = getattr(jamp, namespace)
     assert module.__doc__

@@ -1,0 +1,210 @@
+"""``low_precision_state``: any Optax optimizer's floating state, stored narrower between
+steps and widened to float32 before the optimizer runs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple, cast
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jamp._src.optimizer.master import check_rounding, check_seed
+from jamp._src.optimizer.quantize import (
+    MIN_SIZE,
+    BlockQuantized,
+    dequantize,
+    padded_shape,
+    quantize,
+)
+from jamp._src.optimizer.rounding import MOMENTS, random_bits, round_to, step_key
+from jamp._src.types import OptState, Params, Updates
+from jamp._src.validate import check_optimizer
+
+# The fields of Optax's states that hold squares (positive, spanning many decades): their
+# 8-bit and float8 codes never round a positive value to zero.
+POSITIVE_FIELDS = frozenset(
+    {"nu", "nu_max", "sum_of_squares", "v", "v_row", "v_col", "e_g", "e_x", "grad_sq"}
+)
+_NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+_FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+_KINDS = (
+    "jnp.bfloat16, jnp.float16, '8bit' (block-quantised), jnp.float8_e4m3fn or "
+    "jnp.float8_e5m2 (block-scaled)"
+)
+
+
+class LowPrecisionState(NamedTuple):
+    """The state of [`jamp.low_precision_state`][]. Field names are unique, for
+    ``optax.tree.get``.
+
+    Attributes:
+      stored_state: the wrapped optimizer's state with each chosen field stored
+        narrower: a bfloat16 or float16 array, or a
+        ``jamp.optimizer.BlockQuantized`` (8-bit codes or float8, blocks of 256 with
+        a float32 absmax each).
+      storage_count: uint32 scalar, the steps stored so far (the stochastic
+        rounding's counter); ``None`` with ``rounding="nearest"``.
+    """
+
+    stored_state: OptState
+    storage_count: jax.Array | None
+
+
+def _field(path: jax.tree_util.KeyPath, dtypes: Mapping[str, object]) -> str | None:
+    """The last name on ``path`` that ``dtypes`` chooses (a NamedTuple's field, a dict's
+    key), or None."""
+    for entry in reversed(path):
+        name = getattr(entry, "name", getattr(entry, "key", None))
+        if isinstance(name, str) and name in dtypes:
+            return name
+    return None
+
+
+def _check_dtypes(dtypes: object) -> dict[str, object]:
+    if not isinstance(dtypes, Mapping) or not dtypes:
+        raise TypeError(
+            "Expected `dtypes` to be a non-empty dict from a state field's name to how it is "
+            f'stored (e.g. {{"mu": jnp.bfloat16, "nu": "8bit"}}), got {dtypes!r:.80} instead.'
+        )
+    out: dict[str, object] = {}
+    for name, kind in dtypes.items():
+        if not isinstance(name, str):
+            raise TypeError(f"Expected `dtypes`' keys to be field names (str), got {name!r}.")
+        if kind == "8bit":
+            out[name] = "8bit"
+            continue
+        try:
+            dtype = jnp.dtype(cast(jnp.dtype, kind))
+        except TypeError:
+            dtype = None
+        if dtype not in _NARROW + _FLOAT8:
+            raise ValueError(
+                f"Expected `dtypes[{name!r}]` to be one of {_KINDS}, got {kind!r}. float32 is "
+                "what the state already is: leave the field out."
+            )
+        out[name] = dtype
+    return out
+
+
+def low_precision_state(
+    inner: optax.GradientTransformation,
+    dtypes: Mapping[str, object] | None = None,
+    rounding: str = "stochastic",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    """Store an optimizer's floating state narrower between steps.
+
+    Before ``inner`` runs, each chosen field is widened to float32; after, it is
+    stored again as ``dtypes`` says. Fields are chosen by name (adam's ``mu`` and
+    ``nu``, momentum's ``trace``, adafactor's ``v_row``), wherever they sit in the
+    state, so this wraps any Optax optimizer. Between steps the state takes exactly
+    the bytes its dtypes say (``docs/optimizer-memory.md`` measures them).
+
+    Each field is stored as one of:
+
+    - ``jnp.bfloat16`` or ``jnp.float16``: rounded stochastically by default. With
+      round-to-nearest, adam's ``nu`` stalls: at ``b2 = 0.999`` its change per step,
+      ``(1 - b2) * g**2``, is below half a bfloat16 ulp of ``nu`` once the gradients
+      are steady.
+    - ``"8bit"``: blocks of 256 values with a float32 absmax each (1.016 bytes per
+      value), in a log code suited to the field: signed for a first moment (eight
+      levels an octave, down to ``2**-15.75`` of the block's absmax), and for a
+      second moment (``nu``, and the other fields of squares Optax names) a positive
+      code down to ``2**-31.75`` that never rounds a positive value to zero.
+    - ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``: blocks of 256, each scaled so its
+      absmax is the format's largest value.
+
+    Leaves under 4,096 elements stay float32 when ``"8bit"`` or float8 is chosen
+    (bitsandbytes and torchao do the same): their blocks would save nothing.
+
+    Args:
+      inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
+      dtypes: field name to storage; defaults to ``{"mu": jnp.bfloat16, "nu":
+        jnp.bfloat16}``.
+      rounding: ``"stochastic"`` (default; unbiased, from bits hashed from ``seed``,
+        the step and each element's index) or ``"nearest"``.
+      seed: the stochastic rounding's seed, an int in ``[0, 2**32)``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      ``jamp.optimizer.LowPrecisionState``; extra keyword arguments go to ``inner``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": jnp.bfloat16})
+      >>> state = tx.init({"w": jnp.zeros(3)})
+      >>> state.stored_state[0].trace["w"].dtype
+      dtype(bfloat16)
+    """
+    check_optimizer(inner, "inner", optax.GradientTransformation)
+    chosen = _check_dtypes({"mu": jnp.bfloat16, "nu": jnp.bfloat16} if dtypes is None else dtypes)
+    check_rounding(rounding, ("stochastic", "nearest"))
+    seed = check_seed(seed)
+    inner = optax.with_extra_args_support(inner)
+
+    def store(state: OptState, count: jax.Array | None) -> OptState:
+        index = iter(range(1 << 30))
+        key = None if count is None else step_key(seed, MOMENTS, count)
+
+        def leaf(path: jax.tree_util.KeyPath, x: object) -> object:
+            i = next(index)
+            name = _field(path, chosen)
+            if name is None or not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+                return x
+            if not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            kind = chosen[name]
+            x = cast(jax.Array, x).astype(jnp.float32)
+            if kind in _NARROW:
+                bits = None if key is None else random_bits(key, i, x.shape)
+                return round_to(x, cast(jnp.dtype, kind), bits)
+            if x.size < MIN_SIZE:
+                return x
+            bits = None if key is None else random_bits(key, i, padded_shape(x.shape))
+            code = "positive" if name in POSITIVE_FIELDS else "signed"
+            return quantize(x, code, jnp.uint8 if kind == "8bit" else kind, bits)
+
+        return jax.tree_util.tree_map_with_path(leaf, state)
+
+    def widen(state: OptState) -> OptState:
+        def leaf(path: jax.tree_util.KeyPath, x: object) -> object:
+            if isinstance(x, BlockQuantized):
+                return dequantize(x)
+            if _field(path, chosen) is not None and getattr(x, "dtype", None) in _NARROW:
+                return cast(jax.Array, x).astype(jnp.float32)
+            return x
+
+        return jax.tree_util.tree_map_with_path(
+            leaf, state, is_leaf=lambda x: isinstance(x, BlockQuantized)
+        )
+
+    def init_fn(params: Params) -> LowPrecisionState:
+        count = None if rounding == "nearest" else jnp.zeros((), jnp.uint32)
+        return LowPrecisionState(store(inner.init(params), None), count)
+
+    def update_fn(
+        updates: Updates,
+        state: LowPrecisionState,
+        params: Params | None = None,
+        **extra_args: object,
+    ) -> tuple[Updates, LowPrecisionState]:
+        if not isinstance(state, LowPrecisionState):
+            raise TypeError(
+                "Expected `state` to be the LowPrecisionState from this transformation's "
+                f"init, got {type(state).__name__} instead."
+            )
+        new_updates, new_state = inner.update(
+            updates, widen(state.stored_state), params, **extra_args
+        )
+        # The key comes from the new count: one small kernel makes both.
+        count = state.storage_count
+        if count is not None:
+            count = count + jnp.ones((), jnp.uint32)
+        stored = store(new_state, count)
+        return new_updates, LowPrecisionState(stored, count)
+
+    return optax.GradientTransformationExtraArgs(
+        cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn)
+    )
