@@ -300,10 +300,11 @@ def task_lines(task: dict, res: dict) -> list[str]:
          ]  # fmt: skip
     for name, r in res.items():
         tr, va = _gaps(r, ref)
+        d = f"{np.max(np.abs(r['losses'] - ref['losses'])):.3g}"
+        tr, d = ("other batches", "") if name == NOISE else (_pct(tr), d)
         cell = f" {r['acc']:.4f} |" if acc else ""
-        L.append(f"| {name} | {r['losses'][-SMOOTH:].mean():.4f} | {_pct(tr)} | {r['val']:.4f} "
-                 f"| {_pct(va)} | {np.max(np.abs(r['losses'] - ref['losses'])):.3g} |{cell} "
-                 f"{r['seconds']:.0f} |")  # fmt: skip
+        L.append(f"| {name} | {r['losses'][-SMOOTH:].mean():.4f} | {tr} | {r['val']:.4f} "
+                 f"| {_pct(va)} | {d} |{cell} {r['seconds']:.0f} |")  # fmt: skip
     return [*L, ""]
 
 
@@ -325,20 +326,23 @@ def convergence_targets(res: dict) -> list[str]:
                 "update reaches it through `optax.apply_updates` and its master restarts there "
                 "(`jamp.master_weights`' documented exception); the runs part there")  # fmt: skip
 
-    noise = "train {}, validation {}".format(*map(_pct, _gaps(res[NOISE], ref)))
+    floor = abs(_gaps(res[NOISE], ref)[1])  # the validation's: its train loss is on others
+    noise = f"±{100 * floor:.2f}%"
 
     def within(bar):
         def measure(r):
             tr, va = _gaps(r, ref)
             worst = max(abs(tr), abs(va))
-            return (f"train {_pct(tr)}, validation {_pct(va)} (noise floor: {noise})",
-                    worst <= bar, f"{100 * (worst - bar):.2f} points", "")  # fmt: skip
+            return (f"train {_pct(tr)}, validation {_pct(va)} (validation's noise floor "
+                    f"{noise})", worst <= bar, f"{100 * (worst - bar):.2f} points",
+                    f"{worst / max(floor, 1e-9):.1f}x the noise floor (one seed)")  # fmt: skip
 
         return measure
 
     def behind(r):
         tr, va = _gaps(r, ref)
-        return (f"train {_pct(tr)}, validation {_pct(va)} (noise floor: {noise})", va > 0.01, "",
+        return (f"train {_pct(tr)}, validation {_pct(va)} (validation's noise floor {noise})",
+                va > 0.01, "",
                 "it keeps up at this length and schedule")  # fmt: skip
 
     out = [_judge("exact: bit-identical to the reference (every step's loss)",
