@@ -251,8 +251,8 @@ def master_weights(
             else:
                 target, low = new.astype(p.dtype), None
             update, landed = reach(p, target)
-            if rounding == "exact":
-                # Where no update reaches the target, the master restarts at the landing.
+            if low is not None:  # exact: where no update reaches the target, the master
+                # restarts where the add lands
                 low = jnp.where(same_bits(landed, target), low, jnp.zeros_like(low))
             elif rounding == "kahan":
                 low = (new - landed.astype(jnp.float32)).astype(p.dtype)

@@ -164,7 +164,8 @@ def low_precision_state(
                 return x
             bits = None if key is None else random_bits(key, i, padded_shape(x.shape))
             code = "positive" if name in POSITIVE_FIELDS else "signed"
-            return quantize(x, code, jnp.uint8 if kind == "8bit" else kind, bits)
+            dtype = jnp.dtype(jnp.uint8) if kind == "8bit" else cast(jnp.dtype, kind)
+            return quantize(x, code, dtype, bits)
 
         return jax.tree_util.tree_map_with_path(leaf, state)
 
