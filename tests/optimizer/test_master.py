@@ -276,3 +276,31 @@ def test_bad_steps_are_refused_with_the_fix():
         tx.update(params, optax.sgd(0.1).init(params), params)
     with pytest.raises(ValueError, match=r"shape"):
         tx.update({"w": jnp.ones(4, BF16)}, state, params)
+
+
+@pytest.mark.parametrize("rounding", ["exact", "kahan", "stochastic", "nearest"])
+def test_master_params_reads_the_master_out_of_any_optimizer_state(rounding):
+    """Inside loss_scaling and a chain: exact gives the master bit for bit, Kahan the
+    parameter plus compensation, the others the parameters widened; float32 leaves as
+    they are. A state with no master, or two, is refused."""
+    params = {"w": jnp.ones((64,), BF16), "s": jnp.ones((2,))}
+    inner = jamp.master_weights(optax.sgd(2.0**-12), rounding=rounding)
+    tx = jamp.loss_scaling(optax.chain(optax.identity(), inner), jamp.no_loss_scale())
+    state = tx.init(params)
+    for t in range(5):
+        grads = {"w": jnp.full((64,), 1.0 + t, BF16), "s": jnp.ones((2,))}
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    got = jamp.optimizer.master_params(params, state)
+    assert got["w"].dtype == jnp.float32 and got["s"] is params["s"]
+    exact = 1 - (1 + 2 + 3 + 4 + 5) * 2.0**-12
+    if rounding == "exact":
+        assert (np.asarray(got["w"]) == np.float32(exact)).all()
+    elif rounding == "kahan":
+        assert np.allclose(got["w"], exact, atol=2.0**-16, rtol=0)
+    else:
+        assert np.array_equal(np.asarray(got["w"]), np.asarray(params["w"], np.float32))
+    with pytest.raises(ValueError, match=r"one MasterWeightsState.*found 0"):
+        jamp.optimizer.master_params(params, optax.sgd(0.1).init(params))
+    with pytest.raises(ValueError, match=r"found 2"):
+        jamp.optimizer.master_params(params, (state, state))

@@ -164,10 +164,10 @@ def master_weights(
       >>> tx = jamp.master_weights(optax.sgd(2.0**-12))
       >>> state = tx.init(params)
       >>> grads = {"w": jnp.ones(3, jnp.bfloat16)}
-      >>> for _ in range(4):  # each step is below half a bfloat16 ulp of 1.0
+      >>> for _ in range(12):  # each step is below half a bfloat16 ulp of 1.0
       ...     updates, state = tx.update(grads, state, params)
       ...     params = optax.apply_updates(params, updates)
-      >>> params["w"]  # the master is 1 - 4 * 2**-12: it rounds to 0.99609375
+      >>> params["w"]  # the master is 1 - 12 * 2**-12; to nearest, 1 - 2**-8
       Array([0.996094, 0.996094, 0.996094], dtype=bfloat16)
     """
     check_optimizer(inner, "inner", optax.GradientTransformation)
@@ -265,3 +265,46 @@ def master_weights(
     return optax.GradientTransformationExtraArgs(
         cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn)
     )
+
+
+def master_params(params: Params, opt_state: OptState) -> Params:
+    """The float32 master of bfloat16 ``params``, from the ``MasterWeightsState`` found
+    anywhere in ``opt_state`` (inside ``jamp.loss_scaling``, ``optax.chain``, a
+    ``TrainState``'s ``opt_state``): what to export at the end of training.
+
+    ``"exact"`` gives the master bit for bit (parameter and low bits), ``"kahan"`` the
+    parameter plus its compensation, ``"stochastic"`` and ``"nearest"`` the parameters
+    widened (they keep no more). float32 leaves come back as they are.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+      >>> tx = jamp.loss_scaling(jamp.master_weights(optax.sgd(2.0**-12)), jamp.no_loss_scale())
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> params["w"], jamp.optimizer.master_params(params, state)["w"]
+      (Array([1, 1], dtype=bfloat16), Array([0.99975586, 0.99975586], dtype=float32))
+    """
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+        if isinstance(x, MasterWeightsState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            "`jamp.optimizer.master_params` expected `opt_state` to hold one "
+            f"MasterWeightsState (the state of a jamp.master_weights), found {len(found)}."
+        )
+    residual = jax.tree.structure(params).flatten_up_to(found[0].residual)
+    leaves = [
+        p
+        if not is_low(p)
+        else p.astype(jnp.float32)
+        if r is None
+        else merge(p, r)
+        if r.dtype == jnp.int16
+        else p.astype(jnp.float32) + r.astype(jnp.float32)
+        for p, r in zip(jax.tree.leaves(params), residual, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(params), leaves)

@@ -2,13 +2,13 @@
 
 Three pieces, elementwise, so XLA fuses each into the optimizer's pass:
 
-- :func:`step_key` and :func:`random_bits`, a counter-based hash of ``(seed, step,
+- ``step_key`` and ``random_bits``, a counter-based hash of ``(seed, step,
   leaf, element)``: the bits are made inside the kernel that uses them, from the
   element's global index (an ``iota``), so they do not depend on how the array is
   sharded;
-- :func:`stochastic_round`, unbiased rounding into any narrower float (bfloat16,
+- ``stochastic_round``, unbiased rounding into any narrower float (bfloat16,
   float16, float8): ``E[round(x)] == x``;
-- :func:`split` / :func:`merge`, a float32 master held exactly as its bfloat16
+- ``split`` / ``merge``, a float32 master held exactly as its bfloat16
   rounding plus the 16 low bits (Transformer Engine's "parameter remainders").
 """
 
