@@ -263,6 +263,38 @@ def test_accumulation_around_master_weights_moves_every_k_steps_by_the_mean(arou
         assert_bits_equal(master_of(p, inner.residual), master)
 
 
+@pytest.mark.standard_promotion  # optax.MultiSteps counts in int32 beside float32
+def test_optax_multisteps_inside_master_weights_accumulates_in_float32():
+    """``master_weights(optax.MultiSteps(sgd, k))``, as jamp.loss_scaling takes a MultiSteps
+    for its inner optimizer: the accumulation gets the widened gradients, so the exact
+    master is, bit for bit at every step, float32 ``optax.MultiSteps(sgd, k)`` run on the
+    float32 parameters, and the bfloat16 parameters move only every k steps. Inside
+    ``low_precision_state`` the accumulator stays float32 while the momentum is stored
+    bfloat16."""
+    k, lr = 3, 2.0**-6
+    p0 = far_from_zero()
+    grads = grad_steps(2 * k, p0)
+    tx = jamp.master_weights(optax.MultiSteps(optax.sgd(lr), k), rounding="exact")
+    runs = run(tx, p0, grads)
+    assert_moves_every(k, runs, p0)
+    reference = run(
+        optax.MultiSteps(optax.sgd(lr), k),
+        jax.tree.map(lambda x: x.astype(F32), p0),
+        [jax.tree.map(lambda x: x.astype(F32), g) for g in grads],
+    )
+    for (p, s), (want, _) in zip(runs, reference, strict=True):
+        assert_bits_equal(master_of(p, s.residual), want)
+
+    stored = jamp.low_precision_state(
+        optax.MultiSteps(optax.sgd(lr, momentum=0.9), k), {"trace": BF16}
+    )
+    runs = run(jamp.master_weights(stored, rounding="stochastic"), p0, grads)
+    assert_moves_every(k, runs, p0)
+    multi = runs[-1][1].optimizer_state.stored_state
+    assert multi.acc_grads["w1"].dtype == F32
+    assert multi.inner_opt_state[0].trace["w1"].dtype == BF16
+
+
 # ---------------------------------------------------------------- 4. Flax, NNX, Equinox
 
 
