@@ -295,6 +295,22 @@ def test_optax_multisteps_inside_master_weights_accumulates_in_float32():
     assert multi.inner_opt_state[0].trace["w1"].dtype == BF16
 
 
+@pytest.mark.parametrize("rounding", ["exact", "stochastic", "kahan", "nearest"])
+def test_a_zero_step_keeps_a_minus_zero_parameter_as_float32_optax_does(rounding):
+    """A parameter whose gradient is zero (an embedding row not in the batch, under SGD)
+    gets the step ``-lr * 0.0 = -0.0``, and float32 optax keeps every bit of it, ``-0.0``
+    included. So must the bfloat16 parameter under master_weights, in every rounding: its
+    update must be ``-0.0``, since ``p + 0.0`` turns ``-0.0`` into ``0.0``."""
+    p = {"w": jnp.array([-0.0, 0.0, 1.0, -1.0], BF16)}
+    grads = [{"w": jnp.zeros((4,), BF16)}] * 2
+    wide = {"w": p["w"].astype(F32)}
+    reference = run(optax.sgd(2.0**-6), wide, [{"w": g["w"].astype(F32)} for g in grads])
+    runs = run(jamp.master_weights(optax.sgd(2.0**-6), rounding=rounding), p, grads)
+    for (q, _), (want, _) in zip(runs, reference, strict=True):
+        assert_bits_equal(want, wide)  # float32 optax keeps -0.0
+        assert_bits_equal(q, p)
+
+
 # ---------------------------------------------------------------- 4. Flax, NNX, Equinox
 
 

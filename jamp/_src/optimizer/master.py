@@ -188,7 +188,9 @@ def master_weights(
             return p.astype(jnp.float32)
         if rounding == "exact":
             return merge(p, r)
-        return p.astype(jnp.float32) + r.astype(jnp.float32)
+        # No compensation leaves the parameter as it is: -0.0 + 0.0 would be 0.0.
+        wide = p.astype(jnp.float32)
+        return jnp.where(r == jnp.zeros((), r.dtype), wide, wide + r.astype(jnp.float32))
 
     def init_fn(params: Params) -> MasterWeightsState:
         _check_parameters(params, rounding)
