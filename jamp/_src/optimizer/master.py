@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jamp._src.leaves import is_integer
+from jamp._src.loss_scaling import checked_inner
 from jamp._src.optimizer.rounding import (
     PARAMETERS,
     merge,
@@ -29,7 +30,7 @@ from jamp._src.optimizer.rounding import (
     step_key,
 )
 from jamp._src.types import OptState, Params, PyTree, Updates
-from jamp._src.validate import check_gradients, check_optimizer, check_params, check_updates
+from jamp._src.validate import check_gradients, check_params, check_updates
 
 ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
 _LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -170,7 +171,7 @@ def master_weights(
       >>> params["w"]  # the master is 1 - 12 * 2**-12; to nearest, 1 - 2**-8
       Array([0.996094, 0.996094, 0.996094], dtype=bfloat16)
     """
-    check_optimizer(inner, "inner", optax.GradientTransformation)
+    inner = checked_inner(inner)
     check_rounding(rounding, ROUNDINGS)
     seed = check_seed(seed)
     inner = optax.with_extra_args_support(inner)
@@ -187,7 +188,9 @@ def master_weights(
             return p.astype(jnp.float32)
         if rounding == "exact":
             return merge(p, r)
-        return p.astype(jnp.float32) + r.astype(jnp.float32)
+        # No compensation leaves the parameter as it is: -0.0 + 0.0 would be 0.0.
+        wide = p.astype(jnp.float32)
+        return jnp.where(r == jnp.zeros((), r.dtype), wide, wide + r.astype(jnp.float32))
 
     def init_fn(params: Params) -> MasterWeightsState:
         _check_parameters(params, rounding)

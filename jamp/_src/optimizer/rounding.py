@@ -153,9 +153,12 @@ def reach(param: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
     exact, and the add lands on ``target``, unless the step is larger than where it
     lands (a parameter that crosses zero or lands near it): then no update of that
     dtype reaches ``target`` (from 256, bfloat16 updates reach only whole numbers
-    near 1, not 1.0078125), and the add gives the nearest value it can.
+    near 1, not 1.0078125), and the add gives the nearest value it can. A parameter that
+    stays gets ``-0.0``: ``p + -0.0`` is ``p`` for every ``p``, where the difference,
+    ``+0.0``, would turn a ``-0.0`` parameter into ``0.0``.
     """
     update = (target.astype(jnp.float32) - param.astype(jnp.float32)).astype(param.dtype)
+    update = jnp.where(same_bits(param, target), jnp.array(-0.0, param.dtype), update)
     return update, param + update
 
 

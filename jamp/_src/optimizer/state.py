@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jamp._src.loss_scaling import checked_inner
 from jamp._src.optimizer.master import check_rounding, check_seed
 from jamp._src.optimizer.quantize import (
     MIN_SIZE,
@@ -20,7 +21,6 @@ from jamp._src.optimizer.quantize import (
 )
 from jamp._src.optimizer.rounding import MOMENTS, random_bits, round_to, step_key
 from jamp._src.types import OptState, Params, Updates
-from jamp._src.validate import check_optimizer
 
 # The fields of Optax's states that hold squares (positive, spanning many decades): their
 # 8-bit and float8 codes never round a positive value to zero.
@@ -138,7 +138,7 @@ def low_precision_state(
       >>> state.stored_state[0].trace["w"].dtype
       dtype(bfloat16)
     """
-    check_optimizer(inner, "inner", optax.GradientTransformation)
+    inner = checked_inner(inner)
     chosen = _check_dtypes({"mu": jnp.bfloat16, "nu": jnp.bfloat16} if dtypes is None else dtypes)
     check_rounding(rounding, ("stochastic", "nearest"))
     seed = check_seed(seed)
