@@ -151,3 +151,26 @@ def test_bad_arguments_are_refused_naming_them():
     tx = jamp.low_precision_state(sgd, {"trace": BF16})
     with pytest.raises(TypeError, match=r"LowPrecisionState"):
         tx.update({"w": jnp.ones(2)}, sgd.init({"w": jnp.ones(2)}), {"w": jnp.ones(2)})
+
+
+@pytest.mark.standard_promotion
+def test_a_parameter_named_like_a_field_is_not_taken_for_one():
+    """Fields are named above the parameters' own keys: a parameter called ``nu`` inside
+    adam's ``mu`` is part of ``mu`` (the signed code, its sign kept), and one called
+    ``trace`` in MultiSteps' gradient accumulator is in no chosen field."""
+    g = {"nu": jnp.full((64, 80), -1.0), "w": jnp.full((64, 80), -1.0)}
+    tx = jamp.low_precision_state(optax.adam(1e-2), {"mu": "8bit", "nu": "8bit"})
+    state = tx.init(g)
+    for _ in range(2):
+        updates, state = jax.jit(tx.update)(g, state, g)
+    adam = state.stored_state[0]
+    assert adam.mu["nu"].code == adam.mu["w"].code == "signed"
+    assert adam.nu["nu"].code == "positive"
+    assert np.array_equal(np.asarray(updates["nu"]), np.asarray(updates["w"]))
+    params = {"trace": jnp.ones((4,)), "w": jnp.ones((4,))}
+    tx = jamp.low_precision_state(
+        optax.MultiSteps(optax.sgd(0.1, momentum=0.9), 2), {"trace": BF16}
+    )
+    state = tx.init(params)
+    assert state.stored_state.acc_grads["trace"].dtype == jnp.float32
+    assert state.stored_state.inner_opt_state[0].trace["trace"].dtype == BF16
