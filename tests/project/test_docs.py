@@ -57,6 +57,8 @@ WITH_EXAMPLES = {
     "jamp._src.finite.report",
     "jamp._src.skip",
     "jamp._src.value_and_grad",
+    "jamp._src.optimizer.master",
+    "jamp._src.optimizer.state",
 }
 
 

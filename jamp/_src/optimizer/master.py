@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jamp._src.leaves import is_integer
+from jamp._src.loss_scaling import checked_inner
 from jamp._src.optimizer.rounding import (
     PARAMETERS,
     merge,
@@ -29,7 +30,7 @@ from jamp._src.optimizer.rounding import (
     step_key,
 )
 from jamp._src.types import OptState, Params, PyTree, Updates
-from jamp._src.validate import check_gradients, check_optimizer, check_params, check_updates
+from jamp._src.validate import check_gradients, check_params, check_updates
 
 ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
 _LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -164,13 +165,13 @@ def master_weights(
       >>> tx = jamp.master_weights(optax.sgd(2.0**-12))
       >>> state = tx.init(params)
       >>> grads = {"w": jnp.ones(3, jnp.bfloat16)}
-      >>> for _ in range(4):  # each step is below half a bfloat16 ulp of 1.0
+      >>> for _ in range(12):  # each step is below half a bfloat16 ulp of 1.0
       ...     updates, state = tx.update(grads, state, params)
       ...     params = optax.apply_updates(params, updates)
-      >>> params["w"]  # the master is 1 - 4 * 2**-12: it rounds to 0.99609375
+      >>> params["w"]  # the master is 1 - 12 * 2**-12; to nearest, 1 - 2**-8
       Array([0.996094, 0.996094, 0.996094], dtype=bfloat16)
     """
-    check_optimizer(inner, "inner", optax.GradientTransformation)
+    inner = checked_inner(inner)
     check_rounding(rounding, ROUNDINGS)
     seed = check_seed(seed)
     inner = optax.with_extra_args_support(inner)
@@ -187,7 +188,9 @@ def master_weights(
             return p.astype(jnp.float32)
         if rounding == "exact":
             return merge(p, r)
-        return p.astype(jnp.float32) + r.astype(jnp.float32)
+        # No compensation leaves the parameter as it is: -0.0 + 0.0 would be 0.0.
+        wide = p.astype(jnp.float32)
+        return jnp.where(r == jnp.zeros((), r.dtype), wide, wide + r.astype(jnp.float32))
 
     def init_fn(params: Params) -> MasterWeightsState:
         _check_parameters(params, rounding)
@@ -251,8 +254,8 @@ def master_weights(
             else:
                 target, low = new.astype(p.dtype), None
             update, landed = reach(p, target)
-            if rounding == "exact":
-                # Where no update reaches the target, the master restarts at the landing.
+            if low is not None:  # exact: where no update reaches the target, the master
+                # restarts where the add lands
                 low = jnp.where(same_bits(landed, target), low, jnp.zeros_like(low))
             elif rounding == "kahan":
                 low = (new - landed.astype(jnp.float32)).astype(p.dtype)
@@ -265,3 +268,46 @@ def master_weights(
     return optax.GradientTransformationExtraArgs(
         cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn)
     )
+
+
+def master_params(params: Params, opt_state: OptState) -> Params:
+    """The float32 master of bfloat16 ``params``, from the ``MasterWeightsState`` found
+    anywhere in ``opt_state`` (inside ``jamp.loss_scaling``, ``optax.chain``, a
+    ``TrainState``'s ``opt_state``): what to export at the end of training.
+
+    ``"exact"`` gives the master bit for bit (parameter and low bits), ``"kahan"`` the
+    parameter plus its compensation, ``"stochastic"`` and ``"nearest"`` the parameters
+    widened (they keep no more). float32 leaves come back as they are.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, jamp
+      >>> params = {"w": jnp.ones(2, jnp.bfloat16)}
+      >>> tx = jamp.loss_scaling(jamp.master_weights(optax.sgd(2.0**-12)), jamp.no_loss_scale())
+      >>> state = tx.init(params)
+      >>> updates, state = tx.update({"w": jnp.ones(2, jnp.bfloat16)}, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> params["w"], jamp.optimizer.master_params(params, state)["w"]
+      (Array([1, 1], dtype=bfloat16), Array([0.99975586, 0.99975586], dtype=float32))
+    """
+    found = [
+        x
+        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
+        if isinstance(x, MasterWeightsState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            "`jamp.optimizer.master_params` expected `opt_state` to hold one "
+            f"MasterWeightsState (the state of a jamp.master_weights), found {len(found)}."
+        )
+    residual = jax.tree.structure(params).flatten_up_to(found[0].residual)
+    leaves = [
+        p
+        if not is_low(p)
+        else p.astype(jnp.float32)
+        if r is None
+        else merge(p, r)
+        if r.dtype == jnp.int16
+        else p.astype(jnp.float32) + r.astype(jnp.float32)
+        for p, r in zip(jax.tree.leaves(params), residual, strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(params), leaves)

@@ -25,6 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jamp._src.optimizer.rounding import neighbour, stochastic_round, uniform
 
@@ -95,7 +96,7 @@ def _log_decode(index: jax.Array) -> jax.Array:
     return jnp.where(index > 0, jnp.exp2(-(k - 1.0) / _PER_OCTAVE), 0.0)
 
 
-def quantize(x: jax.Array, code: str, dtype: object, bits: jax.Array | None) -> BlockQuantized:
+def quantize(x: jax.Array, code: str, dtype: DTypeLike, bits: jax.Array | None) -> BlockQuantized:
     """``x`` (float32) in blocks of 256: ``code`` is ``"signed"`` or ``"positive"``;
     ``dtype`` is ``uint8`` (the log codes) or a float8 dtype; ``bits`` (uint32, one per
     element of the padded blocks) rounds stochastically, ``None`` to nearest."""

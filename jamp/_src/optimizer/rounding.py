@@ -2,13 +2,13 @@
 
 Three pieces, elementwise, so XLA fuses each into the optimizer's pass:
 
-- :func:`step_key` and :func:`random_bits`, a counter-based hash of ``(seed, step,
+- ``step_key`` and ``random_bits``, a counter-based hash of ``(seed, step,
   leaf, element)``: the bits are made inside the kernel that uses them, from the
   element's global index (an ``iota``), so they do not depend on how the array is
   sharded;
-- :func:`stochastic_round`, unbiased rounding into any narrower float (bfloat16,
+- ``stochastic_round``, unbiased rounding into any narrower float (bfloat16,
   float16, float8): ``E[round(x)] == x``;
-- :func:`split` / :func:`merge`, a float32 master held exactly as its bfloat16
+- ``split`` / ``merge``, a float32 master held exactly as its bfloat16
   rounding plus the 16 low bits (Transformer Engine's "parameter remainders").
 """
 
@@ -153,9 +153,12 @@ def reach(param: jax.Array, target: jax.Array) -> tuple[jax.Array, jax.Array]:
     exact, and the add lands on ``target``, unless the step is larger than where it
     lands (a parameter that crosses zero or lands near it): then no update of that
     dtype reaches ``target`` (from 256, bfloat16 updates reach only whole numbers
-    near 1, not 1.0078125), and the add gives the nearest value it can.
+    near 1, not 1.0078125), and the add gives the nearest value it can. A parameter that
+    stays gets ``-0.0``: ``p + -0.0`` is ``p`` for every ``p``, where the difference,
+    ``+0.0``, would turn a ``-0.0`` parameter into ``0.0``.
     """
     update = (target.astype(jnp.float32) - param.astype(jnp.float32)).astype(param.dtype)
+    update = jnp.where(same_bits(param, target), jnp.array(-0.0, param.dtype), update)
     return update, param + update
 
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jamp._src.loss_scaling import checked_inner
 from jamp._src.optimizer.master import check_rounding, check_seed
 from jamp._src.optimizer.quantize import (
     MIN_SIZE,
@@ -20,7 +21,6 @@ from jamp._src.optimizer.quantize import (
 )
 from jamp._src.optimizer.rounding import MOMENTS, random_bits, round_to, step_key
 from jamp._src.types import OptState, Params, Updates
-from jamp._src.validate import check_optimizer
 
 # The fields of Optax's states that hold squares (positive, spanning many decades): their
 # 8-bit and float8 codes never round a positive value to zero.
@@ -52,9 +52,24 @@ class LowPrecisionState(NamedTuple):
     storage_count: jax.Array | None
 
 
-def _field(path: jax.tree_util.KeyPath, dtypes: Mapping[str, object]) -> str | None:
-    """The last name on ``path`` that ``dtypes`` chooses (a NamedTuple's field, a dict's
-    key), or None."""
+def _param_paths(params: object) -> frozenset[tuple[object, ...]]:
+    """The key paths of ``params``' leaves: where each sits inside a per-parameter field."""
+    leaves = jax.tree_util.tree_flatten_with_path(params, is_leaf=lambda x: x is None)[0]
+    return frozenset(tuple(path) for path, _ in leaves)
+
+
+def _field(
+    path: jax.tree_util.KeyPath, dtypes: Mapping[str, object], params: frozenset[tuple[object, ...]]
+) -> str | None:
+    """The state field ``dtypes`` chooses on ``path`` (a NamedTuple's field, a dict's key),
+    or None. The names are read above the parameters' own keys: a parameter named ``nu``
+    inside adam's ``mu`` is in ``mu``, and one named ``trace`` in MultiSteps'
+    ``acc_grads`` is in no chosen field."""
+    path = tuple(path)
+    for start in range(len(path) + 1):
+        if path[start:] in params:
+            path = path[:start]
+            break
     for entry in reversed(path):
         name = getattr(entry, "name", getattr(entry, "key", None))
         if isinstance(name, str) and name in dtypes:
@@ -138,19 +153,19 @@ def low_precision_state(
       >>> state.stored_state[0].trace["w"].dtype
       dtype(bfloat16)
     """
-    check_optimizer(inner, "inner", optax.GradientTransformation)
+    inner = checked_inner(inner)
     chosen = _check_dtypes({"mu": jnp.bfloat16, "nu": jnp.bfloat16} if dtypes is None else dtypes)
     check_rounding(rounding, ("stochastic", "nearest"))
     seed = check_seed(seed)
     inner = optax.with_extra_args_support(inner)
 
-    def store(state: OptState, count: jax.Array | None) -> OptState:
+    def store(state: OptState, count: jax.Array | None, params: frozenset) -> OptState:
         index = iter(range(1 << 30))
         key = None if count is None else step_key(seed, MOMENTS, count)
 
         def leaf(path: jax.tree_util.KeyPath, x: object) -> object:
             i = next(index)
-            name = _field(path, chosen)
+            name = _field(path, chosen, params)
             if name is None or not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
                 return x
             if not jnp.issubdtype(x.dtype, jnp.floating):
@@ -164,15 +179,16 @@ def low_precision_state(
                 return x
             bits = None if key is None else random_bits(key, i, padded_shape(x.shape))
             code = "positive" if name in POSITIVE_FIELDS else "signed"
-            return quantize(x, code, jnp.uint8 if kind == "8bit" else kind, bits)
+            dtype = jnp.dtype(jnp.uint8) if kind == "8bit" else cast(jnp.dtype, kind)
+            return quantize(x, code, dtype, bits)
 
         return jax.tree_util.tree_map_with_path(leaf, state)
 
-    def widen(state: OptState) -> OptState:
+    def widen(state: OptState, params: frozenset) -> OptState:
         def leaf(path: jax.tree_util.KeyPath, x: object) -> object:
             if isinstance(x, BlockQuantized):
                 return dequantize(x)
-            if _field(path, chosen) is not None and getattr(x, "dtype", None) in _NARROW:
+            if _field(path, chosen, params) is not None and getattr(x, "dtype", None) in _NARROW:
                 return cast(jax.Array, x).astype(jnp.float32)
             return x
 
@@ -182,7 +198,7 @@ def low_precision_state(
 
     def init_fn(params: Params) -> LowPrecisionState:
         count = None if rounding == "nearest" else jnp.zeros((), jnp.uint32)
-        return LowPrecisionState(store(inner.init(params), None), count)
+        return LowPrecisionState(store(inner.init(params), None, _param_paths(params)), count)
 
     def update_fn(
         updates: Updates,
@@ -195,14 +211,15 @@ def low_precision_state(
                 "Expected `state` to be the LowPrecisionState from this transformation's "
                 f"init, got {type(state).__name__} instead."
             )
+        paths = _param_paths(updates)
         new_updates, new_state = inner.update(
-            updates, widen(state.stored_state), params, **extra_args
+            updates, widen(state.stored_state, paths), params, **extra_args
         )
         # The key comes from the new count: one small kernel makes both.
         count = state.storage_count
         if count is not None:
             count = count + jnp.ones((), jnp.uint32)
-        stored = store(new_state, count)
+        stored = store(new_state, count, paths)
         return new_updates, LowPrecisionState(stored, count)
 
     return optax.GradientTransformationExtraArgs(

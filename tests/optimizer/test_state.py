@@ -1,0 +1,176 @@
+"""``jamp.low_precision_state``: any Optax optimizer's floating state stored narrower
+between steps, chosen by field name, widened to float32 before the optimizer runs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import jamp
+from jamp.optimizer import BlockQuantized, LowPrecisionState
+
+BF16 = jnp.bfloat16
+
+
+def _nbytes(tree):
+    return sum(x.nbytes for x in jax.tree.leaves(tree))
+
+
+@pytest.mark.standard_promotion
+def test_adam_moments_are_stored_as_their_dtypes_say_and_take_those_bytes():
+    """adam's mu and nu in bfloat16, 8-bit blocks or float8 blocks; its count stays int32;
+    a leaf under 4,096 elements stays float32 in blocks' recipes. The bytes between steps
+    are what the dtypes say: 2 + 2, and 2 * (1 + 4/256) per parameter."""
+    params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros((64,))}
+    n = 256 * 64
+    cases = {
+        "bf16": ({"mu": BF16, "nu": BF16}, 2 + 2),
+        "8bit": ({"mu": "8bit", "nu": "8bit"}, 2 * (1 + 4 / 256)),
+        "float8": ({"mu": jnp.float8_e4m3fn, "nu": jnp.float8_e5m2}, 2 * (1 + 4 / 256)),
+    }
+    for name, (dtypes, per_param) in cases.items():
+        tx = jamp.low_precision_state(optax.adam(1e-3), dtypes)
+        state = tx.init(params)
+        assert isinstance(state, LowPrecisionState)
+        adam = state.stored_state[0]
+        assert adam.count.dtype == jnp.int32
+        w_bytes = _nbytes((adam.mu["w"], adam.nu["w"]))
+        assert w_bytes == pytest.approx(per_param * n), name
+        if name == "bf16":
+            assert adam.mu["b"].dtype == BF16
+        else:
+            assert isinstance(adam.mu["w"], BlockQuantized)
+            assert adam.mu["b"].dtype == jnp.float32  # 64 elements: kept float32
+        updates, state = jax.jit(tx.update)(params, state, params)
+        assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+        assert _nbytes((state.stored_state[0].mu["w"], state.stored_state[0].nu["w"])) == w_bytes
+
+
+def test_fields_are_chosen_by_name_anywhere_in_the_state_and_widened_before_the_optimizer():
+    """sgd's momentum ``trace`` inside a chain is stored in bfloat16; the optimizer sees
+    float32; what is not named stays as it was."""
+    seen = []
+
+    def record(updates, state, params=None):
+        seen.append(state)
+        return updates, state
+
+    class Kept(optax.TraceState):
+        pass
+
+    inner = optax.chain(
+        optax.GradientTransformation(lambda p: Kept(trace=jax.tree.map(jnp.zeros_like, p)), record),
+        optax.sgd(0.1, momentum=0.9),
+    )
+    tx = jamp.low_precision_state(inner, {"trace": BF16})
+    params = {"w": jnp.ones((8,))}
+    state = tx.init(params)
+    traces = [x for x in jax.tree.leaves(state.stored_state)]
+    assert {x.dtype for x in traces} == {jnp.dtype(BF16)}
+    jax.jit(tx.update)(params, state, params)
+    assert seen[0].trace["w"].dtype == jnp.float32
+
+
+def _nu_after_gradients_shrink(rounding, dtype=BF16, n=4096):
+    """adam's nu after 200 steps of gradient 1 then 2,000 of gradient 0.1: float32's nu
+    decays toward 0.01 (0.999 per step); a stored nu that rounds to nearest stalls."""
+    tx = jamp.low_precision_state(optax.scale_by_adam(), {"nu": dtype}, rounding=rounding)
+    params = jnp.zeros((n,))
+    state = tx.init(params)
+
+    def body(state, g):
+        _, state = tx.update(jnp.full((n,), g), state, params)
+        return state, None
+
+    grads = jnp.concatenate([jnp.ones(200), jnp.full(2000, 0.1)])
+    state, _ = jax.lax.scan(body, state, grads)
+    return np.asarray(state.stored_state.nu.astype(jnp.float32))
+
+
+@pytest.mark.standard_promotion
+def test_nearest_bfloat16_nu_stalls_where_stochastic_follows_float32():
+    """The reason the default is stochastic: at b2 = 0.999 the change of nu per step is
+    0.1% of it, under half a bfloat16 ulp (0.2-0.4%), so to-nearest never decays."""
+    nu32 = (1 - 0.999**200) * 0.999**2000 + 0.01 * (1 - 0.999**2000)  # float32's, closed
+    nearest = _nu_after_gradients_shrink("nearest")
+    stochastic = _nu_after_gradients_shrink("stochastic")
+    assert nearest.mean() > 1.5 * nu32  # stalled near where the decay began
+    assert abs(stochastic.mean() / nu32 - 1) < 0.01
+
+
+@pytest.mark.standard_promotion
+@pytest.mark.parametrize("storage", ["8bit", "bf16", "float8"])
+def test_narrow_moments_train_a_regression_as_float32_moments_do(storage):
+    """A least-squares fit with adam and a decaying rate: the stored moments' final loss is
+    within a few percent of float32 moments' (on the same data and start)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(k1, (256, 64))
+    y = x @ jax.random.normal(k2, (64, 64))
+
+    def loss(w):
+        return jnp.mean((x @ w - y) ** 2)
+
+    sched = optax.cosine_decay_schedule(1e-2, 800)
+
+    def run(tx):
+        w = jnp.zeros((64, 64))
+        state = tx.init(w)
+
+        def body(carry, _):
+            w, state = carry
+            g = jax.grad(loss)(w)
+            u, state = tx.update(g, state, w)
+            return (optax.apply_updates(w, u), state), None
+
+        (w, _), _ = jax.lax.scan(body, (w, state), None, length=800)
+        return float(loss(w))
+
+    base = run(optax.adam(sched))
+    dtypes = {"bf16": BF16, "8bit": "8bit", "float8": jnp.float8_e4m3fn}[storage]
+    got = run(jamp.low_precision_state(optax.adam(sched), {"mu": dtypes, "nu": dtypes}))
+    assert got < 1.05 * base, (storage, got, base)
+
+
+def test_bad_arguments_are_refused_naming_them():
+    sgd = optax.sgd(0.1, momentum=0.9)
+    with pytest.raises(TypeError, match=r"`dtypes`.*non-empty dict"):
+        jamp.low_precision_state(sgd, ["trace"])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"`dtypes`.*non-empty dict"):
+        jamp.low_precision_state(sgd, {})
+    with pytest.raises(
+        ValueError, match=r"`dtypes\['trace'\]`.*float32 is what the state already is"
+    ):
+        jamp.low_precision_state(sgd, {"trace": jnp.float32})
+    with pytest.raises(ValueError, match=r"`dtypes\['trace'\]`.*'8bit'.*'4bit'"):
+        jamp.low_precision_state(sgd, {"trace": "4bit"})
+    with pytest.raises(ValueError, match=r"`rounding`.*'stochastic', 'nearest'.*'exact'"):
+        jamp.low_precision_state(sgd, {"trace": BF16}, rounding="exact")
+    with pytest.raises(TypeError, match=r"`inner`"):
+        jamp.low_precision_state(object(), {"trace": BF16})  # type: ignore[arg-type]
+    tx = jamp.low_precision_state(sgd, {"trace": BF16})
+    with pytest.raises(TypeError, match=r"LowPrecisionState"):
+        tx.update({"w": jnp.ones(2)}, sgd.init({"w": jnp.ones(2)}), {"w": jnp.ones(2)})
+
+
+@pytest.mark.standard_promotion
+def test_a_parameter_named_like_a_field_is_not_taken_for_one():
+    """Fields are named above the parameters' own keys: a parameter called ``nu`` inside
+    adam's ``mu`` is part of ``mu`` (the signed code, its sign kept), and one called
+    ``trace`` in MultiSteps' gradient accumulator is in no chosen field."""
+    g = {"nu": jnp.full((64, 80), -1.0), "w": jnp.full((64, 80), -1.0)}
+    tx = jamp.low_precision_state(optax.adam(1e-2), {"mu": "8bit", "nu": "8bit"})
+    state = tx.init(g)
+    for _ in range(2):
+        updates, state = jax.jit(tx.update)(g, state, g)
+    adam = state.stored_state[0]
+    assert adam.mu["nu"].code == adam.mu["w"].code == "signed"
+    assert adam.nu["nu"].code == "positive"
+    assert np.array_equal(np.asarray(updates["nu"]), np.asarray(updates["w"]))
+    params = {"trace": jnp.ones((4,)), "w": jnp.ones((4,))}
+    tx = jamp.low_precision_state(
+        optax.MultiSteps(optax.sgd(0.1, momentum=0.9), 2), {"trace": BF16}
+    )
+    state = tx.init(params)
+    assert state.stored_state.acc_grads["trace"].dtype == jnp.float32
+    assert state.stored_state.inner_opt_state[0].trace["trace"].dtype == BF16
