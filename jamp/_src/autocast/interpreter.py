@@ -337,9 +337,11 @@ def _eval_eqn(
     name = eqn.primitive.name
     if ctx.as_traced:
         return _as_traced(eqn, invals, infos, ctx, "disabled")
-    done = None if ctx.rule is None else ctx.rule(eqn, invals, infos, ctx)
-    if done is not None:
-        return done
+    if ctx.rule is not None:
+        with source(eqn):  # a float8 product carries the user's line and module path
+            done = ctx.rule(eqn, invals, infos, ctx)
+        if done is not None:
+            return done
     handler = HIGHER_ORDER.get(name)
     if handler is not None:
         if ctx.recorder is not None:
