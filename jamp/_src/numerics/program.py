@@ -128,7 +128,7 @@ def flatten(closed: jex_core.ClosedJaxpr) -> Program:
 
     def atom(env: dict, a: Any) -> Any:
         if isinstance(a, jex_core.Literal):  # as an array of its type (not a Python float)
-            return ("lit", np.asarray(a.val, a.aval.dtype))
+            return ("lit", np.asarray(a.val, getattr(a.aval, "dtype", None)))
         return env[a]
 
     def walk(jaxpr: jex_core.Jaxpr, env: dict, stack: str) -> None:
