@@ -240,6 +240,18 @@ def test_products_in_a_cond_or_a_custom_rule_report_nothing():
     assert list(zeros) == ["0:dot_general"]  # the second product; the cond's has no site
 
 
+def test_a_product_that_does_not_reach_the_loss_reports_zeros():
+    # Its backward pass does not run (a zero cotangent), as for the delayed-scaling state.
+    def model(w, x):
+        return jnp.sum(lax.stop_gradient(x @ w)) + jnp.sum(x @ w)
+
+    f = jamp.autocast(model, "float8", telemetry=True)
+    zeros = jamp.float8.telemetry_init(f, W, X)
+    stats = jax.grad(f)(zeros, W, X)
+    assert not any(np.any(a) for a in stats["0:dot_general"])
+    np.testing.assert_array_equal(stats["1:dot_general"].amax[:2], [4.0, 2.0])
+
+
 def test_telemetry_metrics_is_a_flat_dict_of_device_scalars():
     f = jamp.autocast(loss, "float8", telemetry=True)
     stats = jax.jit(jax.grad(f))(jamp.float8.telemetry_init(f, W, X), W, X)
