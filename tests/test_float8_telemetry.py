@@ -20,6 +20,7 @@ import pytest
 from _autocast_helpers import eqns_named, randn
 from _bad_input import assert_clear_error
 from jax import lax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jamp
 from jamp._src import float8
@@ -209,6 +210,38 @@ def test_eager_and_jit_agree_and_nothing_calls_the_host():
     assert not [e for e in eqns_named(jaxpr, "pure_callback", "io_callback", "debug_callback")]
     hlo = jax.jit(step).lower(state, zeros, W, X).compile().as_text()
     assert not re.search(r"custom-call|outfeed|infeed|\bsend\b|\brecv\b|callback", hlo)
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+@pytest.mark.parametrize("sharded", ["batch", "w1 columns"])
+def test_eight_devices_report_what_one_does(sharded, axis_type):
+    # One amax and one count per tensor, over all its shards. A weight sharded along its
+    # columns is counted where it lies (flattening it would gather it, and explicit axes
+    # refuse that).
+    mesh = jax.make_mesh((8,), ("x",), axis_types=(axis_type,))
+    spec = PartitionSpec("x") if sharded == "batch" else PartitionSpec(None, "x")
+    params = {"w1": randn(0, 16, 32, scale=0.25), "w2": randn(1, 32, 8, scale=0.2)}
+    x, y = randn(2, 16, 16), randn(3, 16, 8)
+
+    def mse(p, x, y):
+        return jnp.mean(jnp.square((jax.nn.gelu(x @ p["w1"]) @ p["w2"]) - y))
+
+    f = jamp.autocast(mse, "float8", recipe=ONE, telemetry=True)
+    state, zeros = jamp.float8.init(f, params, x, y), jamp.float8.telemetry_init(f, params, x, y)
+    grad = jax.jit(jax.grad(f, argnums=1))
+    one = grad(state, zeros, params, x, y)
+    with jax.set_mesh(mesh):
+        put = lambda a: jax.device_put(a, NamedSharding(mesh, spec))  # noqa: E731
+        if sharded == "batch":
+            eight = grad(state, zeros, params, put(x), put(y))
+        else:
+            eight = grad(state, zeros, {**params, "w1": put(params["w1"])}, x, y)
+    # The figures of the inputs (x, w1; w2) exactly; the rest up to bfloat16 rounding,
+    # which the partitioned program does differently (XLA's excess precision).
+    for key, inputs in (("0:dot_general", [0, 1]), ("1:dot_general", [1])):
+        for a, b in zip(one[key], eight[key], strict=True):
+            np.testing.assert_array_equal(np.asarray(a)[inputs], np.asarray(b)[inputs])
+            np.testing.assert_allclose(a, b, rtol=0.03, atol=1 / 128)
 
 
 def test_a_scanned_product_reports_each_iteration_and_the_keys_are_the_states():

@@ -591,21 +591,29 @@ _SATURATES_ABOVE = np.array(
 )
 _ZERO = np.float32(0.0)
 
-# The statistics are full reductions of the flattened tensor (``x.reshape(-1)``: a view
-# in the tensor's own layout, whatever layout its other uses get), each a single variadic
+# The statistics are full reductions of the flattened tensor (``_flat``: a view in the
+# tensor's own layout, whatever layout its other uses get), each a single variadic
 # ``reduce``: XLA:GPU fuses one such reduction into a pass that reads the tensor anyway
 # (its amax, or its quantisation), where two sibling reductions, or one over the 2-D
 # tensor, get passes of their own (``tests/test_float8_telemetry.py`` measures the bytes).
 
 
+def _flat(x):
+    """``x`` as a vector; ``x`` itself when an explicit sharding of an axis past the first
+    makes the vector no view of it (a reshape would gather it): the reductions of both
+    are the same."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return x if any(axis is not None for axis in spec[1:]) else x.reshape(-1)
+
+
 def _reduce(operands, combine):
-    """One variadic reduction of the 1-D ``operands`` (float32), each combined by
-    ``combine`` (``lax.max`` or ``lax.add``)."""
+    """One variadic reduction of ``operands`` (float32, of one shape) over all their axes,
+    each combined by ``combine`` (``lax.max`` or ``lax.add``)."""
     return lax.reduce(
         operands,
         [_ZERO] * len(operands),
         lambda a, b: [f(u, v) for f, u, v in zip(combine, a, b, strict=True)],
-        (0,),
+        tuple(range(operands[0].ndim)),
     )
 
 
@@ -630,7 +638,7 @@ def _before(x, row, recipe, state_scale):
     if recipe is not None and recipe.unmeasured == "one":
         unread = typing.cast(jax.Array, _ZERO)  # "one" reads no amax
         return _usable(state_scale, unread, row, recipe), None
-    flat = x.reshape(-1)
+    flat = _flat(x)
     magnitude = jnp.abs(flat).astype(F32)
     counted = [magnitude, _count(flat == 0)]
     if recipe is not None:
@@ -647,7 +655,7 @@ def _after(x, q, scale, row, pending, state_scale):
     if pending is None:  # the scale did not wait: one pass, counted from the scaled values
         if x.size == 0:
             return _ZERO, scale, _ZERO, _ZERO
-        magnitude = jnp.abs(x.reshape(-1)).astype(F32)
+        magnitude = jnp.abs(_flat(x)).astype(F32)
         flushed = (magnitude != 0) & (magnitude * scale <= _FLUSHES_AT_MOST[row])
         x_amax, n_flushed, n_clamped = _reduce(
             [magnitude, _count(flushed), _count(_clamped(magnitude, scale, row))],
@@ -658,7 +666,7 @@ def _after(x, q, scale, row, pending, state_scale):
     # The flushed values are the zeros of q that were not zeros of x: q is read where XLA
     # can fuse the count into the pass that quantises x, else once more (a byte a value).
     # A NaN scale (a NaN amax) quantises every value to NaN: nothing is flushed.
-    (q_zeros,) = _reduce([_count(q.reshape(-1) == 0)], [lax.add])
+    (q_zeros,) = _reduce([_count(_flat(q) == 0)], [lax.add])
     flushed = jnp.maximum(q_zeros - zeros, _ZERO)
     # The current scale maps the amax to at most finfo.max * (1 + 2**-22), so it saturates
     # nothing; the state's scale, when it was used, saturates what was counted.
