@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jamp._src.autocast.interpreter import annotated_rules
 from jamp._src.lookup import metrics
 from jamp._src.numerics.program import (
     Op,
@@ -105,7 +106,8 @@ def step_program(
     """The flattened program of ``jax.value_and_grad(fun)``, its flat inputs and their
     paths."""
     grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-    closed, shape = jax.make_jaxpr(grad, return_shape=True)(*args)
+    with annotated_rules():  # float8 products under their user's line and module path
+        closed, shape = jax.make_jaxpr(grad, return_shape=True)(*args)
     flat = jax.tree_util.tree_leaves(tuple(args))
     value = len(jax.tree_util.tree_leaves(shape[0]))  # the loss and its auxiliary data
     return mark_linearization(flatten(closed), value), flat, _paths(args)
@@ -200,7 +202,7 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
 def site(
     program: Program, paths: Sequence[str], found: Any, first: Any, counts: Any, magnitudes: Any
 ) -> NonfiniteSite | None:
-    """The :class:`NonfiniteSite` of ``first_nonfinite``'s result, or None."""
+    """The ``NonfiniteSite`` of ``first_nonfinite``'s result, or None."""
     if not bool(found):
         return None
     op = program.ops[int(first)]

@@ -5,7 +5,7 @@ widened to float32.
 The program of ``jax.value_and_grad(fun)`` holds the forward pass, then the backward
 pass (whose operations carry ``transpose(...)`` in their name stack). Calls that only
 group operations (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``,
-``closed_call``) are inlined, so every primitive is one :class:`Op` with a global index
+``closed_call``) are inlined, so every primitive is one ``Op`` with a global index
 in program order; loops and conditionals (``scan``, ``while``, ``cond``) stay one
 operation each. Evaluating the list under ``jax.jit`` is one compiled program.
 """
