@@ -174,23 +174,31 @@ def init_states(found: Sequence[Site], recipe: DelayedScaling) -> dict[str, Floa
     return {site.key: init_state(recipe, site.stack) for site in found}
 
 
-def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -> None:
-    """A clear error unless ``state`` has one well-formed Float8State per site."""
-    fix = "create it with jamp.float8.init(f, *args) from the function and arguments f takes"
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f"Expected a dict of jamp.float8.Float8State for the float8 state (the first argument "
-            f"of a delayed-scaling autocast function), got {type(state).__name__} instead; "
-            f"{fix}."
-        )
-    want, got = [s.key for s in found], list(state)
+def _check_keys(value: object, found: Sequence[Site], kind: str, what: str, fix: str) -> None:
+    """A TypeError unless ``value`` is a mapping, a ValueError unless its keys are the
+    sites' (one entry per float8 product)."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"Expected {kind}, got {type(value).__name__} instead; {fix}.")
+    want, got = [s.key for s in found], list(value)
     if sorted(want) != sorted(got):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         raise ValueError(
-            f"Expected a float8 state with one entry per float8 matrix product of the "
-            f"function, keys {want}, got keys {got} instead (missing {missing}, unexpected "
-            f"{extra}); {fix}."
+            f"Expected {what} with one entry per float8 matrix product of the function, keys "
+            f"{want}, got keys {got} instead (missing {missing}, unexpected {extra}); {fix}."
         )
+
+
+def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -> None:
+    """A clear error unless ``state`` has one well-formed Float8State per site."""
+    fix = "create it with jamp.float8.init(f, *args) from the function and arguments f takes"
+    _check_keys(
+        state,
+        found,
+        "a dict of jamp.float8.Float8State for the float8 state (the first argument of a "
+        "delayed-scaling autocast function)",
+        "a float8 state",
+        fix,
+    )
     h = recipe.amax_history_len
     for site in found:
         entry = state[site.key]
@@ -225,20 +233,14 @@ def check_telemetry(telemetry: object, found: Sequence[Site]) -> None:
         "create it with jamp.float8.telemetry_init(f, *args) from the function and arguments "
         "f takes"
     )
-    if not isinstance(telemetry, Mapping):
-        raise TypeError(
-            f"Expected a dict of jamp.float8.Telemetry for the float8 telemetry (the argument "
-            f"before those of the function, after the state under delayed scaling), got "
-            f"{type(telemetry).__name__} instead; {fix}."
-        )
-    want, got = [s.key for s in found], list(telemetry)
-    if sorted(want) != sorted(got):
-        missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
-        raise ValueError(
-            f"Expected float8 telemetry with one entry per float8 matrix product of the "
-            f"function, keys {want}, got keys {got} instead (missing {missing}, unexpected "
-            f"{extra}); {fix}."
-        )
+    _check_keys(
+        telemetry,
+        found,
+        "a dict of jamp.float8.Telemetry for the float8 telemetry (the argument before those "
+        "of the function, after the state under delayed scaling)",
+        "float8 telemetry",
+        fix,
+    )
     for site in found:
         entry, shape = telemetry[site.key], (*site.stack, 3)
         if not (isinstance(entry, Telemetry) and all(_is_array(x, shape) for x in entry)):
