@@ -5,6 +5,7 @@ for float8 products their scales and saturation."""
 from __future__ import annotations
 
 import dataclasses
+import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -251,8 +252,8 @@ def _recipe(
             )
             kept.append(op)
 
-        outs, wide = evaluate(program, flat_args, paired=True, observe=observe)
-        assert wide is not None
+        outs, paired = evaluate(program, flat_args, paired=True, observe=observe)
+        wide = typing.cast(list[Any], paired)  # paired=True: the widened outputs
         grads = [
             jnp.stack(
                 [
