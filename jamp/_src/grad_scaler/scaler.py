@@ -682,13 +682,21 @@ class GradScaler:
           RuntimeError: no inf check was recorded ("No inf checks were
             recorded prior to update."), or ``state`` was already passed to
             ``unscale``, ``step`` or ``update``.
-          TypeError: a ``found_inf`` flag was passed: ``step`` records it.
+          TypeError: a ``found_inf`` flag was passed (``step`` records it), or
+            a ``new_scale`` that is no number (a list, a state).
         """
         _check_state(state, "update")
         if not self.enabled:
             return state
+        if isinstance(new_scale, ls.LossScaleState):  # update(state, state)
+            raise TypeError(
+                "Expected `new_scale` to be a Python float or a scalar array, got a "
+                f"{type(new_scale).__name__} instead: `update` takes the state once, "
+                "`state = scaler.update(state)`, and `new_scale` only to set the scale "
+                "(`scaler.update(state, new_scale=1024.0)`)."
+            )
         flags = new_scale if isinstance(new_scale, (list, tuple)) else [new_scale]
-        if isinstance(new_scale, ls.LossScaleState) or all(
+        if flags and all(
             isinstance(f, (bool, np.bool_)) or getattr(f, "dtype", None) == np.bool_ for f in flags
         ):
             raise _refuse_found_inf("update")
