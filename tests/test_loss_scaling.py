@@ -502,6 +502,16 @@ def test_multi_steps_takes_schedules_and_refuses_an_optimizer_factory_under_jit(
         built_in_the_step(params0())
 
 
+def test_python_int_gradients_are_named_under_jit():
+    """Issue #35: ``loss_scaling(...).update`` of ``10**400`` raised optax's OverflowError."""
+    params = {"w": jnp.ones(())}
+    with pytest.raises(TypeError, match=r"the gradients to be floating.*401 digits"):
+        jax.jit(lambda s: SGD_LS.update({"w": 10**400}, s, params))(SGD_LS.init(params))
+    ms = jamp.multi_steps(SGD, 2)
+    with pytest.raises(TypeError, match=r"the gradients to be floating.*Python int"):
+        jax.jit(lambda s: ms.update({"w": 3}, s, params))(ms.init(params))
+
+
 def _restored(**fields):
     """A loss_scaling state as an unvalidated checkpoint might hold it."""
     state = jamp.loss_scaling(SGD).init(params0())
@@ -583,6 +593,43 @@ BAD_INPUT = {
         ),
         ValueError,
         (r"`state.inner_state` to be the state that the optimizer's init made", r"structure"),
+    ),
+    # issue #35: a Python int gradient (10**400 raised OverflowError inside optax; 3 reached
+    # the optimizer neither unscaled nor checked), as check_gradients refuses it
+    "update(10**400 gradients)": (
+        lambda: SGD_LS.update({"w": 10**400}, SGD_LS.init({"w": 1.0}), {"w": 1.0}),
+        TypeError,
+        (
+            r"^`jamp.loss_scaling\(...\).update` expected the gradients to be floating arrays",
+            r"Python int at path \['w'\] \(an integer of 401 digits\)",
+        ),
+    ),
+    "update(10**400 gradients), no params": (
+        lambda: SGD_LS.update({"w": 10**400}, SGD_LS.init({"w": 1.0})),
+        TypeError,
+        r"the gradients to be floating arrays.*Python int at path \['w'\]",
+    ),
+    "update(10**400 as the gradients)": (
+        lambda: SGD_LS.update(10**400, SGD_LS.init(1.0), 1.0),
+        TypeError,
+        r"the gradients to be floating arrays.*Python int at path <root>",
+    ),
+    "update(a Python int gradient)": (
+        lambda: SGD_LS.update({"w": 3}, SGD_LS.init({"w": 1.0}), {"w": 1.0}),
+        TypeError,
+        r"the gradients to be floating arrays.*Python int at path \['w'\] \(3\)",
+    ),
+    "update(a Python bool gradient)": (
+        lambda: SGD_LS.update({"w": True}, SGD_LS.init({"w": 1.0}), {"w": 1.0}),
+        TypeError,
+        r"the gradients to be floating arrays.*Python bool at path \['w'\]",
+    ),
+    "multi_steps update(10**400 gradients)": (
+        lambda: jamp.multi_steps(SGD, 2).update(
+            {"w": 10**400}, jamp.multi_steps(SGD, 2).init({"w": 1.0}), {"w": 1.0}
+        ),
+        TypeError,
+        r"^`jamp.multi_steps\(...\).update` expected the gradients.*401 digits",
     ),
     "update(skipped_steps=2**40 restored unchecked)": (
         lambda: SGD_LS.update(params0(), _restored(skipped_steps=np.int64(2**40)), params0()),

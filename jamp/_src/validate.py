@@ -622,7 +622,22 @@ def check_updates(updates: Updates, params: Params | None, fn: str, strict: bool
     another shape, or (``strict``, once the optimizer has failed on them) another
     structure. A different structure alone may be intended: ``optax.lookahead`` takes
     the fast parameters' gradients with both parameter sets. A TypeError for a floating
-    gradient of an integer parameter, or an integer gradient of a floating one."""
+    gradient of an integer parameter, or an integer gradient of a floating one; and, with
+    or without ``params``, for a Python int or bool among the gradients, as
+    ``check_gradients`` refuses them."""
+    for path, leaf in _leaves_with_paths(updates)[0]:
+        if isinstance(leaf, (bool, int)):  # not a NumPy integer: it has a dtype, checked below
+            shown = (
+                _show(leaf)
+                if isinstance(leaf, bool) or abs(leaf) < 10**20
+                else (f"an integer of {len(str(abs(leaf)))} digits")
+            )
+            raise TypeError(
+                f"`{fn}` expected the gradients to be floating arrays or Python floats, got a "
+                f"Python {type(leaf).__name__} at path {_where(path)} ({shown}) instead: "
+                "jax.grad gives none (float0 for integer inputs), and an integer leaf is "
+                "neither unscaled nor checked, so it would reach the optimizer as it is."
+            )
     if params is None:
         return
     unfit = _unfit_parameter(updates, params)
