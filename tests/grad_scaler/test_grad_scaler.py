@@ -614,7 +614,11 @@ BAD_INPUT = {
     "update(state, state)": (
         lambda: GS().update(INIT, INIT),
         TypeError,
-        (r"^Expected `new_scale`.*got a GradScalerState", r"takes the state once"),
+        (
+            r"^Expected `new_scale`.*got a GradScalerState",
+            r"takes the state once",
+            r"not a found_inf flag: `GradScaler\.update` takes no `found_inf`",
+        ),
     ),
     "update(new_scale=LossScaleState)": (
         lambda: GS().update(INIT, new_scale=jamp.dynamic_loss_scale()),

@@ -688,12 +688,13 @@ class GradScaler:
         _check_state(state, "update")
         if not self.enabled:
             return state
-        if isinstance(new_scale, ls.LossScaleState):  # update(state, state)
+        if isinstance(new_scale, ls.LossScaleState):  # the state step returned, as a flag
             raise TypeError(
                 "Expected `new_scale` to be a Python float or a scalar array, got a "
-                f"{type(new_scale).__name__} instead: `update` takes the state once, "
-                "`state = scaler.update(state)`, and `new_scale` only to set the scale "
-                "(`scaler.update(state, new_scale=1024.0)`)."
+                f"{type(new_scale).__name__} instead: `update` takes the state once, and "
+                "`new_scale` only to set the scale (`scaler.update(state, new_scale=1024.0)`). "
+                "The third value `scaler.step` returns is the state, not a found_inf flag: "
+                f"{_refuse_found_inf('update')}"
             )
         flags = new_scale if isinstance(new_scale, (list, tuple)) else [new_scale]
         if flags and all(
