@@ -24,8 +24,8 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Mapping
-from typing import ParamSpec, TypeVar, overload
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 import jax.core
@@ -232,7 +232,7 @@ def _flatten_with_keys(state: GradScalerState) -> tuple[tuple, tuple]:
     return tuple(zip(_KEYS, children, strict=True)), aux
 
 
-def _unflatten(aux: tuple, children: tuple) -> GradScalerState:
+def _unflatten(aux: tuple, children: Iterable[Any]) -> GradScalerState:  # leaves: any
     *meta, stale = aux
     state = GradScalerState(
         **dict(zip(_DATA_FIELDS, children, strict=True)),
@@ -350,9 +350,9 @@ def _consume(state: ls.LossScaleState, method: str, others: PyTree = ()) -> None
 
 def _check_not_consumed(state: ls.LossScaleState, method: str) -> None:
     """A RuntimeError, in torch's words, if a method already took ``state`` and replaced it."""
-    used = state.consumed_by if isinstance(state, GradScalerState) else None
-    if used is None:
+    if not isinstance(state, GradScalerState) or state.consumed_by is None:
         return
+    used = state.consumed_by
     sentence = _SENTENCES.get((used, method), _AFTER_UPDATE)
     if state._consumed_in is not None and state._consumed_in != trace_state():
         raise RuntimeError(
