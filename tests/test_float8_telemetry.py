@@ -410,10 +410,10 @@ def _usable(scale):  # unmeasured="one": a scale that is not positive and finite
     return jnp.where(jnp.isfinite(scale) & (scale > 0), scale, np.float32(1.0))
 
 
-def _quantize(x, s, dtype):
+def _quantize(x, s, dtype):  # saturate; y - y is NaN for a non-finite y, else 0
     big = np.float32(jnp.finfo(dtype).max)
     y = x.astype(F32) * s
-    return lax.select(lax.is_finite(x), lax.clamp(-big, y, big), y).astype(dtype)
+    return (lax.clamp(-big, y, big) + (y - y)).astype(dtype)
 
 
 def _forward(x, w, s_x, s_w):
@@ -592,12 +592,12 @@ def mlp_step(recipe, telemetry):
 
 # Modelled bytes of the H200 compile (benchmarks/xla_gpu.py: operands plus outputs of
 # every kernel), telemetry off and on, measured with jax 0.10.2 (docs/float8.md):
-# current scaling 440,471,630 -> 449,044,820 (+1.95%: the zeros of each weight's float8
+# current scaling 390,139,982 -> 398,713,172 (+2.20%: the zeros of each weight's float8
 # copy are counted in a pass of their own, 4 MiB each; the others' in the pass that
-# quantises them); delayed scaling 419,502,763 -> 394,521,495 (-5.95%: the amax and both
+# quantises them); delayed scaling 369,171,115 -> 344,189,847 (-6.77%: the amax and both
 # counts are one reduction, which XLA fuses into the quantising pass where the amax alone
-# had a pass of its own); unmeasured="current" 440,474,321 -> 457,518,217 (+3.87%).
-BYTES_LIMIT = {"current": 0.02, "delayed": 0.0, "delayed, unmeasured='current'": 0.04}
+# had a pass of its own); unmeasured="current" 390,142,673 -> 407,186,569 (+4.37%).
+BYTES_LIMIT = {"current": 0.025, "delayed": 0.0, "delayed, unmeasured='current'": 0.045}
 
 
 @pytest.mark.usefixtures("gpu_compiler")
