@@ -260,3 +260,28 @@ def float8_forwards(forward: Callable, reference: Callable | None = None,
     if reference is not None:
         out["per-tensor reference"] = ("plain", reference)
     return out
+
+
+def mlp_train_step(dtype: Any, d: int = 1024, hidden: int = 4096, batch: int = 2048,
+                   recipe: Any = None) -> tuple[Callable, tuple, int]:  # fmt: skip
+    """``(step, args, n)``: a train step of the MLP ``d -> hidden -> d`` (relu), batch
+    ``batch``, ``jax.value_and_grad`` of the mean squared error under ``jamp.autocast(.,
+    dtype)`` (``"float8"``: a ``recipe`` makes it take the state first), then SGD; ``args``
+    are shape structs, the parameters at ``n`` (donate them)."""
+    spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)  # noqa: E731
+    params, x, y = {"w1": spec(d, hidden), "w2": spec(hidden, d)}, spec(batch, d), spec(batch, d)
+
+    def mse(params: Any, x: jax.Array, y: jax.Array) -> jax.Array:
+        h = jax.nn.relu(x @ params["w1"])
+        return jnp.mean(jnp.square((h @ params["w2"]).astype(jnp.float32) - y))
+
+    f = jamp.autocast(mse, dtype, **({"recipe": recipe} if recipe is not None else {}))
+    lead = [] if recipe is None else [jax.eval_shape(lambda: jamp.float8.init(f, params, x, y))]
+    n, tx = len(lead), optax.sgd(1e-2)
+
+    def step(*args: Any) -> tuple:
+        value, grads = jax.value_and_grad(f, argnums=tuple(range(n + 1)))(*args)
+        updates, _ = tx.update(grads[n], tx.init(args[n]), args[n])
+        return optax.apply_updates(args[n], updates), value, grads[:n]  # the next state
+
+    return step, (*lead, params, x, y), n

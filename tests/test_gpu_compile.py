@@ -7,6 +7,9 @@ and a CUDA toolkit's ptxas; without them they skip, saying so, except under
 ``JAMP_REQUIRE_GPU_COMPILE=1`` (``.ci/run``), where a missing compiler is a failure.
 """
 
+import dataclasses
+import re
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -213,3 +216,140 @@ def test_the_benchmark_section_reports_this_runs_numbers(optimizer_programs, tmp
     assert f"| jamp.loss_scaling | yes | {ls.bytes / plain.bytes:.4f} | {ls.n_kernels} |" in text
     targets = G.targets({"optimizer": rows})
     assert len(targets) == 4 and all(met for _, _, met in targets), targets
+
+
+# ---------------------------------------------------------------- float8 (issue #35)
+
+
+def _mlp(dtype="float8", recipe=None, **sizes):
+    """The compiled program of ``steps.mlp_train_step``, parameters donated."""
+    step, args, n = steps.mlp_train_step(dtype, recipe=recipe, **sizes)
+    return xla_gpu.analyse(xla_gpu.compile_for(step, *args, donate_argnums=(n,)))
+
+
+def _entry(program):
+    comps, entry = xla_gpu.parse(program.text)
+    return comps[entry]
+
+
+RECIPES = {"current": None, "delayed": jamp.float8.DelayedScaling(16)}
+
+
+def _readers(entry, name):
+    """The kernels of the entry computation that read ``name``, through bitcasts."""
+    out = []
+    for i in entry.values():
+        if name in i.operands:
+            out += _readers(entry, i.name) if i.opcode == "bitcast" else [i]
+    return out
+
+
+@pytest.mark.parametrize("kind", list(RECIPES))
+def test_a_weight_is_quantised_in_one_pass(kind):
+    # float8.quantize saturates with clamp + (y - y) rather than a select on is_finite(x):
+    # with the select, XLA:GPU wrote the predicate of a weight quantised into its
+    # transposed layout in a pass of its own (a 16 MiB read and a 4 MiB predicate write
+    # per 1024x4096 weight and step). Now each weight is read by its quantisation's pass,
+    # the optimizer's update and its amax's pass (under delayed scaling, nothing waits for
+    # the amax and XLA computes it in the update's pass), and nothing writes a predicate.
+    entry = _entry(_mlp(recipe=RECIPES[kind]))
+    assert not [i.name for i in entry.values() if i.shape.startswith("pred[") and i.nbytes > 1]
+    weights = [
+        i.name
+        for i in entry.values()
+        if i.opcode == "parameter" and re.match(r"f32\[(1024,4096|4096,1024)\]", i.shape)
+    ]
+    assert len(weights) == 2
+    for w in weights:
+        assert len(_readers(entry, w)) <= 3, (w, [r.name for r in _readers(entry, w)])
+
+
+def _float8_gemms(program):
+    """``(pass, path, algorithm, operand precisions)`` of each float8 GEMM of a compiled
+    step: ``pass`` "forward" or "backward" (jax's name stack: ``transpose(jvp(...))``);
+    ``path`` "cublaslt" (a ``__cublas$lt$matmul$f8`` call) or "triton" (a GEMM fusion)."""
+    comps, entry = xla_gpu.parse(program.text)
+    out = []
+    for ins in comps[entry].values():
+        where = "backward" if "transpose(" in ins.op_name() else "forward"
+        target = ins.attr("custom_call_target") or ""
+        if target.strip('"') == "__cublas$lt$matmul$f8":
+            config = re.search(r'"precision_config":\{([^}]*)\}', ins.attrs).group(1)
+            found = re.search(r'"algorithm":"(\w+)"', config)
+            algorithm = found.group(1) if found else "ALG_UNSET"
+            precisions = tuple(re.findall(r'"(DEFAULT|HIGH|HIGHEST)"', config))
+            out.append((where, "cublaslt", algorithm, precisions))
+        elif ins.opcode == "fusion" and "triton" in ins.attrs and "gemm" in ins.attrs:
+            dots = [i for c in ins.called() for i in comps[c].values() if i.opcode == "dot"]
+            for dot in dots:
+                operands = [
+                    comps[c][o] for c in ins.called() for o in dot.operands if o in comps[c]
+                ]
+                if not all(o.arrays[0][0].startswith("f8") for o in operands):
+                    continue
+                algorithm = dot.attr("algorithm")
+                found = re.search(r"operand_precision=\{([^}]*)\}", dot.attrs)
+                precisions = found.group(1).upper().split(",") if found else ["DEFAULT"] * 2
+                algorithm = f"ALG_{algorithm.upper()}" if algorithm else "ALG_UNSET"
+                out.append((where, "triton", algorithm, tuple(precisions)))
+    return out
+
+
+def _accumulation(path, algorithm, precisions):
+    """How XLA:GPU accumulates a float8 GEMM (docs/float8.md, "Accumulation"): "fast"
+    (partial sums not promoted to float32 as they go) or "float32".
+
+    cuBLASLt (xla/stream_executor/cuda/cuda_blas_lt.cc, IsFastAccumEnabled): with no
+    algorithm, CUBLASLT_MATMUL_DESC_FAST_ACCUM is on for float8 operands when the compute
+    precision (the largest operand precision) is DEFAULT; with one, it is on only for
+    ALG_DOT_ANY_F8_ANY_F8_F32_FAST_ACCUM. Triton (stablehlo_lower_to_triton.cc,
+    EmitDotAlgUnset): a float8 dot without an algorithm gets maxNumImpreciseAcc = INT_MAX
+    whatever its precisions ("to mimick cuBLAS"); the float8 algorithms have no Triton
+    emitter, so such a dot is never a Triton GEMM."""
+    if path == "triton":
+        assert algorithm == "ALG_UNSET", algorithm
+        return "fast"
+    if algorithm == "ALG_UNSET":
+        return "fast" if set(precisions) == {"DEFAULT"} else "float32"
+    return "fast" if algorithm == "ALG_DOT_ANY_F8_ANY_F8_F32_FAST_ACCUM" else "float32"
+
+
+@pytest.mark.parametrize("kind", list(RECIPES))
+def test_float8_gradient_gemms_accumulate_in_float32_and_the_forward_gemm_fast(kind):
+    # The issue #35 pin: the two gradient products (dgrad, wgrad) of every float8 product
+    # run with float32 accumulation (ANY_F8_ANY_F8_F32: a cuBLASLt GEMM, fast accumulation
+    # off), as Transformer Engine's and torchao's do; the forward product with fast
+    # accumulation (DEFAULT), as theirs. The MLP: 2 forward products, 3 gradient products
+    # (the input's gradient is not asked for).
+    gemms = _float8_gemms(_mlp(recipe=RECIPES[kind]))
+    forward = [g for g in gemms if g[0] == "forward"]
+    backward = [g for g in gemms if g[0] == "backward"]
+    assert len(forward) == 2 and len(backward) == 3, gemms
+    assert all(_accumulation(*g[1:]) == "fast" for g in forward), forward
+    assert all(g[1:3] == ("cublaslt", "ALG_DOT_ANY_F8_ANY_F8_F32") for g in backward), backward
+    assert all(_accumulation(*g[1:]) == "float32" for g in backward), backward
+
+
+@pytest.mark.standard_promotion
+def test_every_float8_gemm_of_a_gpt_block_step_accumulates_as_pinned():
+    # A Flax GPT block under autocast "float8" (adamw, donated): XLA merges the q, k and v
+    # projections into one forward GEMM; attention's two products are float8 too. Every
+    # gradient GEMM accumulates in float32, every forward GEMM fast, and no float8 dot is
+    # left outside a GEMM (a fusion upcasting it, or a dot a classical emitter runs).
+    model = models.gpt_stack(d=32, heads=2, layers=1, b=2, t=16)
+    model = dataclasses.replace(model, loss=jamp.autocast(model.loss, "float8"))
+    state, step = steps.plain(model)
+    p = xla_gpu.analyse(xla_gpu.compile_for(step, state, model.batch, donate_argnums=(0,)))
+    gemms = _float8_gemms(p)
+    backward = [g for g in gemms if g[0] == "backward"]
+    assert len(gemms) == 6 + 14 and len(backward) == 14, gemms
+    for where, *how in gemms:
+        assert _accumulation(*how) == ("float32" if where == "backward" else "fast"), how
+    comps, _ = xla_gpu.parse(p.text)
+    f8_dots = [
+        i
+        for c in comps.values()
+        for i in c.values()
+        if i.opcode == "dot" and any(c[o].arrays[0][0].startswith("f8") for o in i.operands)
+    ]
+    assert len(f8_dots) == 6  # the forward GEMMs' (Triton); the others are cuBLASLt calls

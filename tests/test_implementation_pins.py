@@ -214,30 +214,49 @@ def test_log_under_vmap_has_no_callback_outside_a_cond():
 # ---------------------------------------------------------------- float8 autocast
 
 
-def test_the_stablehlo_is_the_pattern_xla_gpu_rewrites_into_a_float8_gemm():
-    """float8 operands converted from float32, a float32 dot_general, a scalar multiply."""
+@pytest.mark.parametrize("platform", ["cpu", "cuda"])
+def test_the_stablehlo_is_the_pattern_xla_gpu_rewrites_into_a_float8_gemm(platform):
+    """float8 operands converted from float32, a float32 dot_general, a scalar multiply; the
+    gradient products chosen at lowering (docs/float8.md, "Accumulation"): on CUDA with
+    float32 accumulation and no imprecise accumulation, elsewhere DEFAULT."""
     f = jamp.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "float8")
     w, x = randn(0, 16, 32), randn(1, 8, 16)
-    text = jax.jit(jax.grad(f, argnums=(0, 1))).lower(w, x).as_text()
-    dots = [line for line in text.splitlines() if "stablehlo.dot_general" in line]
+    step = jax.jit(jax.grad(f, argnums=(0, 1)))
+    text = step.trace(w, x).lower(lowering_platforms=(platform,)).as_text()
+    lines = text.splitlines()
+    dots = [i for i, line in enumerate(lines) if "stablehlo.dot_general" in line]
     assert len(dots) == 3
-    signatures = sorted(line.split(" : ")[-1] for line in dots)
+    signatures = sorted(lines[i].split(" : ")[-1] for i in dots)
     assert signatures == [
         "(tensor<8x16xf8E4M3FN>, tensor<16x32xf8E4M3FN>) -> tensor<8x32xf32>",
         "(tensor<8x32xf8E5M2>, tensor<16x32xf8E4M3FN>) -> tensor<8x16xf32>",
         "(tensor<8x32xf8E5M2>, tensor<8x16xf8E4M3FN>) -> tensor<32x16xf32>",
     ]
     assert text.count("-> tensor<8x16xf8E4M3FN>") >= 1 and "-> tensor<8x32xf8E5M2>" in text
-    # Each product's result is multiplied by a broadcast scalar (the inverse scales).
-    lines = text.splitlines()
-    for i, line in enumerate(lines):
-        if "stablehlo.dot_general" in line:
-            name = line.split("=")[0].strip()
+    precise = (
+        "algorithm = <lhs_precision_type = f8E5M2, rhs_precision_type = f8E4M3FN, "
+        "accumulation_type = f32, lhs_component_count = 1, rhs_component_count = 1, "
+        "num_primitive_operations = 1, allow_imprecise_accumulation = false>"
+    )
+    # Each product's result is multiplied by a broadcast scalar (the inverse scales): the
+    # forward product's directly, a gradient product's as the result of the one-branch
+    # `case` that holds it (lax.platform_dependent, resolved at lowering).
+    for i in dots:
+        line = lines[i]
+        name = line.split("=")[0].strip()
+        gradient = "f8E5M2" in line
+        assert (precise in line) == (gradient and platform == "cuda"), line
+        if gradient:
+            assert '"stablehlo.case"' in lines[i - 1] and f"stablehlo.return {name}" in lines[i + 1]
+            name = lines[i - 1].split("=")[0].strip()
+            after = "\n".join(lines[i + 2 :])
+            assert f"stablehlo.multiply {name}," in after
+        else:
             after = "\n".join(lines[i + 1 : i + 4])
             assert "stablehlo.broadcast_in_dim" in after and f"stablehlo.multiply {name}" in after
-    # XLA:CPU upcasts float8 operands for its dot; the float8 converts stay in its HLO.
-    compiled = jax.jit(jax.grad(f, argnums=(0, 1))).lower(w, x).compile().as_text()
-    assert "f8e4m3fn" in compiled and "f8e5m2" in compiled
+    if platform == "cpu":  # XLA:CPU upcasts float8 operands; the float8 converts stay
+        compiled = step.lower(w, x).compile().as_text()
+        assert "f8e4m3fn" in compiled and "f8e5m2" in compiled
 
 
 def test_delayed_scaling_quantises_without_waiting_for_the_operands_amax():

@@ -29,8 +29,12 @@ Two ways to choose the scales, both Transformer Engine's:
     next state.
 
 Quantisation saturates finite values at the format's largest finite value
-and keeps infinities and NaN non-finite (``float8_e4m3fn`` has no infinity:
-they become NaN), so an overflow still reaches loss scaling's finite check.
+and turns infinities and NaN into NaN, so an overflow still reaches loss
+scaling's finite check.
+
+The forward product accumulates as XLA's ``DEFAULT`` does for float8 (fast
+accumulation); the two gradient products ask for float32 accumulation without
+it on CUDA GPUs (``GRADIENT_ALGORITHM``), as Transformer Engine and torchao do.
 """
 
 from __future__ import annotations
@@ -451,10 +455,18 @@ def current_scale(amax: jax.Array, row: int) -> jax.Array:
 
 
 def quantize(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
-    """``clip(x * scale, +-finfo(dtype).max)`` in ``dtype``; inf and NaN stay non-finite."""
+    """``clip(x * scale, +-finfo(dtype).max)`` in ``dtype``; a value whose scaled value is
+    not finite (inf, NaN, or a finite value the scale takes past float32) becomes NaN.
+
+    ``y - y`` is 0 for a finite ``y`` and NaN otherwise, so the saturating cast is one
+    elementwise pass. A ``select`` on ``is_finite(x)`` (the form before) made XLA:GPU
+    write the predicate of a weight in a pass of its own when it quantised the weight into
+    the transposed layout its GEMM reads: 20 MiB more per 1024x4096 weight and step
+    (``tests/test_gpu_compile.py``).
+    """
     big = np.float32(jnp.finfo(dtype).max)
     y = x.astype(F32) * scale
-    return lax.select(lax.is_finite(x), lax.clamp(-big, y, big), y).astype(dtype)
+    return (lax.clamp(-big, y, big) + (y - y)).astype(dtype)
 
 
 def _usable(scale: jax.Array, x_amax: jax.Array, row: int, recipe: DelayedScaling) -> jax.Array:
@@ -482,15 +494,50 @@ class Spec(NamedTuple):
     recipe: DelayedScaling | None = None
 
 
+# How the float8 GEMMs accumulate (docs/float8.md, "Accumulation"). The two gradient
+# products (dgrad, wgrad) ask for float32 accumulation without fast accumulation on CUDA
+# GPUs: the ``ANY_F8_ANY_F8_F32`` algorithm, which XLA:GPU runs as a cuBLASLt float8 GEMM
+# with CUBLASLT_MATMUL_DESC_FAST_ACCUM off (its Triton GEMM emitter refuses the algorithm,
+# and accumulates a float8 dot without one imprecisely). Transformer Engine and torchao
+# accumulate their gradient GEMMs the same way. The forward product keeps ``DEFAULT``,
+# which both XLA:GPU paths run with fast accumulation, as TE and torchao run theirs. Other
+# platforms keep ``DEFAULT``: the CPU refuses float8 algorithms (it upcasts the operands
+# and accumulates in float32).
+GRADIENT_ALGORITHM = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
+BF16 = np.dtype(jnp.bfloat16)
+
+
+def _gradient_dot(lhs, rhs, dimension_numbers, out_sharding, out_type):
+    """``dot_general`` of two float8 operands, accumulated in float32, as float32: on CUDA
+    GPUs with ``GRADIENT_ALGORITHM``, rounded to ``out_type`` (float32, or bfloat16 for a
+    bfloat16 gradient) by the cuBLASLt GEMM itself (a float32 product would be written,
+    read back and cast: 10 bytes a value where bfloat16 is 2); elsewhere with ``DEFAULT``,
+    not rounded. Chosen at lowering."""
+
+    def cuda(a, b):
+        return lax.dot_general(
+            a, b, dimension_numbers, precision=GRADIENT_ALGORITHM,
+            preferred_element_type=out_type, out_sharding=out_sharding,
+        ).astype(F32)  # fmt: skip
+
+    def default(a, b):
+        return lax.dot_general(
+            a, b, dimension_numbers, preferred_element_type=F32, out_sharding=out_sharding
+        )
+
+    return lax.platform_dependent(lhs, rhs, cuda=cuda, default=default)
+
+
 def _scaled_dot(q_lhs, q_rhs, dimension_numbers, inv, out_sharding=None):
-    """``dot_general(q_lhs, q_rhs) * inv`` in float32: what XLA rewrites to one FP8 GEMM."""
+    """``dot_general(q_lhs, q_rhs) * inv`` in float32: what XLA rewrites to one FP8 GEMM
+    (fast accumulation, ``DEFAULT``)."""
     out = lax.dot_general(
         q_lhs, q_rhs, dimension_numbers, preferred_element_type=F32, out_sharding=out_sharding
     )
     return out * inv
 
 
-def _operand_grad(g, other, own, dimension_numbers, wrt_lhs: bool, inv):
+def _operand_grad(g, other, own, dimension_numbers, wrt_lhs: bool, inv, dtype):
     """The gradient of one operand (``own``) of ``dot_general``: ``g`` times the other.
 
     ``g`` has the output's axes (batch, the left operand's free axes, the
@@ -513,9 +560,11 @@ def _operand_grad(g, other, own, dimension_numbers, wrt_lhs: bool, inv):
     g_oth = range(nb + n_lhs_free, g.ndim) if wrt_lhs else range(nb, nb + n_lhs_free)
     dims = ((tuple(g_oth), tuple(oth_free)), (tuple(range(nb)), tuple(oth_b)))
     order = [*own_b, *own_free, *(own_c[i] for i in np.argsort(oth_c))]
-    y = lax.dot_general(
-        g, other, dims, preferred_element_type=F32, out_sharding=_sharding_as(own, order)
-    )
+    # On a GPU a bfloat16 gradient's product is rounded to bfloat16 before it is scaled: a
+    # relative error of at most 2**-8, next to the 2**-3 of the float8_e5m2 gradient it is
+    # made of. float16 keeps a float32 product: unscaled, it may exceed float16's range.
+    out_type = BF16 if np.dtype(dtype) == BF16 else F32
+    y = _gradient_dot(g, other, dims, _sharding_as(own, order), out_type)
     return lax.transpose(y * inv, tuple(int(i) for i in np.argsort(order)))
 
 
@@ -554,8 +603,8 @@ def _transposed(spec: Spec, operands, q_g, inv_g):
     """The operands' gradients from the quantised gradient ``q_g`` (inverse scale ``inv_g``)."""
     q_lhs, q_rhs, inv_lhs, inv_rhs = operands
     dn = spec.dimension_numbers
-    d_lhs = _operand_grad(q_g, q_rhs, q_lhs, dn, True, inv_g * inv_rhs)
-    d_rhs = _operand_grad(q_g, q_lhs, q_rhs, dn, False, inv_g * inv_lhs)
+    d_lhs = _operand_grad(q_g, q_rhs, q_lhs, dn, True, inv_g * inv_rhs, spec.lhs_dtype)
+    d_rhs = _operand_grad(q_g, q_lhs, q_rhs, dn, False, inv_g * inv_lhs, spec.rhs_dtype)
     return d_lhs.astype(spec.lhs_dtype), d_rhs.astype(spec.rhs_dtype)
 
 
