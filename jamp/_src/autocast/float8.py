@@ -199,7 +199,7 @@ def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -
         "a float8 state",
         fix,
     )
-    h = recipe.amax_history_len
+    h, state = recipe.amax_history_len, static_cast(Mapping[str, Any], state)  # checked above
     for site in found:
         entry = state[site.key]
         shapes = {"amax_history": (*site.stack, 3, h), "scale": (*site.stack, 3)}
@@ -241,6 +241,7 @@ def check_telemetry(telemetry: object, found: Sequence[Site]) -> None:
         "float8 telemetry",
         fix,
     )
+    telemetry = static_cast(Mapping[str, Any], telemetry)  # _check_keys checked it
     for site in found:
         entry, shape = telemetry[site.key], (*site.stack, 3)
         if not (isinstance(entry, Telemetry) and all(_is_array(x, shape) for x in entry)):
