@@ -18,24 +18,31 @@ Variants (``steps.py``), on the same model and inputs, state donated and not: th
 step, every jamp path (``loss_scaling`` by each skip, ``GradScaler.step``, ``value_and_grad``
 + ``step_if_finite``, a ``multi_steps`` micro-step) and the peers (jmp,
 ``optax.apply_if_finite``, flax ``DynamicScale``).
+
+``--float8`` (a section of its own): float8 beside bfloat16 (``jamp.autocast``), the GPT's
+plain adamw step (float8 with its attention in bfloat16 too, as Transformer Engine's
+default) and an MLP ``d -> 4d -> d`` SGD step (``steps.mlp_train_step``) at sizes where the
+step is bound by memory and where it is bound by the GEMMs (issue #35).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import platform
 import time
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 import jamp
 from benchmarks import models, steps, xla_gpu
 from benchmarks.models import Model
-from benchmarks.report import emit, now, version
+from benchmarks.report import emit, marked, now, version
 
 START, END = "<!-- gpu-compile:start -->", "<!-- gpu-compile:end -->"
 # The floor of check-then-update on the optimizer step: one more read of the gradients
@@ -45,10 +52,11 @@ BYTES_LIMIT = 1.143  # issue #24: the default loss-scaled optimizer step, x plai
 GPT_BYTES_LIMIT, GPT_KERNELS_LIMIT = 1.02, 1.10  # the GPT step with loss scaling, x unscaled
 
 
+GPT_SIZES = {True: (32, 2, 2, 2, 16), False: (512, 8, 4, 16, 512)}  # d, heads, layers, b, t
 # The models at their sizes here, ``MODELS[name](tiny)``.
 MODELS: dict[str, Callable[[bool], Model]] = {
     "optimizer": lambda tiny: models.optimizer(*((64, 256) if tiny else ())),
-    "GPT": lambda tiny: models.gpt_stack(*((32, 2, 2, 2, 16) if tiny else (512, 8, 4, 16, 512))),
+    "GPT": lambda tiny, **kw: models.gpt_stack(*GPT_SIZES[tiny], **kw),
     "ResNet": lambda tiny: models.resnet(
         *(((8, 16), 1, 8, 4) if tiny else ((64, 128, 256), 2, 32, 64))
     ),
@@ -72,6 +80,13 @@ VARIANTS: dict[str, Callable[[Model], tuple]] = {
 UNDONATED = ("optimizer", "GPT")  # the models also compiled without donation
 DEFAULTS = ("jamp.loss_scaling", "jamp.GradScaler.step")  # the paths a user gets
 PEERS = ("jmp all_finite + select_tree", "optax.apply_if_finite (no scaling)")
+
+F8_START, F8_END = "<!-- gpu-compile-float8:start -->", "<!-- gpu-compile-float8:end -->"
+# The MLPs of --float8, (d, hidden, batch): bound by memory; the telemetry tests' MLP; bound
+# by the GEMMs.
+F8_MLPS = {False: ((1024, 4096, 256), (1024, 4096, 2048), (4096, 16384, 8192)),
+           True: ((64, 256, 128),)}  # fmt: skip
+F8_VARIANTS = ("bfloat16", "float8 current", "float8 delayed")
 
 # --------------------------------------------------------------------------- measuring
 
@@ -251,8 +266,71 @@ def section(args: argparse.Namespace, chosen: list[Model], results: dict, checks
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------- float8
+
+
+def float8_programs(tiny: bool, log: Callable) -> dict[str, dict[str, xla_gpu.Program]]:
+    """``{model: {variant: program}}``: the GPT's adamw step under ``jamp.autocast`` bfloat16
+    and float8 (current scaling), the MLPs' SGD steps under bfloat16 and both recipes."""
+    out: dict[str, dict[str, xla_gpu.Program]] = {}
+    gpt = MODELS["GPT"](tiny)
+    in_bf16 = MODELS["GPT"](tiny, attention=jamp.autocast(nn.dot_product_attention, jnp.bfloat16))
+    out[f"GPT: {gpt.describe}, adamw"] = rows = {}
+    for name, dtype, m in (("bfloat16", jnp.bfloat16, gpt), ("float8 current", "float8", gpt),
+                           ("float8, attention in bfloat16", "float8", in_bf16)):  # fmt: skip
+        model = dataclasses.replace(m, loss=jamp.autocast(m.loss, dtype))
+        rows[name] = compile_variant(model, "plain (optax.adamw)", True)
+        log(f"  GPT {name}: {rows[name].temp_bytes / 2**20:.1f} MiB temp")
+    recipes = {"bfloat16": None, "float8 current": None,
+               "float8 delayed": jamp.float8.DelayedScaling(steps.HISTORY)}  # fmt: skip
+    for d, hidden, batch in F8_MLPS[tiny]:
+        out[f"MLP {d} -> {hidden} -> {d}, batch {batch}, SGD"] = rows = {}
+        for name in F8_VARIANTS:
+            dtype = jnp.bfloat16 if name == "bfloat16" else "float8"
+            step, args, n = steps.mlp_train_step(dtype, d, hidden, batch, recipes[name])
+            rows[name] = xla_gpu.analyse(xla_gpu.compile_for(step, *args, donate_argnums=(n,)))
+            log(f"  MLP {d} {name}: {rows[name].bytes / 1e6:.1f} MB")
+    return out
+
+
+def float8_section(args: argparse.Namespace, programs: dict, target: xla_gpu.Target,
+                   elapsed: float) -> str:  # fmt: skip
+    cmd = "python -m benchmarks gpu-compile --float8" + (" --tiny" if args.tiny else "")
+    lines = [
+        "## The GPU compile: float8 beside bfloat16 (`benchmarks/gpu_compile.py --float8`)", "",
+        f"- command: `{cmd}`; date {now()}; {elapsed:.0f} s; jax {version('jax')}",
+        "- compiled for an H200 target, no device, autotuning off, as the section above; "
+        "`jamp.autocast(loss, bfloat16)` against `jamp.autocast(loss, \"float8\")` (the "
+        "gradient GEMMs with float32 accumulation, `docs/float8.md`); parameters donated",
+        "- bound: the roofline's larger share, the GEMMs' FLOPs at the dense peak or every "
+        "kernel's bytes at the bandwidth",
+    ]  # fmt: skip
+    head = ("| variant | bytes (GB) | x bf16 | temp (MiB) | x bf16 | roofline (ms) | x bf16 | "
+            "bound | kernels | GEMM dtypes |")  # fmt: skip
+    for model, rows in programs.items():
+        bf = rows["bfloat16"]
+        lines += ["", f"### {model}", "", head, "| --- |" + " ---: |" * 6 + " --- | ---: | --- |"]
+        for name, p in rows.items():
+            flops = sum(f / target.peaks[d] for d, f in p.flops.items())
+            bound = "GEMMs" if flops > p.bytes / target.bandwidth else "memory"
+            lines.append(
+                f"| {name} | {p.bytes / 1e9:.3f} | {p.bytes / bf.bytes:.3f} | "
+                f"{p.temp_bytes / 2**20:.1f} | {p.temp_bytes / bf.temp_bytes:.3f} | "
+                f"{p.roofline(target) * 1e3:.3f} | {p.roofline(target) / bf.roofline(target):.3f}"
+                f" | {bound} | {p.n_kernels} | {', '.join(sorted(p.gemm_dtypes()))} |"
+            )
+    gpt = next(rows for model, rows in programs.items() if model.startswith("GPT"))
+    f8, bf = gpt["float8 current"], gpt["bfloat16"]
+    met = "yes" if f8.temp_bytes <= bf.temp_bytes else "**no**"
+    measured = f"{f8.temp_bytes / 2**20:.1f} MiB against {bf.temp_bytes / 2**20:.1f} MiB"
+    lines += ["", "### Target (issue #35)", "", "| target | measured | met |", "| --- " * 3 + "|",
+              f"| GPT train step: float8 temp <= bfloat16's | {measured} | {met} |"]  # fmt: skip
+    return marked("\n".join(lines), F8_START, F8_END)
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--models", default=",".join(MODELS), help="comma-separated subset")
+    ap.add_argument("--float8", action="store_true", help="only float8 beside bfloat16")
 
 
 def run(args: argparse.Namespace, log: Callable[[str], None]) -> str:
@@ -261,6 +339,11 @@ def run(args: argparse.Namespace, log: Callable[[str], None]) -> str:
         raise SystemExit(f"benchmarks gpu-compile: {why}")
     target = xla_gpu.TARGETS["H200"]
     t0 = time.perf_counter()
+    if getattr(args, "float8", False):
+        with jax.numpy_dtype_promotion("standard"):  # optax's adamw
+            programs = float8_programs(args.tiny, log)
+        text = float8_section(args, programs, target, time.perf_counter() - t0)
+        return emit(args, text, F8_START, F8_END)
     chosen = [MODELS[m.strip()](args.tiny) for m in args.models.split(",") if m.strip()]
     results = {}
     for model in chosen:

@@ -357,14 +357,15 @@ class Block(nn.Module):
     heads: int
     dtype: Any = None
     param_dtype: Any = F32
+    attention: Callable = nn.dot_product_attention  # Flax's attention_fn
 
     @nn.compact
     def __call__(self, x, mask):
         kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
         h = nn.LayerNorm(**kw)(x)
-        h = nn.MultiHeadDotProductAttention(num_heads=self.heads, deterministic=True, **kw)(
-            h, mask=mask
-        )
+        h = nn.MultiHeadDotProductAttention(
+            num_heads=self.heads, deterministic=True, attention_fn=self.attention, **kw
+        )(h, mask=mask)
         x = x + h
         h = nn.LayerNorm(**kw)(x)
         h = nn.Dense(4 * x.shape[-1], **kw)(h)
@@ -378,12 +379,13 @@ class GPTStack(nn.Module):
     heads: int
     dtype: Any = None
     param_dtype: Any = F32
+    attention: Callable = nn.dot_product_attention
 
     @nn.compact
     def __call__(self, x):
         mask = nn.make_causal_mask(jnp.ones(x.shape[:2], jnp.int32))
         for _ in range(self.layers):
-            x = Block(self.heads, self.dtype, self.param_dtype)(x, mask)
+            x = Block(self.heads, self.dtype, self.param_dtype, self.attention)(x, mask)
         return x
 
 
@@ -510,11 +512,13 @@ def flax_model(name, describe, module, batch, head, rngs=False) -> Model:
     return Model(name, describe, variables["params"], batch, at(), mstate, at)
 
 
-def gpt_stack(d: int, heads: int, layers: int, b: int, t: int, seed: int | None = None) -> Model:
-    """``layers`` Flax pre-LayerNorm blocks (causal self-attention, gelu MLP), MSE loss."""
+def gpt_stack(d: int, heads: int, layers: int, b: int, t: int, seed: int | None = None,
+              attention: Callable = nn.dot_product_attention) -> Model:  # fmt: skip
+    """``layers`` Flax pre-LayerNorm blocks (causal self-attention, gelu MLP), MSE loss;
+    ``attention`` is the attention heads' ``attention_fn``."""
     describe = f"{layers} Flax GPT blocks, d {d}, {heads} heads, batch {b}x{t}, MSE loss"
-    return flax_model("GPT", describe, lambda dt=None, pdt=F32: GPTStack(layers, heads, dt, pdt),
-                      sequences(b, t, d, seed), mse)  # fmt: skip
+    return flax_model("GPT", describe, lambda dt=None, pdt=F32: GPTStack(layers, heads, dt, pdt,
+                      attention), sequences(b, t, d, seed), mse)  # fmt: skip
 
 
 def cnn(feats: tuple, groups: int, b: int, size: int, seed: int | None = None) -> Model:

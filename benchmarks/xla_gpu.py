@@ -3,7 +3,8 @@
 jax's CUDA plugin compiles ahead of time for a described device: :func:`compile_for` gives
 the real GPU program of a function, and :func:`analyse` reads it into a :class:`Program`:
 the kernels of one step (a ``conditional`` counts its thunk and costliest branch, a
-``while`` or ``call`` what it runs, once), the bytes each moves (operands plus outputs),
+``while`` or ``call`` what it runs, once), the bytes each moves (operands plus outputs; a
+cuBLAS call's workspace, 4 MiB of scratch it uses a part of, is in the temp memory only),
 XLA's temp memory, matrix FLOPs by operand dtype and a roofline time. GEMMs keep XLA's
 default configurations (autotuning needs a device); the rest is the compiler's own, and
 deterministic. Needs ``jax-amp[gpu-compile]``, ``ptxas`` on ``PATH`` and
@@ -380,6 +381,8 @@ def _walk(comps: dict[str, dict[str, Instr]], name: str, out: list[Kernel], coun
         if op == "copy":
             counts["copies"] += 1
         nbytes = ins.nbytes + sum(comp[o].nbytes for o in ins.operands if o in comp)
+        if "cublas" in (ins.attr("custom_call_target") or ""):  # its s8 workspace: scratch
+            nbytes -= sum(math.prod(dims) for d, dims in ins.arrays if d == "s8")
         flops = _flops_in(comps, comp, ins)
         out.append(Kernel(ins.name, op, ins.op_name(), nbytes, flops))
 
