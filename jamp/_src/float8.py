@@ -247,7 +247,9 @@ def check_values(state: Float8State, where: str, recipe: DelayedScaling | None =
     ``[0, 14]``); a row never measured holds 1 (a fresh state) or 0 ("not
     measured yet"). A restored scale of ``1e30`` for a tensor of amax 10 would
     saturate every value and make the product 0.0: finite, so loss scaling
-    would apply the step. Traced values (under ``jit``) are not checked.
+    would apply the step. Traced values (under ``jit``) cannot be read: there
+    ``traced_check`` makes the products and their gradients NaN instead, where a
+    row's history determines its scale and the scale is another.
     """
     history, scale = state.amax_history, state.scale
     if not (_concrete(history) and _concrete(scale)):
@@ -319,6 +321,71 @@ def check_values(state: Float8State, where: str, recipe: DelayedScaling | None =
         )
 
 
+def kept_max(amax_history: jax.Array) -> jax.Array:
+    """The largest amax of the history that ``next_state`` keeps (``(..., 3)``): every
+    entry but the one it overwrites (index ``1 % amax_history_len``, rolled to 0); -inf
+    for a history of 1. The largest of the next history is ``max(new amax, this)``, and
+    of this one ``max(this, that entry)``: one pass over the history serves both
+    (``traced_check`` in the forward pass, ``next_state`` in the backward)."""
+    n = amax_history.shape[-1]
+    kept = np.arange(n) != 1 % n
+    return jnp.max(jnp.where(kept, amax_history, np.float32(-np.inf)), axis=-1)
+
+
+def traced_check(
+    amax_history: jax.Array,
+    scale: jax.Array,
+    recipe: DelayedScaling,
+    kept: jax.Array | None = None,
+) -> jax.Array:
+    """``1.0`` if ``scale`` (``(3,)``) is one the recipe can have computed from
+    ``amax_history`` (``(3, amax_history_len)``), else NaN: ``check_values`` for the values
+    it cannot read (under ``jit``), as a float32 scalar that multiplies the products'
+    inverse scales, so a corrupted state gives non-finite outputs and gradients, which loss
+    scaling skips, instead of finite wrong ones (a scale of ``1e30`` saturates every value;
+    the product was 0.0).
+
+    A row is checked only where the recipe itself leaves no choice: its amax (the
+    history's max, or its newest entry for ``"most_recent"``) is positive and finite and
+    gives a finite scale, so ``next_state`` wrote ``finfo.max / amax / 2**margin`` there,
+    from this very history. Its scale must then be that one, for any margin in
+    ``[0, 14]`` and the amax of the recipe's algorithm (with ``"max"``, the newest amax
+    too), within ``_TOLERANCE``: a state saved with another margin, or computed on
+    another backend, passes; ``1e30`` does not. Or it may be 0 ("not measured yet",
+    which ``_usable`` replaces). Every other row holds a scale the
+    recipe kept from an earlier step (a history never measured, all zero: a fresh state's
+    1 or 0, or a scale whose amaxes have all rolled out of the history; an amax that is
+    inf or NaN; one so small its scale is not a finite float32), which its history cannot
+    vouch for: only its value is checked, finite and >= 0. So a state the recipe produced
+    is never touched, and its products are bit for bit what they were (they are
+    multiplied by exactly 1). Scalar work: a few operations on 3 scalars. The history's
+    largest amax (``"max"``) comes from ``kept``, the pass over the history that
+    ``next_state`` needs anyway (``kept_max``), made once in the forward pass and kept
+    for the backward; the quantisation does not depend on any of it.
+    """
+    n = amax_history.shape[-1]
+    newest = amax_history[..., 0]
+    if recipe.amax_compute_algo == "max":
+        kept = kept_max(amax_history) if kept is None else kept
+        amax = jnp.maximum(kept, amax_history[..., 1 % n])  # the history's largest
+        candidates = (amax, newest)
+    else:
+        amax, candidates = newest, (newest,)
+    want = (ROW_MAX / amax) / np.float32(2.0**recipe.margin)  # next_state's expression
+    determined = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(want)
+
+    def given_by(a: jax.Array) -> jax.Array:
+        """Whether ``scale == finfo.max / a / 2**m`` for some margin ``m`` in [0, 14]."""
+        ratio = (ROW_MAX / a) / scale  # 2**m
+        m = jnp.round(jnp.log2(ratio))
+        close = jnp.abs(ratio * jnp.exp2(-m) - 1) <= _TOLERANCE
+        return (a > 0) & jnp.isfinite(ratio) & (m >= 0) & (m <= MAX_MARGIN) & close
+
+    given = functools.reduce(jnp.logical_or, [given_by(a) for a in candidates])
+    ok = jnp.isfinite(scale) & (scale >= 0) & (~determined | (scale == 0) | given)
+    return jnp.where(jnp.all(ok), np.float32(1), np.float32(np.nan))
+
+
 def init_state(
     recipe: DelayedScaling, stack: Sequence[int] = (), scale: float | None = None
 ) -> Float8State:
@@ -333,11 +400,19 @@ def init_state(
     )
 
 
-def next_state(state: Float8State, amaxes: jax.Array, recipe: DelayedScaling) -> Float8State:
-    """Transformer Engine's update: roll ``amaxes`` (shape ``(3,)``) in, compute the scales."""
+def next_state(
+    state: Float8State,
+    amaxes: jax.Array,
+    recipe: DelayedScaling,
+    kept: jax.Array | None = None,
+) -> Float8State:
+    """Transformer Engine's update: roll ``amaxes`` (shape ``(3,)``) in, compute the scales.
+
+    ``kept``: ``kept_max(state.amax_history)``, when the caller has it already."""
     history = jnp.roll(state.amax_history, -1, axis=-1).at[..., 0].set(amaxes)
-    if recipe.amax_compute_algo == "max":
-        amax = jnp.max(history, axis=-1)
+    if recipe.amax_compute_algo == "max":  # the max of the new history, from one pass
+        kept = kept_max(state.amax_history) if kept is None else kept
+        amax = jnp.maximum(amaxes, kept)
     else:
         amax = history[..., 0]
     new = (ROW_MAX / amax) / np.float32(2.0**recipe.margin)
@@ -447,11 +522,15 @@ def _sharding_as(own: jax.Array, order: Sequence[int]) -> NamedSharding | None:
     return sharding.update(spec=P(*(spec[o] for o in order)))
 
 
-def _forward(spec: Spec, lhs, rhs, s_lhs, s_rhs):
+def _forward(spec: Spec, lhs, rhs, s_lhs, s_rhs, checked=None):
     """The product of the operands quantised with ``s_lhs``, ``s_rhs``; and what the
-    backward pass needs of them (``_backward``)."""
+    backward pass needs of them (``_backward``). ``checked`` (``traced_check``'s 1 or
+    NaN) multiplies the inverse scales, so the product and both gradients, never the
+    quantisation."""
     q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
     inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
+    if checked is not None:
+        inv_lhs, inv_rhs = inv_lhs * checked, inv_rhs * checked
     out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
     return out.astype(spec.out_dtype), (q_lhs, q_rhs, inv_lhs, inv_rhs)
 
@@ -511,15 +590,18 @@ def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
     a_lhs, a_rhs = amax(lhs), amax(rhs)  # recorded; quantised with the state's scales
     s_lhs = _usable(scale[LHS], a_lhs, LHS, spec.recipe)
     s_rhs = _usable(scale[RHS], a_rhs, RHS, spec.recipe)
-    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs)
-    return out, (operands, a_lhs, a_rhs, amax_history, scale)
+    kept = kept_max(amax_history) if spec.recipe.amax_compute_algo == "max" else None
+    checked = traced_check(amax_history, scale, spec.recipe, kept)  # 1, or NaN: corrupted
+    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs, checked)
+    return out, (operands, a_lhs, a_rhs, amax_history, scale, kept)
 
 
 def _delayed_bwd(spec, res, g):
-    operands, a_lhs, a_rhs, amax_history, scale = res
+    operands, a_lhs, a_rhs, amax_history, scale, kept = res
     a_g = amax(g)
     d_lhs, d_rhs = _backward(spec, operands, g, _usable(scale[GRAD], a_g, GRAD, spec.recipe))
-    new = next_state(Float8State(amax_history, scale), jnp.stack([a_lhs, a_rhs, a_g]), spec.recipe)
+    amaxes = jnp.stack([a_lhs, a_rhs, a_g])
+    new = next_state(Float8State(amax_history, scale), amaxes, spec.recipe, kept)
     return d_lhs, d_rhs, new.amax_history, new.scale
 
 

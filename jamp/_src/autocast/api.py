@@ -466,8 +466,18 @@ class _Decorator:
     def __init__(self, transform: Callable, message: str, **kwargs: object) -> None:
         self._transform, self._message, self._kwargs = transform, message, kwargs
 
-    def __call__(self, fun: Callable) -> Callable:
-        return self._transform(fun, **self._kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Callable:
+        if len(args) != 1 or kwargs:  # decorator(x, y): the function's arguments, not `fun`
+            given = [type(a).__name__ for a in args] + [f"{k}=..." for k in kwargs]
+            args_ = "enabled=False" if self._message == _MARKS_A_FUNCTION else "dtype=jnp.bfloat16"
+            raise TypeError(
+                f"Expected one function for `fun` of {self!r}, got {len(given)} arguments "
+                f"({', '.join(given)}) instead: jamp.{self._transform.__name__} without a "
+                "function returns a decorator, which takes the function to transform. Write "
+                f"`jamp.autocast(fn, {args_})(x, y)` to call a function, or "
+                f"`@jamp.autocast({args_})` above its `def`."
+            )
+        return self._transform(args[0], **self._kwargs)
 
     def __enter__(self) -> None:
         raise TypeError(f"{self._message}.")
@@ -491,6 +501,13 @@ def _explains_torch_calls(autocast: Callable[P, R]) -> Callable[P, R]:
         except TypeError as e:  # autocast(device_type="cuda", dtype=...), autocast(dtype=...)
             raise TypeError(f"{_WRAPS_A_FUNCTION} ({e}).") from None
         fun = args[0] if args else kwargs.get("fun")
+        if fun is None and (args or "fun" in kwargs):  # autocast(None, jnp.bfloat16)
+            raise TypeError(
+                "Expected a callable for `fun` of jamp.autocast, got None instead: only a `fun` "
+                "left out makes a decorator (`@jamp.autocast(dtype=jnp.bfloat16)`, the "
+                "arguments by name). Pass the function to transform: "
+                "`jamp.autocast(fn, jnp.bfloat16)(x, y)`."
+            )
         if isinstance(fun, str) or _is_dtype(fun):  # autocast("cuda", ...), autocast(jnp.float16)
             raise TypeError(
                 f"{_WRAPS_A_FUNCTION} (got {fun!r} for `fun`; as a decorator, the dtype is "
