@@ -24,6 +24,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jamp
 from jamp._src import float8
+from jamp._src.float8 import kept_max, traced_check
 
 F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
@@ -416,9 +417,11 @@ def _quantize(x, s, dtype):
     return lax.select(lax.is_finite(x), lax.clamp(-big, y, big), y).astype(dtype)
 
 
-def _forward(x, w, s_x, s_w):
+def _forward(x, w, s_x, s_w, checked=None):
     q_x, q_w = _quantize(x, s_x, E4M3), _quantize(w, s_w, E4M3)
     inv_x, inv_w = 1 / s_x, 1 / s_w
+    if checked is not None:  # delayed scaling: the state's check (1, or NaN if corrupted)
+        inv_x, inv_w = inv_x * checked, inv_w * checked
     inv = inv_x * inv_w
     out = lax.dot_general(q_x, q_w, MM, preferred_element_type=F32, out_sharding=None) * inv
     return out.astype(BF16), (q_x, q_w, inv_x, inv_w)  # bfloat16, as autocast's products
@@ -459,18 +462,23 @@ def _by_hand_delayed(x_dtype, w_dtype):
 
     def fwd(x, w, history, scale):
         a_x, a_w = _amax(x), _amax(w)
-        out, res = _forward(x, w, _usable(scale[0]), _usable(scale[1]))
-        return out, (res, a_x, a_w, history, scale)
+        s_x, s_w = _usable(scale[0]), _usable(scale[1])
+        # The corrupted-state check is not telemetry: jamp's own (tests/test_float8.py).
+        kept = kept_max(history)
+        checked = traced_check(history, scale, jamp.float8.DelayedScaling(4), kept)
+        out, res = _forward(x, w, s_x, s_w, checked)
+        return out, (res, a_x, a_w, history, scale, kept)
 
     def bwd(saved, g):
-        res, a_x, a_w, history, scale = saved
+        res, a_x, a_w, history, scale, kept = saved
         a_g = _amax(g)
         d_x, d_w = _backward(res, g, _usable(scale[2]), x_dtype, w_dtype)
         amaxes = jnp.stack([a_x, a_w, a_g])
         history = jnp.roll(history, -1, axis=-1).at[..., 0].set(amaxes)
-        top = jnp.max(history, axis=-1)
-        new = (_ROW_MAX / top) / np.float32(1.0)
-        keep = (top > 0) & jnp.isfinite(top) & jnp.isfinite(new)
+        top = jnp.maximum(amaxes, kept)
+        positive = top > 0
+        new = (float8.ROW_MAX / jnp.where(positive, top, np.float32(1.0))) / np.float32(1.0)
+        keep = positive & jnp.isfinite(top) & jnp.isfinite(new)
         return d_x, d_w, history, jnp.where(keep, new, scale)
 
     product.defvjp(fwd, bwd)

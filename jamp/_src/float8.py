@@ -371,15 +371,21 @@ def traced_check(
         candidates = (amax, newest)
     else:
         amax, candidates = newest, (newest,)
-    want = (ROW_MAX / amax) / np.float32(2.0**recipe.margin)  # next_state's expression
-    determined = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(want)
+    # The checks make no inf or NaN from a finite state (a zero history divides nothing):
+    # jamp.debug.locate_nonfinite would name them, and they are masked anyway.
+    one = np.float32(1.0)
+    positive = amax > 0
+    want = (ROW_MAX / jnp.where(positive, amax, one)) / np.float32(2.0**recipe.margin)
+    determined = positive & jnp.isfinite(amax) & jnp.isfinite(want)
+    log_scale = jnp.log2(jnp.where(scale > 0, scale, one))
 
     def given_by(a: jax.Array) -> jax.Array:
-        """Whether ``scale == finfo.max / a / 2**m`` for some margin ``m`` in [0, 14]."""
-        ratio = (ROW_MAX / a) / scale  # 2**m
-        m = jnp.round(jnp.log2(ratio))
-        close = jnp.abs(ratio * jnp.exp2(-m) - 1) <= _TOLERANCE
-        return (a > 0) & jnp.isfinite(ratio) & (m >= 0) & (m <= MAX_MARGIN) & close
+        """Whether ``scale == finfo.max / a / 2**m`` for some margin ``m`` in [0, 14], in
+        the log domain (no quotient overflows)."""
+        log_ratio = jnp.log2(ROW_MAX) - jnp.log2(jnp.where(a > 0, a, one)) - log_scale
+        m = jnp.round(log_ratio)
+        close = jnp.abs(jnp.exp2(log_ratio - m) - 1) <= _TOLERANCE
+        return (a > 0) & (scale > 0) & (m >= 0) & (m <= MAX_MARGIN) & close
 
     given = functools.reduce(jnp.logical_or, [given_by(a) for a in candidates])
     ok = jnp.isfinite(scale) & (scale >= 0) & (~determined | (scale == 0) | given)
@@ -415,8 +421,11 @@ def next_state(
         amax = jnp.maximum(amaxes, kept)
     else:
         amax = history[..., 0]
-    new = (ROW_MAX / amax) / np.float32(2.0**recipe.margin)
-    keep = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
+    # A row never measured keeps its scale; it divides nothing (no inf is made, for
+    # jamp.debug.locate_nonfinite to name).
+    positive = amax > 0
+    new = (ROW_MAX / jnp.where(positive, amax, np.float32(1.0))) / np.float32(2.0**recipe.margin)
+    keep = positive & jnp.isfinite(amax) & jnp.isfinite(new)
     return Float8State(history, jnp.where(keep, new, state.scale))
 
 

@@ -225,3 +225,14 @@ def test_finite_steps_and_non_finite_arguments():
     assert "argument 1 is not finite" in str(site)
     with pytest.raises(TypeError, match="`fun`"):
         jamp.debug.locate_nonfinite(3, jnp.ones(3))  # type: ignore[arg-type]
+
+
+def test_a_masked_inf_in_a_finite_step_is_no_fault():
+    """A division by zero that a ``where`` discards, in a step whose loss and gradients
+    are finite: nothing to locate."""
+
+    def loss(w):
+        inverse = jax.lax.stop_gradient(1.0 / w)  # 1/0 = inf, discarded by the where
+        return jnp.sum(jnp.where(w != 0, inverse, 0.0) + w**2)
+
+    assert jamp.debug.locate_nonfinite(loss, jnp.array([0.0, 2.0])) is None

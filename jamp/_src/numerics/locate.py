@@ -167,8 +167,9 @@ def locate_nonfinite(
 
 
 def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Array, ...]:
-    """Traced: whether some operation made a non-finite value from finite inputs, the
-    first one's index, its NaN and inf counts, and its floating inputs' magnitudes."""
+    """Traced: whether the step's value or gradients are not finite and some operation made
+    a non-finite value from finite inputs, the first one's index, its NaN and inf counts,
+    and its floating inputs' magnitudes."""
     made, counts, magnitudes = [], [], []
 
     def observe(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> None:
@@ -184,7 +185,11 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
         sizes = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in ins if _floating(x) and x.size]
         magnitudes.append(sizes)
 
-    evaluate(program, flat_args, observe=observe)
+    outs, _ = evaluate(program, flat_args, observe=observe)
+    finite = jnp.array(True)
+    for x in outs:
+        if _floating(x):
+            finite = finite & jnp.all(jnp.isfinite(x))
     if not made:
         return jnp.array(False), jnp.int32(0), jnp.zeros(2, jnp.int32), jnp.zeros((0,))
     width = max((len(m) for m in magnitudes), default=0)
@@ -196,7 +201,9 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
     )
     flags = jnp.stack(made)
     first = jnp.argmax(flags).astype(jnp.int32)
-    return jnp.any(flags), first, jnp.stack(counts)[first], table[first]
+    # A step whose value and gradients are finite has nothing to locate (a masked inf,
+    # such as a safe division's other branch, is no fault).
+    return jnp.any(flags) & ~finite, first, jnp.stack(counts)[first], table[first]
 
 
 def site(
