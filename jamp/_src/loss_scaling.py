@@ -47,6 +47,7 @@ from jamp._src.validate import (
     check_counters,
     check_flag,
     check_optimizer,
+    check_own_state,
     check_skip,
     check_state_matches,
     check_updates,
@@ -185,11 +186,7 @@ def loss_scaling(
         params: Params | None = None,
         **extra_args: object,
     ) -> tuple[Updates, ScaledOptimizerState]:
-        if not isinstance(state, ScaledOptimizerState):
-            raise TypeError(
-                "Expected `state` to be the ScaledOptimizerState from this transformation's init, "
-                f"got {type(state).__name__} instead."
-            )
+        check_own_state(state, ScaledOptimizerState, "ScaledOptimizerState")
         refuse_axis_name(extra_args, "`update`", "the inner transformation", "jamp.loss_scaling")
         refuse_in(updates, "the gradients given to jamp.loss_scaling's update")
         if not isinstance(state.loss_scale, LossScaleState):
@@ -435,11 +432,7 @@ def multi_steps(
         params: Params | None = None,
         **extra_args: object,
     ) -> tuple[Updates, optax.MultiStepsState]:
-        if not isinstance(state, optax.MultiStepsState):
-            raise TypeError(
-                "Expected `state` to be the optax.MultiStepsState from this transformation's "
-                f"init, got {type(state).__name__} instead."
-            )
+        check_own_state(state, optax.MultiStepsState, "optax.MultiStepsState")
         fn = "jamp.multi_steps(...).update"
         check_updates(updates, params, fn)
         where = first_mismatch(updates, state.acc_grads)

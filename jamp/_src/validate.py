@@ -463,6 +463,16 @@ def check_optimizer(tx: object, name: str = "tx", kind: type | None = None) -> T
     return cast(Transformation, tx)
 
 
+def check_own_state(state: object, kind: type, name: str) -> None:
+    """A TypeError unless ``state`` is a ``kind`` (called ``name``): the state an Optax
+    transformation's ``update`` takes is the one its own ``init`` made."""
+    if not isinstance(state, kind):
+        raise TypeError(
+            f"Expected `state` to be the {name} from this transformation's init, got "
+            f"{type(state).__name__} instead."
+        )
+
+
 def check_counters(skipped_steps: object, last_finite: object, fix: str) -> None:
     """A clear error for ``state.skipped_steps`` and ``state.last_finite`` that no update
     made (a checkpoint restored without validation): an integer scalar (when concrete, in

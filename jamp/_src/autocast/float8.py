@@ -174,9 +174,11 @@ def init_states(found: Sequence[Site], recipe: DelayedScaling) -> dict[str, Floa
     return {site.key: init_state(recipe, site.stack) for site in found}
 
 
-def _check_keys(value: object, found: Sequence[Site], kind: str, what: str, fix: str) -> None:
-    """A TypeError unless ``value`` is a mapping, a ValueError unless its keys are the
-    sites' (one entry per float8 product)."""
+def _check_keys(
+    value: object, found: Sequence[Site], kind: str, what: str, fix: str
+) -> Mapping[str, Any]:
+    """``value``, checked: a TypeError unless it is a mapping, a ValueError unless its keys
+    are the sites' (one entry per float8 product)."""
     if not isinstance(value, Mapping):
         raise TypeError(f"Expected {kind}, got {type(value).__name__} instead; {fix}.")
     want, got = [s.key for s in found], list(value)
@@ -186,12 +188,13 @@ def _check_keys(value: object, found: Sequence[Site], kind: str, what: str, fix:
             f"Expected {what} with one entry per float8 matrix product of the function, keys "
             f"{want}, got keys {got} instead (missing {missing}, unexpected {extra}); {fix}."
         )
+    return value
 
 
 def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -> None:
     """A clear error unless ``state`` has one well-formed Float8State per site."""
     fix = "create it with jamp.float8.init(f, *args) from the function and arguments f takes"
-    _check_keys(
+    state = _check_keys(
         state,
         found,
         "a dict of jamp.float8.Float8State for the float8 state (the first argument of a "
@@ -199,7 +202,7 @@ def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -
         "a float8 state",
         fix,
     )
-    h, state = recipe.amax_history_len, static_cast(Mapping[str, Any], state)  # checked above
+    h = recipe.amax_history_len
     for site in found:
         entry = state[site.key]
         shapes = {"amax_history": (*site.stack, 3, h), "scale": (*site.stack, 3)}
@@ -207,11 +210,7 @@ def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -
             _is_array(getattr(entry, f), shape) for f, shape in shapes.items()
         )
         if not ok:
-            described = (
-                tuple(_describe(x) for x in entry)
-                if isinstance(entry, tuple)
-                else type(entry).__name__
-            )
+            described = _describe_entry(entry)
             raise ValueError(
                 f"Expected a jamp.float8.Float8State of float32 arrays with shapes {shapes} for "
                 f"float8 state entry {site.key!r} (amax_history_len={h}), got {described} "
@@ -233,7 +232,7 @@ def check_telemetry(telemetry: object, found: Sequence[Site]) -> None:
         "create it with jamp.float8.telemetry_init(f, *args) from the function and arguments "
         "f takes"
     )
-    _check_keys(
+    telemetry = _check_keys(
         telemetry,
         found,
         "a dict of jamp.float8.Telemetry for the float8 telemetry (the argument before those "
@@ -241,15 +240,10 @@ def check_telemetry(telemetry: object, found: Sequence[Site]) -> None:
         "float8 telemetry",
         fix,
     )
-    telemetry = static_cast(Mapping[str, Any], telemetry)  # _check_keys checked it
     for site in found:
         entry, shape = telemetry[site.key], (*site.stack, 3)
         if not (isinstance(entry, Telemetry) and all(_is_array(x, shape) for x in entry)):
-            described = (
-                tuple(_describe(x) for x in entry)
-                if isinstance(entry, tuple)
-                else type(entry).__name__
-            )
+            described = _describe_entry(entry)
             raise ValueError(
                 f"Expected a jamp.float8.Telemetry of four float32 arrays of shape {shape} for "
                 f"float8 telemetry entry {site.key!r}, got {described} instead; {fix}."
@@ -260,6 +254,12 @@ def _is_array(x: Any, shape: tuple[int, ...]) -> bool:  # any leaf: duck-typed
     """Whether ``x`` is a float32 array (or tracer) of ``shape``."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and np.dtype(dtype) == F32 and tuple(np.shape(x)) == shape
+
+
+def _describe_entry(entry: Any) -> tuple[tuple[str, tuple[int, ...]] | str, ...] | str:
+    """What a state or telemetry entry holds, for an error message: each field's dtype and
+    shape, or the entry's type when it is not a tuple."""
+    return tuple(_describe(x) for x in entry) if isinstance(entry, tuple) else type(entry).__name__
 
 
 def _describe(x: Any) -> tuple[str, tuple[int, ...]] | str:  # any leaf: duck-typed
