@@ -325,6 +325,128 @@ def test_next_state_is_the_numpy_recipe_for_any_amaxes(amaxes, old, recipe):
     assert np.isfinite(np.asarray(got.scale)).all() and (np.asarray(got.scale) > 0).all()
 
 
+# ----------------------------------------------------------- a corrupted state under jit
+
+ALL_RECIPES = [*RECIPES, jamp.float8.DelayedScaling(amax_history_len=2, unmeasured="current")]
+
+
+def _step(recipe, checked=True):
+    """A jitted step of one delayed product: (output, gradients, next state); with
+    ``checked=False``, the product as it was before issue #35's traced check."""
+
+    def f(a, b, hist, scale):
+        return float8.delayed_dot(a, b, hist, scale, spec(recipe=recipe))
+
+    @jax.jit
+    def step(state, lhs, rhs, ct):
+        out, vjp = jax.vjp(f, lhs, rhs, *state)
+        d_l, d_r, *new = vjp(ct)
+        return out, (d_l, d_r), float8.Float8State(*new)
+
+    if checked:
+        return step
+
+    def unchecked(*args):
+        with pytest.MonkeyPatch.context() as mp:  # traced while patched: its own trace
+            mp.setattr(float8, "traced_check", lambda *args: None)
+            return step(*args)
+
+    return unchecked
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=["max", "most_recent_margin", "h1", "current"])
+def test_the_traced_check_leaves_every_state_of_the_recipe_bit_for_bit(recipe):
+    """Issue #35: the check multiplies the inverse scales by exactly 1 for every state the
+    recipe makes: fresh, measured over seven decades, after an all-zero operand (whose scale
+    the recipe keeps: with a history of 1 its amaxes have all rolled out) and after an
+    infinite gradient (a non-finite amax: the scale is kept for the history's length)."""
+    state = float8.init_state(recipe)
+    checked, unchecked = _step(recipe), _step(recipe, checked=False)
+    for t, (lhs, rhs, ct) in enumerate(steps(7)):
+        got, want = checked(state, lhs, rhs, ct), unchecked(state, lhs, rhs, ct)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), t
+        if t != 4:  # the infinite gradient's step
+            assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got[:2])), t
+        state = got[2]
+        assert float(float8.traced_check(*state, recipe)) == 1.0, t
+
+
+def _measured(recipe):
+    """A state after two real steps: every row measured (``steps``' third has a zero
+    operand, whose row keeps its scale)."""
+    state, step = float8.init_state(recipe), _step(recipe)
+    for lhs, rhs, ct in steps(2):
+        state = step(state, lhs, rhs, ct)[2]
+    return state
+
+
+@pytest.mark.parametrize("recipe", ALL_RECIPES, ids=["max", "most_recent_margin", "h1", "current"])
+@pytest.mark.parametrize("row", [0, 1, 2], ids=["lhs", "rhs", "grad"])
+@pytest.mark.parametrize("bad", [1e30, 1e-30, 3.0, -1.0, np.inf, np.nan])
+def test_under_jit_a_scale_its_history_does_not_give_makes_the_product_non_finite(recipe, row, bad):
+    """Issue #35: traced, a scale of 1e30 gave a product of 0.0 and finite gradients, so
+    loss scaling applied the step. Eagerly check_values refuses it; under jit the product
+    and both gradients are now NaN, whichever row is wrong (the gradient's scale is only
+    used by the backward pass: the forward output is NaN too)."""
+    state = _measured(recipe)
+    lhs, rhs, ct = steps(4)[3]
+    scale = np.asarray(state.scale).copy()
+    scale[row] = bad
+    corrupted = state._replace(scale=jnp.asarray(scale))
+    with pytest.raises(ValueError, match=r"scale"):
+        float8.check_values(corrupted, "the state", recipe)  # eagerly: refused
+    out, grads, _ = _step(recipe)(corrupted, lhs, rhs, ct)
+    for x in (out, *grads):
+        assert np.isnan(np.asarray(x)).all()
+    out, grads, _ = _step(recipe, checked=False)(corrupted, lhs, rhs, ct)
+    if bad in (1e30, 1e-30, 3.0) and row != 2:  # before: finite and wrong
+        assert np.isfinite(np.asarray(out)).all() and np.isfinite(np.asarray(grads[0])).all()
+
+
+def test_a_scale_of_another_margin_or_algorithm_is_no_corruption():
+    """A state saved with another margin (check_restored takes any in [0, 14]), or by
+    "most_recent" and resumed with "max", runs, its first step with its own scales, as
+    before. (A "max" state resumed with "most_recent" is not checked against its largest
+    amax, which only "max" computes: there only its newest amax vouches for a scale.)"""
+    lhs, rhs, ct = steps(4)[3]
+    pairs = (
+        (jamp.float8.DelayedScaling(4, margin=3), jamp.float8.DelayedScaling(4)),
+        (
+            jamp.float8.DelayedScaling(4, margin=3, amax_compute_algo="most_recent"),
+            jamp.float8.DelayedScaling(4, margin=14, amax_compute_algo="most_recent"),
+        ),
+        (
+            jamp.float8.DelayedScaling(4, margin=3, amax_compute_algo="most_recent"),
+            jamp.float8.DelayedScaling(4),
+        ),
+    )
+    for saved_by, recipe in pairs:
+        saved = _measured(saved_by)
+        got = _step(recipe)(saved, lhs, rhs, ct)
+        want = _step(recipe, checked=False)(saved, lhs, rhs, ct)
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
+    # A scale off by more than the tolerance of another backend's rounding is not.
+    saved, recipe = _measured(pairs[0][0]), pairs[0][1]
+    off = saved._replace(scale=saved.scale * np.float32(1.01))
+    assert np.isnan(float(float8.traced_check(*off, recipe)))
+    ok = saved._replace(scale=saved.scale * np.float32(1 + 2.0**-10))
+    assert float(float8.traced_check(*ok, recipe)) == 1.0
+
+
+def test_a_row_never_measured_is_checked_for_its_value_only():
+    """The documented limit: a row whose history is all zero holds a scale the recipe kept
+    (1 or 0 when fresh, an earlier measured one once its amaxes have rolled out of the
+    history), which that history cannot vouch for: any finite scale >= 0 passes traced;
+    eagerly (check_values) only 1 and 0 do."""
+    recipe = jamp.float8.DelayedScaling(amax_history_len=4)
+    fresh = float8.init_state(recipe)
+    for value, ok in ((1.0, True), (0.0, True), (1e30, True), (-1.0, False), (np.nan, False)):
+        state = fresh._replace(scale=jnp.full(3, value, jnp.float32))
+        assert (float(float8.traced_check(*state, recipe)) == 1.0) == ok, value
+
+
 BAD_INPUT = {
     "DelayedScaling(amax_history_len=0)": (
         lambda: jamp.float8.DelayedScaling(amax_history_len=0),

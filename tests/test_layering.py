@@ -40,6 +40,7 @@ FLOORS = {
     "autocast": FRONT,
     "flax_support": FRONT,
     "optimizer": FRONT,
+    "numerics": FRONT,
     # the GradScaler facade over the shared pieces
     "grad_scaler": FACADE,
 }
@@ -49,6 +50,7 @@ PACKAGES = {
     "autocast": ["rules", "values", "sums", "residuals", "flow", "interpreter", "float8", "api"],
     "grad_scaler": ["records", "scaler"],
     "optimizer": ["rounding", "quantize", "master", "state"],
+    "numerics": ["program", "locate", "report"],
 }
 THIRD_PARTY = {GROUND: {"jax", "numpy"}, CHECKS: {"jax", "numpy"}}
 STDLIB_OK = {

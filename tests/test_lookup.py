@@ -190,6 +190,14 @@ def test_metrics_of_an_orbax_restore_without_a_target_are_validated(tmp_path):
             call(restored)
 
 
+def test_a_scale_restored_without_a_target_is_checked_as_the_float32_the_state_holds():
+    """Issue #35: 5e-324 (and 1e-46) passed as positive float64 numbers and came back 0.0,
+    the float32 they round to. jamp's own bounds, 2**-126 and 2**126, still pass."""
+    for v in (2.0**-126, 2.0**126, np.float64(1024.0), np.float32(3.0), 7):
+        got = jamp.get_loss_scale(_flat(scale=v)).scale
+        assert got.dtype == jnp.float32 and float(got) == float(np.float32(v)), v
+
+
 def _flat(**values):
     """A loss_scaling state as a checkpoint restored without a target holds it."""
     inner = {"scale": 1024.0, "growth_tracker": 3, "overflow_streak": 0}
@@ -249,6 +257,45 @@ BAD_INPUT = {
         lambda: jamp.get_loss_scale(_flat(scale=np.float32(np.nan))),
         ValueError,
         (r"`opt_state\['loss_scale'\]\['scale'\]` to be positive and finite", r"check_restored"),
+    ),
+    # issue #35: checked as the state holds it, in float32, not as the float64 it was read as
+    "get_loss_scale(restored, scale=5e-324)": (
+        lambda: jamp.get_loss_scale(_flat(scale=5e-324)),
+        ValueError,
+        (
+            r"`opt_state\['loss_scale'\]\['scale'\]` to be positive and finite",
+            r"5e-324 \(0\.0 as a float32\)",
+        ),
+    ),
+    "get_loss_scale(restored, scale=1e-46)": (
+        lambda: jamp.get_loss_scale(_flat(scale=1e-46)),
+        ValueError,
+        r"\['scale'\]` to be positive and finite.*1e-46 \(0\.0 as a float32\)",
+    ),
+    "get_loss_scale(restored, scale=float64 1e-46)": (
+        lambda: jamp.get_loss_scale(_flat(scale=np.float64(1e-46))),
+        ValueError,
+        r"\['scale'\]` to be positive and finite.*\(0\.0 as a float32\)",
+    ),
+    "metrics(restored, scale=5e-324)": (
+        lambda: jamp.metrics(_flat(scale=5e-324)),
+        ValueError,
+        r"`state\['loss_scale'\]\['scale'\]` to be positive and finite.*0\.0 as a float32",
+    ),
+    "get_loss_scale(restored, scale=1e39)": (
+        lambda: jamp.get_loss_scale(_flat(scale=1e39)),
+        ValueError,
+        r"\['scale'\]` to be positive and finite.*\(inf as a float32\)",
+    ),
+    "get_loss_scale(restored, scale=1e-40: a float32 subnormal)": (
+        lambda: jamp.get_loss_scale(_flat(scale=1e-40)),
+        ValueError,
+        r"\['scale'\]` in \[2\*\*-126, 2\*\*126\].*1e-40",
+    ),
+    "get_loss_scale(restored, scale=2**127)": (
+        lambda: jamp.get_loss_scale(_flat(scale=2.0**127)),
+        ValueError,
+        r"\['scale'\]` in \[2\*\*-126, 2\*\*126\]",
     ),
     "get_loss_scale(restored, scale='2.0')": (
         lambda: jamp.get_loss_scale(_flat(scale="2.0")),

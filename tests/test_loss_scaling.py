@@ -476,6 +476,42 @@ def test_multi_steps_accumulator_dtype_floating_or_none_is_accepted(dtype):
     np.testing.assert_allclose(updates["w"], -np.asarray(params0()["w"]), rtol=1e-2)
 
 
+@pytest.mark.standard_promotion  # optax.MultiSteps counts in int32 beside float32
+def test_multi_steps_takes_schedules_and_refuses_an_optimizer_factory_under_jit():
+    """Issue #35: ``every_k_schedule=optax.sgd`` failed at the first update, inside it."""
+    schedules = {
+        "constant": optax.constant_schedule(2),
+        "piecewise (float)": optax.piecewise_constant_schedule(2, {100: 2}),
+        "python branches": lambda step: 2 if step < 100 else 4,
+        "jnp": lambda step: jnp.where(step < 100, 2, 4),
+    }
+    for name, schedule in schedules.items():
+        tx = jamp.multi_steps(optax.sgd(1.0), every_k_schedule=schedule)
+        state = tx.init(params0())
+        for _ in range(2):
+            updates, state = tx.update(params0(), state)
+        assert int(state.gradient_step) == 1, name
+        np.testing.assert_allclose(updates["w"], -np.asarray(params0()["w"]), err_msg=name)
+
+    @jax.jit
+    def built_in_the_step(grads):
+        tx = jamp.multi_steps(optax.sgd(1.0), every_k_schedule=optax.sgd)
+        return tx.update(grads, tx.init(grads))
+
+    with pytest.raises(TypeError, match=r"^Expected `every_k_schedule`.*got sgd"):
+        built_in_the_step(params0())
+
+
+def test_python_int_gradients_are_named_under_jit():
+    """Issue #35: ``loss_scaling(...).update`` of ``10**400`` raised optax's OverflowError."""
+    params = {"w": jnp.ones(())}
+    with pytest.raises(TypeError, match=r"the gradients to be floating.*401 digits"):
+        jax.jit(lambda s: SGD_LS.update({"w": 10**400}, s, params))(SGD_LS.init(params))
+    ms = jamp.multi_steps(SGD, 2)
+    with pytest.raises(TypeError, match=r"the gradients to be floating.*Python int"):
+        jax.jit(lambda s: ms.update({"w": 3}, s, params))(ms.init(params))
+
+
 def _restored(**fields):
     """A loss_scaling state as an unvalidated checkpoint might hold it."""
     state = jamp.loss_scaling(SGD).init(params0())
@@ -558,6 +594,43 @@ BAD_INPUT = {
         ValueError,
         (r"`state.inner_state` to be the state that the optimizer's init made", r"structure"),
     ),
+    # issue #35: a Python int gradient (10**400 raised OverflowError inside optax; 3 reached
+    # the optimizer neither unscaled nor checked), as check_gradients refuses it
+    "update(10**400 gradients)": (
+        lambda: SGD_LS.update({"w": 10**400}, SGD_LS.init({"w": 1.0}), {"w": 1.0}),
+        TypeError,
+        (
+            r"^`jamp.loss_scaling\(...\).update` expected the gradients to be floating arrays",
+            r"Python int at path \['w'\] \(an integer of 401 digits\)",
+        ),
+    ),
+    "update(10**400 gradients), no params": (
+        lambda: SGD_LS.update({"w": 10**400}, SGD_LS.init({"w": 1.0})),
+        TypeError,
+        r"the gradients to be floating arrays.*Python int at path \['w'\]",
+    ),
+    "update(10**400 as the gradients)": (
+        lambda: SGD_LS.update(10**400, SGD_LS.init(1.0), 1.0),
+        TypeError,
+        r"the gradients to be floating arrays.*Python int at path <root>",
+    ),
+    "update(a Python int gradient)": (
+        lambda: SGD_LS.update({"w": 3}, SGD_LS.init({"w": 1.0}), {"w": 1.0}),
+        TypeError,
+        r"the gradients to be floating arrays.*Python int at path \['w'\] \(3\)",
+    ),
+    "update(a Python bool gradient)": (
+        lambda: SGD_LS.update({"w": True}, SGD_LS.init({"w": 1.0}), {"w": 1.0}),
+        TypeError,
+        r"the gradients to be floating arrays.*Python bool at path \['w'\]",
+    ),
+    "multi_steps update(10**400 gradients)": (
+        lambda: jamp.multi_steps(SGD, 2).update(
+            {"w": 10**400}, jamp.multi_steps(SGD, 2).init({"w": 1.0}), {"w": 1.0}
+        ),
+        TypeError,
+        r"^`jamp.multi_steps\(...\).update` expected the gradients.*401 digits",
+    ),
     "update(skipped_steps=2**40 restored unchecked)": (
         lambda: SGD_LS.update(params0(), _restored(skipped_steps=np.int64(2**40)), params0()),
         ValueError,
@@ -613,6 +686,37 @@ BAD_INPUT = {
         lambda: jamp.multi_steps(SGD, 2**31),
         ValueError,
         r"`every_k_schedule` to be an integer in \[1, 2\*\*31 - 1\].*2147483648",
+    ),
+    # issue #35: a function that is no schedule is refused where multi_steps is built, not
+    # at the first update with "unsupported operand type(s) for -"
+    "multi_steps every_k_schedule=optax.sgd": (
+        lambda: jamp.multi_steps(SGD, every_k_schedule=optax.sgd),
+        TypeError,
+        (
+            r"^Expected `every_k_schedule` to be an integer >= 1 or a function of the step "
+            r"count returning one, got sgd, which returned GradientTransformation",
+            r"an optimizer is no schedule",
+        ),
+    ),
+    "multi_steps every_k_schedule=list": (
+        lambda: jamp.multi_steps(SGD, every_k_schedule=list),
+        TypeError,
+        r"^Expected `every_k_schedule`.*got list, which raised TypeError",
+    ),
+    "multi_steps every_k_schedule=lambda: 2": (
+        lambda: jamp.multi_steps(SGD, every_k_schedule=lambda: 2),
+        TypeError,
+        r"^Expected `every_k_schedule`.*which raised TypeError given the step count 0",
+    ),
+    "multi_steps every_k_schedule returns an array": (
+        lambda: jamp.multi_steps(SGD, every_k_schedule=lambda step: jnp.full(2, 4)),
+        TypeError,
+        r"^Expected `every_k_schedule`.*returned ArrayImpl of shape \(2,\)",
+    ),
+    "multi_steps every_k_schedule returns 0": (
+        lambda: jamp.multi_steps(SGD, every_k_schedule=lambda step: step),
+        ValueError,
+        r"^Expected `every_k_schedule`.*returned 0\.0 micro-steps",
     ),
     "multi_steps accumulator_dtype=int32": (
         lambda: jamp.multi_steps(SGD, 2, accumulator_dtype=jnp.int32),

@@ -21,6 +21,7 @@ def test_select_tree():
 # Every invalid call of select_tree: id -> (call, exception, match). A tuple of
 # patterns: each must match (two tables checked that call).
 T, ONE = jnp.bool_(True), {"a": jnp.ones(2)}
+SDS = jax.ShapeDtypeStruct((2,), jnp.float32)
 BAD_INPUT = {
     "pred=vector": (
         lambda: jamp.compat.select_tree(jnp.ones(2, bool), ONE, ONE),
@@ -81,6 +82,21 @@ BAD_INPUT = {
         TypeError,
         r"numeric array leaves, got an array of dtype object at path <root>",
     ),
+    # issue #35: a ShapeDtypeStruct has a dtype and a shape, and no values to select
+    "ShapeDtypeStruct leaves": (
+        lambda: jamp.compat.select_tree(False, SDS, SDS),
+        TypeError,
+        (
+            r"^`jamp.compat.select_tree` expected `on_true` to hold arrays, got a "
+            r"ShapeDtypeStruct .* at path <root>",
+            r"jax\.eval_shape",
+        ),
+    ),
+    "a ShapeDtypeStruct in on_false": (
+        lambda: jamp.compat.select_tree(T, ONE, {"a": SDS}),
+        TypeError,
+        r"`on_false` to hold arrays, got a ShapeDtypeStruct .* at path \['a'\]",
+    ),
     "filter returning an array": (
         lambda: jamp.compat.select_tree(T, ONE, ONE, filter=lambda x: jnp.ones(2, bool)),
         TypeError,
@@ -92,3 +108,10 @@ BAD_INPUT = {
 @pytest.mark.parametrize("case", list(BAD_INPUT))
 def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
     assert_clear_error(*BAD_INPUT[case])
+
+
+def test_shape_dtype_struct_leaves_are_named_under_jit():
+    """Issue #35: ``select_tree(False, sds, sds)`` failed inside jax (``float()`` of a
+    ShapeDtypeStruct)."""
+    with pytest.raises(TypeError, match=r"`on_true` to hold arrays, got a ShapeDtypeStruct"):
+        jax.jit(lambda pred: jamp.compat.select_tree(pred, SDS, SDS))(jnp.bool_(True))

@@ -38,7 +38,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import numbers
-from collections.abc import Sequence
+import typing
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import jax
@@ -246,7 +247,9 @@ def check_values(state: Float8State, where: str, recipe: DelayedScaling | None =
     ``[0, 14]``); a row never measured holds 1 (a fresh state) or 0 ("not
     measured yet"). A restored scale of ``1e30`` for a tensor of amax 10 would
     saturate every value and make the product 0.0: finite, so loss scaling
-    would apply the step. Traced values (under ``jit``) are not checked.
+    would apply the step. Traced values (under ``jit``) cannot be read: there
+    ``traced_check`` makes the products and their gradients NaN instead, where a
+    row's history determines its scale and the scale is another.
     """
     history, scale = state.amax_history, state.scale
     if not (_concrete(history) and _concrete(scale)):
@@ -318,6 +321,77 @@ def check_values(state: Float8State, where: str, recipe: DelayedScaling | None =
         )
 
 
+def kept_max(amax_history: jax.Array) -> jax.Array:
+    """The largest amax of the history that ``next_state`` keeps (``(..., 3)``): every
+    entry but the one it overwrites (index ``1 % amax_history_len``, rolled to 0); -inf
+    for a history of 1. The largest of the next history is ``max(new amax, this)``, and
+    of this one ``max(this, that entry)``: one pass over the history serves both
+    (``traced_check`` in the forward pass, ``next_state`` in the backward)."""
+    n = amax_history.shape[-1]
+    kept = np.arange(n) != 1 % n
+    return jnp.max(jnp.where(kept, amax_history, np.float32(-np.inf)), axis=-1)
+
+
+def traced_check(
+    amax_history: jax.Array,
+    scale: jax.Array,
+    recipe: DelayedScaling,
+    kept: jax.Array | None = None,
+) -> jax.Array:
+    """``1.0`` if ``scale`` (``(3,)``) is one the recipe can have computed from
+    ``amax_history`` (``(3, amax_history_len)``), else NaN: ``check_values`` for the values
+    it cannot read (under ``jit``), as a float32 scalar that multiplies the products'
+    inverse scales, so a corrupted state gives non-finite outputs and gradients, which loss
+    scaling skips, instead of finite wrong ones (a scale of ``1e30`` saturates every value;
+    the product was 0.0).
+
+    A row is checked only where the recipe itself leaves no choice: its amax (the
+    history's max, or its newest entry for ``"most_recent"``) is positive and finite and
+    gives a finite scale, so ``next_state`` wrote ``finfo.max / amax / 2**margin`` there,
+    from this very history. Its scale must then be that one, for any margin in
+    ``[0, 14]`` and the amax of the recipe's algorithm (with ``"max"``, the newest amax
+    too), within ``_TOLERANCE``: a state saved with another margin, or computed on
+    another backend, passes; ``1e30`` does not. Or it may be 0 ("not measured yet",
+    which ``_usable`` replaces). Every other row holds a scale the
+    recipe kept from an earlier step (a history never measured, all zero: a fresh state's
+    1 or 0, or a scale whose amaxes have all rolled out of the history; an amax that is
+    inf or NaN; one so small its scale is not a finite float32), which its history cannot
+    vouch for: only its value is checked, finite and >= 0. So a state the recipe produced
+    is never touched, and its products are bit for bit what they were (they are
+    multiplied by exactly 1). Scalar work: a few operations on 3 scalars. The history's
+    largest amax (``"max"``) comes from ``kept``, the pass over the history that
+    ``next_state`` needs anyway (``kept_max``), made once in the forward pass and kept
+    for the backward; the quantisation does not depend on any of it.
+    """
+    n = amax_history.shape[-1]
+    newest = amax_history[..., 0]
+    if recipe.amax_compute_algo == "max":
+        kept = kept_max(amax_history) if kept is None else kept
+        amax = jnp.maximum(kept, amax_history[..., 1 % n])  # the history's largest
+        candidates = (amax, newest)
+    else:
+        amax, candidates = newest, (newest,)
+    # The checks make no inf or NaN from a finite state (a zero history divides nothing):
+    # jamp.debug.locate_nonfinite would name them, and they are masked anyway.
+    one = np.float32(1.0)
+    positive = amax > 0
+    want = (ROW_MAX / jnp.where(positive, amax, one)) / np.float32(2.0**recipe.margin)
+    determined = positive & jnp.isfinite(amax) & jnp.isfinite(want)
+    log_scale = jnp.log2(jnp.where(scale > 0, scale, one))
+
+    def given_by(a: jax.Array) -> jax.Array:
+        """Whether ``scale == finfo.max / a / 2**m`` for some margin ``m`` in [0, 14], in
+        the log domain (no quotient overflows)."""
+        log_ratio = jnp.log2(ROW_MAX) - jnp.log2(jnp.where(a > 0, a, one)) - log_scale
+        m = jnp.round(log_ratio)
+        close = jnp.abs(jnp.exp2(log_ratio - m) - 1) <= _TOLERANCE
+        return (a > 0) & (scale > 0) & (m >= 0) & (m <= MAX_MARGIN) & close
+
+    given = functools.reduce(jnp.logical_or, [given_by(a) for a in candidates])
+    ok = jnp.isfinite(scale) & (scale >= 0) & (~determined | (scale == 0) | given)
+    return jnp.where(jnp.all(ok), np.float32(1), np.float32(np.nan))
+
+
 def init_state(
     recipe: DelayedScaling, stack: Sequence[int] = (), scale: float | None = None
 ) -> Float8State:
@@ -332,15 +406,26 @@ def init_state(
     )
 
 
-def next_state(state: Float8State, amaxes: jax.Array, recipe: DelayedScaling) -> Float8State:
-    """Transformer Engine's update: roll ``amaxes`` (shape ``(3,)``) in, compute the scales."""
+def next_state(
+    state: Float8State,
+    amaxes: jax.Array,
+    recipe: DelayedScaling,
+    kept: jax.Array | None = None,
+) -> Float8State:
+    """Transformer Engine's update: roll ``amaxes`` (shape ``(3,)``) in, compute the scales.
+
+    ``kept``: ``kept_max(state.amax_history)``, when the caller has it already."""
     history = jnp.roll(state.amax_history, -1, axis=-1).at[..., 0].set(amaxes)
-    if recipe.amax_compute_algo == "max":
-        amax = jnp.max(history, axis=-1)
+    if recipe.amax_compute_algo == "max":  # the max of the new history, from one pass
+        kept = kept_max(state.amax_history) if kept is None else kept
+        amax = jnp.maximum(amaxes, kept)
     else:
         amax = history[..., 0]
-    new = (ROW_MAX / amax) / np.float32(2.0**recipe.margin)
-    keep = (amax > 0) & jnp.isfinite(amax) & jnp.isfinite(new)
+    # A row never measured keeps its scale; it divides nothing (no inf is made, for
+    # jamp.debug.locate_nonfinite to name).
+    positive = amax > 0
+    new = (ROW_MAX / jnp.where(positive, amax, np.float32(1.0))) / np.float32(2.0**recipe.margin)
+    keep = positive & jnp.isfinite(amax) & jnp.isfinite(new)
     return Float8State(history, jnp.where(keep, new, state.scale))
 
 
@@ -446,19 +531,28 @@ def _sharding_as(own: jax.Array, order: Sequence[int]) -> NamedSharding | None:
     return sharding.update(spec=P(*(spec[o] for o in order)))
 
 
-def _forward(spec: Spec, lhs, rhs, s_lhs, s_rhs):
+def _forward(spec: Spec, lhs, rhs, s_lhs, s_rhs, checked=None):
     """The product of the operands quantised with ``s_lhs``, ``s_rhs``; and what the
-    backward pass needs of them (``_backward``)."""
+    backward pass needs of them (``_backward``). ``checked`` (``traced_check``'s 1 or
+    NaN) multiplies the inverse scales, so the product and both gradients, never the
+    quantisation."""
     q_lhs, q_rhs = quantize(lhs, s_lhs, E4M3), quantize(rhs, s_rhs, E4M3)
     inv_lhs, inv_rhs = 1 / s_lhs, 1 / s_rhs
+    if checked is not None:
+        inv_lhs, inv_rhs = inv_lhs * checked, inv_rhs * checked
     out = _scaled_dot(q_lhs, q_rhs, spec.dimension_numbers, inv_lhs * inv_rhs, spec.out_sharding)
     return out.astype(spec.out_dtype), (q_lhs, q_rhs, inv_lhs, inv_rhs)
 
 
 def _backward(spec: Spec, operands, g, s_g):
     """The operands' gradients from ``g`` quantised to float8_e5m2 with ``s_g``."""
-    q_lhs, q_rhs, inv_lhs, inv_rhs = operands
     q_g, inv_g = quantize(g, s_g, E5M2), 1 / s_g
+    return _transposed(spec, operands, q_g, inv_g)
+
+
+def _transposed(spec: Spec, operands, q_g, inv_g):
+    """The operands' gradients from the quantised gradient ``q_g`` (inverse scale ``inv_g``)."""
+    q_lhs, q_rhs, inv_lhs, inv_rhs = operands
     dn = spec.dimension_numbers
     d_lhs = _operand_grad(q_g, q_rhs, q_lhs, dn, True, inv_g * inv_rhs)
     d_rhs = _operand_grad(q_g, q_lhs, q_rhs, dn, False, inv_g * inv_lhs)
@@ -505,25 +599,307 @@ def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
     a_lhs, a_rhs = amax(lhs), amax(rhs)  # recorded; quantised with the state's scales
     s_lhs = _usable(scale[LHS], a_lhs, LHS, spec.recipe)
     s_rhs = _usable(scale[RHS], a_rhs, RHS, spec.recipe)
-    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs)
-    return out, (operands, a_lhs, a_rhs, amax_history, scale)
+    kept = kept_max(amax_history) if spec.recipe.amax_compute_algo == "max" else None
+    checked = traced_check(amax_history, scale, spec.recipe, kept)  # 1, or NaN: corrupted
+    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs, checked)
+    return out, (operands, a_lhs, a_rhs, amax_history, scale, kept)
 
 
 def _delayed_bwd(spec, res, g):
-    operands, a_lhs, a_rhs, amax_history, scale = res
+    operands, a_lhs, a_rhs, amax_history, scale, kept = res
     a_g = amax(g)
     d_lhs, d_rhs = _backward(spec, operands, g, _usable(scale[GRAD], a_g, GRAD, spec.recipe))
-    new = next_state(Float8State(amax_history, scale), jnp.stack([a_lhs, a_rhs, a_g]), spec.recipe)
+    amaxes = jnp.stack([a_lhs, a_rhs, a_g])
+    new = next_state(Float8State(amax_history, scale), amaxes, spec.recipe, kept)
     return d_lhs, d_rhs, new.amax_history, new.scale
 
 
 delayed_dot.defvjp(_delayed_fwd, _delayed_bwd)
 
 
+# ---------------------------------------------------------------------------
+# Telemetry: what float8 made of each tensor, returned as a cotangent
+# ---------------------------------------------------------------------------
+
+
+class Telemetry(NamedTuple):
+    """What float8 made of the tensors of one matrix product in one step: immutable, a pytree.
+
+    Each field is float32 ``(..., 3)``, with the rows of a
+    [`Float8State`][jamp.float8.Float8State]: row 0 the left operand (``x``
+    in ``x @ w``), row 1 the right operand (``w``), row 2 the gradient of the
+    output (quantised to ``float8_e5m2``); a product inside a ``lax.scan`` of
+    length ``n`` has leading axes ``(n,)``. A product returns its telemetry
+    as the *cotangent* of a telemetry argument (whose values it ignores):
+    ``jax.grad`` with respect to that argument returns it, as arrays, with
+    the gradients ([`jamp.float8.telemetry_init`][], ``docs/float8.md``).
+
+    Attributes:
+      amax: the tensor's largest magnitude (NaN if it holds a NaN). The
+        gradient's is the gradient the product received: times the loss
+        scale, under loss scaling.
+      scale: the scale it was quantised with (``float8 = x * scale``): its
+        current scale, ``finfo.max / amax``, or under delayed scaling the
+        state's (1 for a fresh state, the current scale for a row not yet
+        measured with ``unmeasured="current"``).
+      underflow: the fraction of its elements that are not zero and
+        quantise to zero (flushed: a scaled magnitude of at most half the
+        format's smallest subnormal, ``2**-10`` for ``float8_e4m3fn``,
+        ``2**-17`` for ``float8_e5m2``).
+      saturated: the fraction of its elements that are finite and whose
+        scaled magnitude is beyond the format's range, so that quantisation
+        clamped them to its largest finite value (448, 57344): above 464 for
+        ``float8_e4m3fn`` and from 61440 for ``float8_e5m2``, the values that
+        would not round to that largest value. Current scaling maps the amax
+        to it, so it saturates nothing finite; delayed scaling saturates
+        what grew past the history's amax.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> f = jamp.autocast(lambda w, x: jnp.sum(x @ w), "float8", telemetry=True)
+      >>> w, x = jnp.full((4, 4), 0.5), jnp.array([[1.0, 2.0, 1e-6, 0.0]])
+      >>> zeros = jamp.float8.telemetry_init(f, w, x)
+      >>> stats = jax.grad(f)(zeros, w, x)["0:dot_general"]
+      >>> stats.amax  # x, w, the gradient of the output
+      Array([2. , 0.5, 1. ], dtype=float32)
+      >>> stats.underflow  # 1e-6 * 224 is below 2**-10: flushed, 1 of the 4 values of x
+      Array([0.25, 0.  , 0.  ], dtype=float32)
+    """
+
+    amax: jax.Array
+    scale: jax.Array
+    underflow: jax.Array
+    saturated: jax.Array
+
+
+# Each row's largest scaled magnitude that quantises to zero (half the smallest subnormal:
+# round to nearest, ties to even) and its largest one that does not round past the largest
+# finite value: float8_e4m3fn rounds 464 to 448 and more to NaN, float8_e5m2 rounds 61440
+# to inf. Quantisation clamps, so the values above it are those the clamp changed.
+_FLUSHES_AT_MOST = np.array([2.0**-10, 2.0**-10, 2.0**-17], np.float32)
+_SATURATES_ABOVE = np.array(
+    [464.0, 464.0, np.nextafter(np.float32(61440.0), np.float32(0.0))], np.float32
+)
+_ZERO = np.float32(0.0)
+
+# The statistics are full reductions of the flattened tensor (``_flat``: a view in the
+# tensor's own layout, whatever layout its other uses get), each a single variadic
+# ``reduce``: XLA:GPU fuses one such reduction into a pass that reads the tensor anyway
+# (its amax, or its quantisation), where two sibling reductions, or one over the 2-D
+# tensor, get passes of their own (``tests/test_float8_telemetry.py`` measures the bytes).
+
+
+def _flat(x):
+    """``x`` as a vector; ``x`` itself when an explicit sharding of an axis past the first
+    makes the vector no view of it (a reshape would gather it): the reductions of both
+    are the same."""
+    spec = tuple(jax.typeof(x).sharding.spec)
+    return x if any(axis is not None for axis in spec[1:]) else x.reshape(-1)
+
+
+def _reduce(operands, combine):
+    """One variadic reduction of ``operands`` (float32, of one shape) over all their axes,
+    each combined by ``combine`` (``lax.max`` or ``lax.add``)."""
+    return lax.reduce(
+        operands,
+        [_ZERO] * len(operands),
+        lambda a, b: [f(u, v) for f, u, v in zip(combine, a, b, strict=True)],
+        tuple(range(operands[0].ndim)),
+    )
+
+
+def _count(mask):
+    return mask.astype(F32)
+
+
+def _clamped(magnitude, scale, row):
+    """Which of the values of ``magnitude`` (``|x|``, float32) ``scale`` saturates."""
+    return lax.is_finite(magnitude) & (magnitude * scale > _SATURATES_ABOVE[row])
+
+
+def _before(x, row, recipe, state_scale):
+    """The scale ``x`` is quantised with, and what ``_after`` needs to report on ``x``.
+
+    With a scale that does not wait for the amax (delayed scaling, ``unmeasured="one"``)
+    nothing: ``_after`` reads ``x`` once, for the amax and both counts, in a pass XLA
+    fuses into the quantising pass. Otherwise (current scaling, ``unmeasured="current"``)
+    the pass before quantisation is the amax's, which counts ``x``'s zeros too and, under
+    delayed scaling, the values the state's scale saturates.
+    """
+    if recipe is not None and recipe.unmeasured == "one":
+        unread = typing.cast(jax.Array, _ZERO)  # "one" reads no amax
+        return _usable(state_scale, unread, row, recipe), None
+    flat = _flat(x)
+    magnitude = jnp.abs(flat).astype(F32)
+    counted = [magnitude, _count(flat == 0)]
+    if recipe is not None:
+        counted.append(_count(_clamped(magnitude, state_scale, row)))
+    x_amax, *counts = _reduce(counted, [lax.max, *[lax.add] * (len(counted) - 1)])
+    if recipe is None:
+        return current_scale(x_amax, row), (x_amax, *counts, _ZERO)
+    return _usable(state_scale, x_amax, row, recipe), (x_amax, *counts)
+
+
+def _after(x, q, scale, row, pending, state_scale):
+    """``(amax, scale, underflow, saturated)`` of ``x``, quantised to ``q`` with ``scale``."""
+    n = np.float32(max(x.size, 1))
+    if pending is None:  # the scale did not wait: one pass, counted from the scaled values
+        if x.size == 0:
+            return _ZERO, scale, _ZERO, _ZERO
+        magnitude = jnp.abs(_flat(x)).astype(F32)
+        flushed = (magnitude != 0) & (magnitude * scale <= _FLUSHES_AT_MOST[row])
+        x_amax, n_flushed, n_clamped = _reduce(
+            [magnitude, _count(flushed), _count(_clamped(magnitude, scale, row))],
+            [lax.max, lax.add, lax.add],
+        )
+        return x_amax, scale, n_flushed / n, n_clamped / n
+    x_amax, zeros, clamped = pending
+    # The flushed values are the zeros of q that were not zeros of x: q is read where XLA
+    # can fuse the count into the pass that quantises x, else once more (a byte a value).
+    # A NaN scale (a NaN amax) quantises every value to NaN: nothing is flushed.
+    (q_zeros,) = _reduce([_count(_flat(q) == 0)], [lax.add])
+    flushed = jnp.maximum(q_zeros - zeros, _ZERO)
+    # The current scale maps the amax to at most finfo.max * (1 + 2**-22), so it saturates
+    # nothing; the state's scale, when it was used, saturates what was counted.
+    if state_scale is not None:
+        clamped = jnp.where(jnp.isfinite(state_scale) & (state_scale > 0), clamped, _ZERO)
+    return x_amax, scale, flushed / n, clamped / n
+
+
+def _stacked(*rows) -> Telemetry:
+    """The Telemetry of three rows of ``(amax, scale, underflow, saturated)``."""
+    return Telemetry(*(jnp.stack(field) for field in zip(*rows, strict=True)))
+
+
+def _telemetry_fwd(spec: Spec, lhs, rhs, scale=None):
+    """The product of ``lhs`` and ``rhs`` and its residuals, the operands' rows of
+    telemetry among them; ``scale`` is the state's, under delayed scaling."""
+    s_lhs, p_lhs = _before(lhs, LHS, spec.recipe, None if scale is None else scale[LHS])
+    s_rhs, p_rhs = _before(rhs, RHS, spec.recipe, None if scale is None else scale[RHS])
+    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs)
+    q_lhs, q_rhs = operands[:2]
+    seen = (
+        _after(lhs, q_lhs, s_lhs, LHS, p_lhs, None if scale is None else scale[LHS]),
+        _after(rhs, q_rhs, s_rhs, RHS, p_rhs, None if scale is None else scale[RHS]),
+    )
+    return out, (operands, seen)
+
+
+def _telemetry_bwd(spec: Spec, operands, seen, g, scale=None):
+    """The operands' gradients and the product's Telemetry."""
+    s_grad = None if scale is None else scale[GRAD]
+    s_g, p_g = _before(g, GRAD, spec.recipe, s_grad)
+    q_g = quantize(g, s_g, E5M2)  # as _backward does
+    d_lhs, d_rhs = _transposed(spec, operands, q_g, 1 / s_g)
+    return d_lhs, d_rhs, _stacked(*seen, _after(g, q_g, s_g, GRAD, p_g, s_grad))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def current_dot_telemetry(
+    lhs: jax.Array, rhs: jax.Array, telemetry: Telemetry, spec: Spec
+) -> jax.Array:
+    """``current_dot``, whose cotangent of ``telemetry`` (values ignored) is this step's
+    [`Telemetry`][jamp.float8.Telemetry], whatever the cotangent of the output is."""
+    return _current_fwd(lhs, rhs, spec)[0]
+
+
+def _current_telemetry_fwd(lhs, rhs, telemetry, spec):
+    return _telemetry_fwd(spec, lhs, rhs)
+
+
+def _current_telemetry_bwd(spec, res, g):
+    operands, seen = res
+    return _telemetry_bwd(spec, operands, seen, g)
+
+
+current_dot_telemetry.defvjp(_current_telemetry_fwd, _current_telemetry_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def delayed_dot_telemetry(
+    lhs: jax.Array,
+    rhs: jax.Array,
+    amax_history: jax.Array,
+    scale: jax.Array,
+    telemetry: Telemetry,
+    spec: Spec,
+) -> jax.Array:
+    """``delayed_dot``, whose cotangent of ``telemetry`` (values ignored) is this step's
+    [`Telemetry`][jamp.float8.Telemetry]; that of the state is the next state."""
+    return _delayed_fwd(lhs, rhs, amax_history, scale, spec)[0]
+
+
+def _delayed_telemetry_fwd(lhs, rhs, amax_history, scale, telemetry, spec):
+    out, (operands, seen) = _telemetry_fwd(spec, lhs, rhs, scale)
+    return out, (operands, seen, amax_history, scale)
+
+
+def _delayed_telemetry_bwd(spec, res, g):
+    operands, seen, amax_history, scale = res
+    d_lhs, d_rhs, stats = _telemetry_bwd(spec, operands, seen, g, scale)
+    new = next_state(Float8State(amax_history, scale), stats.amax, spec.recipe)
+    return d_lhs, d_rhs, new.amax_history, new.scale, stats
+
+
+delayed_dot_telemetry.defvjp(_delayed_telemetry_fwd, _delayed_telemetry_bwd)
+
+
+_ROWS = ("lhs", "rhs", "grad")
+
+
+def telemetry_metrics(telemetry: Mapping[str, Telemetry]) -> dict[str, jax.Array]:
+    """The telemetry of a step as a flat dict of device scalars, ready for any logger.
+
+    ``telemetry`` is what ``jax.grad`` returned for the telemetry argument of
+    an autocast function made with ``telemetry=True`` (a dict of
+    [`jamp.float8.Telemetry`][]). Each key is ``"<product>/<tensor>/<field>"``:
+    the product's key (``"0:MLP.Dense_0"``), the tensor (``lhs``, ``rhs`` or
+    ``grad``: ``x``, ``w`` and the output's gradient of ``x @ w``) and the
+    field (``amax``, ``scale``, ``underflow``, ``saturated``). A product in a
+    ``lax.scan`` has one entry per iteration, its index after its key:
+    ``"1:scan.dot_general[3]/lhs/amax"``. Nothing is read back to the host:
+    convert with ``float()`` (or ``jax.device_get``) when you log.
+
+    Raises:
+      TypeError: ``telemetry`` is not a dict of ``Telemetry``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> stats = {"0:dot_general": jamp.float8.Telemetry(*[jnp.zeros(3)] * 4)}
+      >>> metrics = jamp.float8.telemetry_metrics(stats)
+      >>> len(metrics), sorted(metrics)[:2]
+      (12, ['0:dot_general/grad/amax', '0:dot_general/grad/saturated'])
+    """
+    fix = (
+        "pass what jax.grad returned for the telemetry argument of jamp.autocast(f, 'float8', "
+        "telemetry=True)"
+    )
+    if not isinstance(telemetry, Mapping):
+        raise TypeError(
+            f"Expected a dict of jamp.float8.Telemetry, got {type(telemetry).__name__} "
+            f"instead; {fix}."
+        )
+    out: dict[str, jax.Array] = {}
+    for key, entry in telemetry.items():
+        if not isinstance(entry, Telemetry):
+            raise TypeError(
+                f"Expected a jamp.float8.Telemetry for entry {key!r}, got "
+                f"{type(entry).__name__} instead; {fix}."
+            )
+        stack = np.shape(entry.amax)[:-1]
+        for index in np.ndindex(*stack):
+            name = key if not stack else f"{key}[{','.join(map(str, index))}]"
+            for row, tensor in enumerate(_ROWS):
+                for field, values in zip(entry._fields, entry, strict=True):
+                    out[f"{name}/{tensor}/{field}"] = values[(*index, row)]
+    return out
+
+
 def refuse_in(tree: PyTree, what: str) -> None:
-    """A ``TypeError`` when ``tree`` holds a [`jamp.float8.Float8State`][]: not a parameter."""
+    """A ``TypeError`` when ``tree`` holds a [`jamp.float8.Float8State`][] or a
+    [`jamp.float8.Telemetry`][]: neither is a parameter."""
     found = jax.tree_util.tree_flatten_with_path(
-        tree, is_leaf=lambda x: isinstance(x, Float8State)
+        tree, is_leaf=lambda x: isinstance(x, (Float8State, Telemetry))
     )[0]
     for path, leaf in found:
         if isinstance(leaf, Float8State):
@@ -534,4 +910,13 @@ def refuse_in(tree: PyTree, what: str) -> None:
                 "unscale it. Keep it out of the parameters: pass it to the delayed-scaling "
                 "function as its own argument and take the next state from jax.grad with "
                 "respect to that argument (docs/float8.md)."
+            )
+        if isinstance(leaf, Telemetry):
+            raise TypeError(
+                f"Expected no jamp.float8.Telemetry in {what}, found one at "
+                f"{jax.tree_util.keystr(path)}: float8 telemetry is not a parameter. An "
+                "optimizer would apply a learning-rate update to it and loss scaling would "
+                "unscale it. Keep it out of the parameters: pass it to the telemetry function "
+                "as its own argument and take the step's telemetry from jax.grad with respect "
+                "to that argument (docs/float8.md)."
             )

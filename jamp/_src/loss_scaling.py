@@ -22,6 +22,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jamp._src.finite.check import check_unscaled
 from jamp._src.finite.report import log_counts
 from jamp._src.float8 import refuse_in
+from jamp._src.leaves import is_real_number
 from jamp._src.loss_scale import (
     LossScaleState,
     dynamic_loss_scale,
@@ -46,6 +47,7 @@ from jamp._src.validate import (
     check_counters,
     check_flag,
     check_optimizer,
+    check_own_state,
     check_skip,
     check_state_matches,
     check_updates,
@@ -184,11 +186,7 @@ def loss_scaling(
         params: Params | None = None,
         **extra_args: object,
     ) -> tuple[Updates, ScaledOptimizerState]:
-        if not isinstance(state, ScaledOptimizerState):
-            raise TypeError(
-                "Expected `state` to be the ScaledOptimizerState from this transformation's init, "
-                f"got {type(state).__name__} instead."
-            )
+        check_own_state(state, ScaledOptimizerState, "ScaledOptimizerState")
         refuse_axis_name(extra_args, "`update`", "the inner transformation", "jamp.loss_scaling")
         refuse_in(updates, "the gradients given to jamp.loss_scaling's update")
         if not isinstance(state.loss_scale, LossScaleState):
@@ -276,6 +274,47 @@ class MultiStepsTransformation(optax.GradientTransformationExtraArgs):
         return jnp.logical_and(state.mini_step == 0, jnp.greater(state.gradient_step, 0))
 
 
+def _check_schedule(schedule: Callable[[ArrayLike], ArrayLike]) -> None:
+    """A clear error, at construction, unless ``schedule`` given the first gradient step
+    (an int32 0, as ``init`` counts it) returns a number of micro-steps >= 1: an optimizer
+    factory such as ``optax.sgd`` would fail at the first update, inside it."""
+    name = getattr(schedule, "__name__", type(schedule).__name__)
+    want = (
+        "Expected `every_k_schedule` to be an integer >= 1 or a function of the step count "
+        "returning one"
+    )
+    try:
+        # Only what it returns is checked here: the promotion rules are the caller's at
+        # each update (optax's schedules mix int32 and float32 under "standard").
+        with jax.numpy_dtype_promotion("standard"):
+            k = schedule(jnp.zeros((), jnp.int32))
+    except Exception as e:  # not a function of the step count
+        raise TypeError(
+            f"{want}, got {name}, which raised {type(e).__name__} given the step count 0: "
+            f"{str(e):.200}"
+        ) from e
+    if isinstance(k, (np.ndarray, np.generic, jax.Array)):
+        number = np.ndim(k) == 0 and np.dtype(k.dtype).kind in "iuf"
+    else:
+        number = is_real_number(k)
+    if not number:
+        hint = (
+            ": an optimizer is no schedule (the optimizer is `inner`)"
+            if isinstance(k, optax.GradientTransformation)
+            else ""
+        )
+        shape = getattr(k, "shape", None)
+        what = type(k).__name__ + ("" if shape is None else f" of shape {tuple(shape)}")
+        raise TypeError(
+            f"{want}, got {name}, which returned {what} given the step count 0 instead{hint}."
+        )
+    if not isinstance(k, jax.core.Tracer) and not float(cast(float, k)) >= 1:
+        raise ValueError(
+            f"{want}, got {name}, which returned {float(cast(float, k))!r} micro-steps given "
+            "the step count 0 instead."
+        )
+
+
 def multi_steps(
     inner: optax.GradientTransformation,
     every_k_schedule: int | Callable[[ArrayLike], ArrayLike],
@@ -322,11 +361,21 @@ def multi_steps(
 
     Returns:
       An Optax transformation with ``optax.MultiSteps``'s ``has_updated(state)``.
+
+    Raises:
+      TypeError: ``every_k_schedule`` is neither an integer nor a function of the
+        step count returning a number: a function is called once, here, with the
+        step count 0 (an optimizer factory such as ``optax.sgd`` is refused here,
+        not at the first update).
+      ValueError: ``every_k_schedule`` is below 1, or past ``2**31 - 1``, or its
+        function returns fewer than 1 micro-step for the step count 0.
     """
     inner = checked_inner(inner)
     k = every_k_schedule
     if not callable(k):
         k = check_count("every_k_schedule", k, alternative=" or a function of the step count")
+    else:
+        _check_schedule(k)
     check_flag("use_grad_mean", use_grad_mean)
     if should_skip_update_fn is not None and not callable(should_skip_update_fn):
         raise TypeError(
@@ -383,11 +432,7 @@ def multi_steps(
         params: Params | None = None,
         **extra_args: object,
     ) -> tuple[Updates, optax.MultiStepsState]:
-        if not isinstance(state, optax.MultiStepsState):
-            raise TypeError(
-                "Expected `state` to be the optax.MultiStepsState from this transformation's "
-                f"init, got {type(state).__name__} instead."
-            )
+        check_own_state(state, optax.MultiStepsState, "optax.MultiStepsState")
         fn = "jamp.multi_steps(...).update"
         check_updates(updates, params, fn)
         where = first_mismatch(updates, state.acc_grads)

@@ -200,7 +200,8 @@ def select_tree(
     Raises:
       TypeError: two matching leaves differ in shape or dtype, or are
         different non-array leaves (or, with ``filter``, different leaves it
-        leaves out); the message names the path.
+        leaves out), or a leaf has a dtype but no values (a
+        ``jax.ShapeDtypeStruct``); the message names the argument and path.
 
     Examples:
       >>> import jax.numpy as jnp, jamp
@@ -239,7 +240,16 @@ def select_tree(
                 f"`jamp.compat.select_tree` cannot select between non-array leaves {a!r:.40} and "
                 f"{b!r:.40} at path {where}."
             )
-        for x in (a, b):
+        for arg, x in (("on_true", a), ("on_false", b)):
+            if not isinstance(x, (jax.Array, np.ndarray, np.generic)) and not hasattr(
+                x, "__jax_array__"
+            ):  # a jax.ShapeDtypeStruct, or anything else with a dtype and no values
+                raise TypeError(
+                    f"`jamp.compat.select_tree` expected `{arg}` to hold arrays, got a "
+                    f"{type(x).__name__} ({x!r:.60}) at path {where} instead: it has a dtype "
+                    "but no values to select (a ShapeDtypeStruct is what jax.eval_shape "
+                    "returns). Pass the arrays themselves."
+                )
             if not is_numeric_dtype(x.dtype):
                 raise TypeError(
                     "`jamp.compat.select_tree` expected numeric array leaves, got an array of "

@@ -311,15 +311,27 @@ def check_config(
 def checked_scale(name: str, value: object) -> float:
     """A scale read from a checkpoint without its configuration, as a Python float.
 
-    A positive, finite number (a Python number or a concrete 0-d float32,
-    float64 or integer array); a string, a bool or a traced value is a
-    ``TypeError``, NaN, inf, zero or a negative number a ``ValueError``.
+    A number in ``[2**-126, 2**126]``, the bounds of every scale jamp keeps, as
+    the state holds it: rounded to float32 (a Python number or a concrete 0-d
+    float32, float64 or integer array). A string, a bool or a traced value is a
+    ``TypeError``; NaN, inf, zero, a negative number or one outside the bounds
+    a ``ValueError``: ``5e-324`` and ``1e-46`` are positive float64 numbers and
+    float32 zeros, ``1e-40`` a float32 subnormal (XLA:CPU computes with it as
+    0, and ``1/scale`` is inf), ``1e39`` a float32 inf.
     """
     v = _scalar_float(name, value)
-    if not (math.isfinite(v) and 0 < v <= float(np.finfo(np.float32).max)):
+    f32 = _float32(v) if math.isfinite(v) else v
+    if not (math.isfinite(f32) and f32 > 0):
+        rounded = "" if f32 == v or not math.isfinite(v) else f" ({f32!r} as a float32)"
         raise ValueError(
-            f"Expected `{name}` to be positive and finite, got {name}={v!r} instead; every step "
-            "would be skipped (or none scaled) with it."
+            f"Expected `{name}` to be positive and finite, got {name}={v!r}{rounded} instead; "
+            "every step would be skipped (or none scaled) with it."
+        )
+    if not MIN_SCALE <= f32 <= MAX_SCALE:
+        raise ValueError(
+            f"Expected `{name}` in [2**-126, 2**126], the bounds of every scale jamp keeps (so "
+            f"that 1/scale is a normal float32), got {name}={v!r} instead; jamp saved no such "
+            "scale."
         )
     return v
 
@@ -449,6 +461,16 @@ def check_optimizer(tx: object, name: str = "tx", kind: type | None = None) -> T
             f"{getattr(tx, '__name__', type(tx).__name__)} instead{hint}."
         )
     return cast(Transformation, tx)
+
+
+def check_own_state(state: object, kind: type, name: str) -> None:
+    """A TypeError unless ``state`` is a ``kind`` (called ``name``): the state an Optax
+    transformation's ``update`` takes is the one its own ``init`` made."""
+    if not isinstance(state, kind):
+        raise TypeError(
+            f"Expected `state` to be the {name} from this transformation's init, got "
+            f"{type(state).__name__} instead."
+        )
 
 
 def check_counters(skipped_steps: object, last_finite: object, fix: str) -> None:
@@ -610,7 +632,22 @@ def check_updates(updates: Updates, params: Params | None, fn: str, strict: bool
     another shape, or (``strict``, once the optimizer has failed on them) another
     structure. A different structure alone may be intended: ``optax.lookahead`` takes
     the fast parameters' gradients with both parameter sets. A TypeError for a floating
-    gradient of an integer parameter, or an integer gradient of a floating one."""
+    gradient of an integer parameter, or an integer gradient of a floating one; and, with
+    or without ``params``, for a Python int or bool among the gradients, as
+    ``check_gradients`` refuses them."""
+    for path, leaf in _leaves_with_paths(updates)[0]:
+        if isinstance(leaf, (bool, int)):  # not a NumPy integer: it has a dtype, checked below
+            shown = (
+                _show(leaf)
+                if isinstance(leaf, bool) or abs(leaf) < 10**20
+                else (f"an integer of {len(str(abs(leaf)))} digits")
+            )
+            raise TypeError(
+                f"`{fn}` expected the gradients to be floating arrays or Python floats, got a "
+                f"Python {type(leaf).__name__} at path {_where(path)} ({shown}) instead: "
+                "jax.grad gives none (float0 for integer inputs), and an integer leaf is "
+                "neither unscaled nor checked, so it would reach the optimizer as it is."
+            )
     if params is None:
         return
     unfit = _unfit_parameter(updates, params)

@@ -1142,6 +1142,32 @@ BAD_INPUT = {
         TypeError,
         (r"`fun`", r"Expected a callable for `fun`"),
     ),
+    # issue #35: an explicit None is no function, and a decorator is not called on arrays
+    "autocast(None, jnp.bfloat16)": (
+        lambda: jamp.autocast(None, jnp.bfloat16),
+        TypeError,
+        (r"^Expected a callable for `fun` of jamp\.autocast, got None", r"@jamp\.autocast\("),
+    ),
+    "autocast(fun=None)": (
+        lambda: jamp.autocast(fun=None, dtype=jnp.float16),
+        TypeError,
+        r"^Expected a callable for `fun` of jamp\.autocast, got None",
+    ),
+    "autocast(dtype=...)(x, y): the decorator given the arrays": (
+        lambda: jamp.autocast(dtype=jnp.bfloat16)(jnp.ones(2), jnp.ones(2)),
+        TypeError,
+        (r"^Expected one function for `fun`.*got 2 arguments", r"jamp\.autocast\(fn, dtype="),
+    ),
+    "autocast(enabled=False)(x, y): the decorator given the arrays": (
+        lambda: jamp.autocast(enabled=False)(jnp.ones(2), jnp.ones(2)),
+        TypeError,
+        (r"^Expected one function for `fun`", r"jamp\.autocast\(fn, enabled=False\)"),
+    ),
+    "autocast()(): the decorator given nothing": (
+        lambda: jamp.autocast()(),
+        TypeError,
+        r"^Expected one function for `fun`.*got 0 arguments",
+    ),
     "autocast policy='mixed'": (
         lambda: jamp.autocast(jnp.sin, policy="mixed"),
         ValueError,
@@ -1261,3 +1287,30 @@ def test_output_dtypes_are_preserved(in_dtype, low, rows):
     want = jax.eval_shape(f, x)
     assert tree_dtypes(out) == tree_dtypes(want)
     assert_autocast_jaxpr(jax.make_jaxpr(jamp.autocast(f, low))(x), low)
+
+
+def test_a_none_function_is_named_under_jit_and_the_decorator_forms_still_work():
+    """Issue #35: ``jamp.autocast(None, jnp.bfloat16)(x, y)`` failed inside Python's call
+    machinery ("takes 2 positional arguments but 3 were given") since the decorator form."""
+    x = jnp.ones((2, 2))
+    with pytest.raises(TypeError, match=r"^Expected a callable for `fun`.*got None"):
+        jax.jit(lambda x: jamp.autocast(None, jnp.bfloat16)(x, x))(x)
+
+    @jamp.autocast(dtype=jnp.float16)
+    def half(a, b):
+        return a @ b
+
+    @jamp.autocast()
+    def default(a, b):
+        return a @ b
+
+    @jamp.autocast(enabled=False)
+    def kept(a, b):
+        return a @ b
+
+    def dots(f):
+        jaxpr = jax.make_jaxpr(f)(x, x)
+        return [str(e.outvars[0].aval.dtype) for e in eqns_named(jaxpr, "dot_general")]
+
+    assert dots(half) == ["float16"] and dots(default) == ["bfloat16"]
+    assert dots(jamp.autocast(lambda a, b: kept(a, b) + a @ b)) == ["float32", "bfloat16"]

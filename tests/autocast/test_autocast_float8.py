@@ -405,6 +405,79 @@ def test_training_with_loss_scaling_skips_an_overflow_and_never_updates_the_stat
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in jax.tree.leaves(f8))
 
 
+def _train(recipe, steps, corrupt_at=None, policy=None):
+    """The loop of docs/float8.md: jitted, loss-scaled, the float8 state kept on a skipped
+    step; inputs over six decades, an all-zero batch and an overflowing one. Returns the
+    trajectory: (params, float8 state, optimizer state) after every step. ``corrupt_at``:
+    the step whose float8 state has its first scale set to 1e30 (a corrupted restore)."""
+    params = mlp_params()
+    y = jnp.tanh(randn(21, 32, 8))
+    inputs = [randn(i, 32, 16, scale=10.0 ** (i % 7 - 3)) for i in range(steps)]
+    inputs[3] = jnp.zeros((32, 16))
+    inputs[5] = inputs[5].at[0, 0].set(jnp.inf)
+    model = jamp.autocast(mlp, "float8", recipe=recipe, policy=policy)
+    loss = mse(model)
+    tx = jamp.loss_scaling(optax.sgd(1e-2), jamp.dynamic_loss_scale(2.0**15))
+    f8, opt_state = jamp.float8.init(model, params, inputs[0]), tx.init(params)
+
+    @jax.jit
+    def step(params, f8, opt_state, x):
+        ls = jamp.get_loss_scale(opt_state)
+        scaled = lambda s, p: jamp.scale(ls, loss(s, p, x, y))  # noqa: E731
+        f8_next, grads = jax.grad(scaled, argnums=(0, 1))(f8, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        f8 = jamp.compat.select_tree(opt_state.last_finite, f8_next, f8)
+        return optax.apply_updates(params, updates), f8, opt_state
+
+    out = []
+    for t, x in enumerate(inputs):
+        if t == corrupt_at:
+            key = next(iter(f8))
+            f8 = {**f8, key: f8[key]._replace(scale=f8[key].scale.at[0].set(1e30))}
+        params, f8, opt_state = step(params, f8, opt_state, x)
+        out.append((params, f8, opt_state))
+    return out
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+def test_the_traced_check_leaves_a_real_training_loop_bit_for_bit(recipe, monkeypatch):
+    """Issue #35: the check of the state under jit changes nothing for the states the
+    recipe makes, fresh (scale 1, or 0 with unmeasured="current"), measured, after a zero
+    batch and after an overflow: every step's parameters, float8 state and optimizer
+    state are the bits they were without it."""
+    from jamp._src import float8
+
+    checked = _train(recipe, 12)
+    monkeypatch.setattr(float8, "traced_check", lambda *args: None)
+    unchecked = _train(recipe, 12)
+    for t, (a, b) in enumerate(zip(checked, unchecked, strict=True)):
+        for x, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            assert np.asarray(x).tobytes() == np.asarray(z).tobytes(), t
+    skipped = [not bool(o.last_finite) for _, _, o in checked]
+    assert skipped[5] and skipped.count(True) == 1  # only the overflowing batch
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES.values()), ids=list(RECIPES))
+def test_under_jit_a_corrupted_float8_state_makes_loss_scaling_skip_the_step(recipe, monkeypatch):
+    """Issue #35: a Float8State whose scale is 1e30 where its amax history gives ~10,
+    passed traced as every jitted step passes it, gave a finite product, and loss scaling
+    applied the step. Its products and gradients are now NaN: the step is skipped, and
+    the parameters are kept, as on an overflow (eagerly, and in check_restored, it is
+    refused: test_every_state_the_recipe_makes_is_valid_and_a_corrupted_restore_is_refused).
+    """
+    from jamp._src import float8
+
+    checked = _train(recipe, 8, corrupt_at=7)
+    before, (params, f8, opt_state) = checked[6], checked[7]
+    assert not bool(opt_state.last_finite)
+    for x, z in zip(jax.tree.leaves(before[0]), jax.tree.leaves(params), strict=True):
+        assert np.asarray(x).tobytes() == np.asarray(z).tobytes()
+    assert f8[next(iter(f8))].scale[0] == np.float32(1e30)  # kept, as a skipped step keeps it
+    monkeypatch.setattr(float8, "traced_check", lambda *args: None)
+    _, _, applied = _train(recipe, 8, corrupt_at=7)[7]
+    assert bool(applied.last_finite)  # what it did before: the step applied
+
+
 def test_loss_scaling_refuses_a_float8_state_among_the_parameters_or_gradients():
     params, x = mlp_params(), randn(20, 4, 16)
     model = jamp.autocast(mlp, "float8", recipe=RECIPE)

@@ -196,3 +196,44 @@ def test_the_autocast_memory_section_reports_these_programs():
         assert len(cells) == 10 and cells[-2] == str(program.n_kernels), row
     ((target, measured, met, _),) = targets
     assert target.startswith("GPT train step on the GPU compile") and met, measured
+
+
+def _delayed_float8_step(history: int, checked: bool) -> tuple[int, object]:
+    """The delayed-scaling float8 GPT step (1 layer, d 64, 2x256), compiled: (float8
+    products, program); ``checked=False``: without issue #35's traced check of the state."""
+    from benchmarks import models
+    from jamp._src import float8
+
+    d, x = D, jax.ShapeDtypeStruct((B, T, D), jnp.float32)
+    params = jax.eval_shape(lambda: models.gpt_params(d, 1))
+    forward = functools.partial(models.gpt_forward, heads=HEADS)
+    model = jamp.autocast(forward, "float8", recipe=jamp.float8.DelayedScaling(history))
+    with jax.numpy_rank_promotion("allow"):  # the benchmark's model broadcasts its biases
+        f8 = jax.eval_shape(lambda: jamp.float8.init(model, params, jnp.zeros(x.shape)))
+
+    def step(params, f8, x, y):
+        loss = lambda s, p: jnp.mean(jnp.square(model(s, p, x).astype(jnp.float32) - y))  # noqa: E731
+        return jax.grad(loss, argnums=(0, 1))(f8, params)
+
+    with pytest.MonkeyPatch.context() as mp, jax.numpy_rank_promotion("allow"):
+        if not checked:
+            mp.setattr(float8, "traced_check", lambda *args: None)
+        return len(f8), xla_gpu.analyse(xla_gpu.compile_for(step, params, f8, x, x))
+
+
+@pytest.mark.parametrize("history", [16, 1024])
+def test_the_traced_check_of_a_float8_state_is_scalar_work(history):
+    """Issue #35: the check that makes a corrupted Float8State's products NaN under jit
+    keeps every float8 GEMM (the same FLOPs, all float8) and adds a few scalar operations
+    and one read of each product's history (12 B per step of it), which the backward pass
+    reads anyway: no kernel at TE's history of 1024; at 16, where XLA had fused that read
+    into the backward pass's, at most one small kernel per product (benchmarks' 4-layer
+    GPT step: 546 -> 570 kernels of the step at 16, 570 -> 570 at 1024, and 0.27 MB fewer
+    bytes there than before the check, whose pass over the history replaced the backward
+    pass's over the rolled one)."""
+    products, with_check = _delayed_float8_step(history, checked=True)
+    _, without = _delayed_float8_step(history, checked=False)
+    assert with_check.flops == without.flops and with_check.gemm_dtypes() == {"f8"}
+    extra_kernels = with_check.n_kernels - without.n_kernels
+    assert 0 <= extra_kernels <= (products if history < 1024 else 0)
+    assert 0 <= with_check.bytes - without.bytes <= products * (3 * history * 4 + 64)

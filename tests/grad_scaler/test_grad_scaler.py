@@ -397,6 +397,15 @@ def test_lowering_the_growth_interval_below_the_tracker_grows_on_the_next_finite
     assert int(scaler.set_growth_interval(state, 3).growth_tracker) == 1
 
 
+@pytest.mark.parametrize("bad", [[], (), "state"], ids=["[]", "()", "a state"])
+def test_update_new_scale_of_the_wrong_kind_is_named_under_jit(bad):
+    """Issue #35: ``[]``, ``()`` and a state got the "takes no found_inf" sentence."""
+    state = GS().init()
+    value = state if bad == "state" else bad
+    with pytest.raises(TypeError, match=r"^Expected `new_scale` to be a Python float"):
+        jax.jit(lambda s: GS().update(s, new_scale=value))(state)
+
+
 @pytest.mark.parametrize("jit", [False, True])
 def test_update_new_scale_under_jit_never_takes_a_nonfinite_or_nonpositive_scale(jit):
     scaler = jamp.GradScaler(init_scale=8.0)
@@ -590,6 +599,31 @@ BAD_INPUT = {
         lambda: GS().update(INIT, new_scale=[1.0]),
         TypeError,
         r"`new_scale` to be a Python float or a scalar array, got list \[1.0\]",
+    ),
+    # issue #35: an empty list, an empty tuple or a state is no found_inf flag
+    "update(new_scale=[])": (
+        lambda: GS().update(INIT, new_scale=[]),
+        TypeError,
+        r"^Expected `new_scale` to be a Python float or a scalar array, got list \[\]",
+    ),
+    "update(new_scale=())": (
+        lambda: GS().update(INIT, new_scale=()),
+        TypeError,
+        r"^Expected `new_scale` to be a Python float or a scalar array, got tuple \(\)",
+    ),
+    "update(state, state)": (
+        lambda: GS().update(INIT, INIT),
+        TypeError,
+        (
+            r"^Expected `new_scale`.*got a GradScalerState",
+            r"takes the state once",
+            r"not a found_inf flag: `GradScaler\.update` takes no `found_inf`",
+        ),
+    ),
+    "update(new_scale=LossScaleState)": (
+        lambda: GS().update(INIT, new_scale=jamp.dynamic_loss_scale()),
+        TypeError,
+        r"^Expected `new_scale`.*got a LossScaleState",
     ),
     "update(new_scale=10**400)": (
         lambda: GS().update(INIT, new_scale=10**400),

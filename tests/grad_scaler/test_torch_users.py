@@ -7,7 +7,9 @@ jamp refuses it with PyTorch's words and the call to write, or computes what
 one device would.
 """
 
+import dataclasses
 import gc
+import pickle
 from typing import Any
 
 import jax
@@ -350,15 +352,102 @@ def test_dropping_the_state_step_returns_is_refused():
         run(iteration)
 
 
+def forgot_update_and_dropped_the_state(state, params, opt_state, x, y):
+    """Issue #35: no ``scaler.update``, and the state ``step`` returned dropped: the loop
+    carries the state it was given, which ``step`` took."""
+    grads = jax.grad(lambda p: SCALER.scale(state, loss_fn(p, x, y) * 1e38))(params)  # inf
+    params, opt_state, _ = SCALER.step(state, TX, grads, opt_state, params)
+    return state, params, opt_state
+
+
+STALE = (
+    r"^step\(\) has already been called since the last update\(\)\. This state was already "
+    r"passed to `scaler\.step` in another trace.*scale would never change.*"
+    r"dataclasses\.replace\(state\)"
+)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_forgetting_update_and_dropping_the_state_step_returned_is_refused(jit):
+    """The scale stayed at 2**10 through every overflowing step, with no error, when the
+    iteration was jitted: it started each call from the same ready state, which nothing
+    told from a fresh one. The state ``step`` took now leaves the trace marked (pytree
+    metadata), so the next call retraces, and its ``step`` refuses it."""
+    iteration = forgot_update_and_dropped_the_state
+    if jit:
+        iteration = jax.jit(iteration)
+    params, x, y = problem()
+    state, p1, opt_state = iteration(SCALER.init(), params, TX.init(params), x, y)
+    assert leaves_close(p1, params, atol=0)  # the overflowing step was skipped
+    assert float(state.scale) == 2.0**10 and state.consumed_by == "step"
+    match = STALE if jit else r"^step\(\) has already been called.*clone it first"
+    with pytest.raises(RuntimeError, match=match):
+        iteration(state, p1, opt_state, x, y)
+    # On purpose, a copy is a new, unconsumed state (a tree_map clone only within the trace)
+    copied = dataclasses.replace(state)
+    assert copied.consumed_by is None
+    assert jax.tree.structure(copied) == jax.tree.structure(SCALER.init())
+    _, p2, _ = iteration(copied, p1, opt_state, x, y)
+    assert leaves_close(p2, params, atol=0)
+
+
+def test_a_state_consumed_in_a_trace_is_cloned_there_and_refused_as_a_scan_carry():
+    """Within the trace that consumed it, a clone is a new, unconsumed object (a step
+    replayed); carried out of a ``lax.scan`` body, the consumed state is a carry of
+    another structure, which jax refuses, naming the mark."""
+    params, x, y = problem()
+
+    @jax.jit
+    def replayed(state, params, opt_state):
+        grads = scaled_grads(state, params, x, y)
+        p1, _, _ = SCALER.step(state, TX, grads, opt_state, params)
+        clone = jax.tree_util.tree_map(lambda a: a, state)
+        p2, _, stepped = SCALER.step(clone, TX, grads, opt_state, params)
+        return SCALER.update(stepped), p1, p2
+
+    state, p1, p2 = replayed(SCALER.init(), params, TX.init(params))
+    assert leaves_close(p1, p2, atol=0) and state.consumed_by is None
+    assert int(state.growth_tracker) == 1
+
+    def body(carry, _):
+        return forgot_update_and_dropped_the_state(*carry, x, y), None
+
+    with pytest.raises(TypeError, match=r"carry.*consumed by scaler\.step: pass on the state"):
+        jax.lax.scan(body, (SCALER.init(), params, TX.init(params)), None, length=3)
+
+
+def test_a_jitted_loop_that_updates_traces_once_and_a_stale_state_pickles():
+    """The mark changes nothing for a loop that passes on the state ``update`` returned;
+    a stale state pickles (without its trace) and comes back consumed."""
+    traces = []
+
+    @jax.jit
+    def iteration(state, params, opt_state):
+        traces.append(state.stage)
+        grads = scaled_grads(state, params, x, y)
+        params, opt_state, state = SCALER.step(state, TX, grads, opt_state, params)
+        return SCALER.update(state), params, opt_state
+
+    params, x, y = problem()
+    carry = (SCALER.init(), params, TX.init(params))
+    for _ in range(3):
+        carry = iteration(*carry)
+    assert traces == ["ready"] and int(carry[0].growth_tracker) == 3
+    stale, _, _ = jax.jit(forgot_update_and_dropped_the_state)(carry[0], *carry[1:], x, y)
+    back = pickle.loads(pickle.dumps(stale))
+    assert back.consumed_by == "step" and float(back.scale) == float(stale.scale)
+
+
 def test_a_consumed_state_is_marked_openly_and_a_clone_of_it_is_usable():
-    """The guard is a declared field, ``GradScalerState.consumed_by``, outside the pytree;
+    """The guard is a declared field, ``GradScalerState.consumed_by``, no leaf;
     its error says how to reuse a state on purpose: clone it (flatten, unflatten)."""
     params, x, y = problem()
     state, opt_state = SCALER.init(), TX.init(params)
     grads = scaled_grads(state, params, x, y)
     p1, _, stepped = SCALER.step(state, TX, grads, opt_state, params)
     assert (state.consumed_by, stepped.consumed_by) == ("step", None)
-    # Not a leaf, not metadata: a jitted step given either state compiles the same program.
+    # Not a leaf, and consumed eagerly not metadata either: a jitted step given either state
+    # compiles the same program (consumed while traced, it is: the test above).
     assert jax.tree.structure(state) == jax.tree.structure(SCALER.init())
     with pytest.raises(
         RuntimeError,

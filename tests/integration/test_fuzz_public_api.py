@@ -537,6 +537,24 @@ def _check_float8(result: Any, kw: dict) -> None:
     np.testing.assert_allclose(np.asarray(result), np.full((2, 4), 8.0), rtol=0.1)
 
 
+def _float8_telemetry(amax: Any, underflow: Any) -> Any:
+    """The product and its telemetry, given a telemetry argument whose values it ignores."""
+    f = jamp.autocast(lambda w, x: x @ w, "float8", telemetry=True)
+    w, x = jnp.ones((4, 4)), jnp.full((2, 4), 2.0)
+    key = "0:dot_general"
+    given = {key: jamp.float8.telemetry_init(f, w, x)[key]._replace(amax=amax, underflow=underflow)}
+    out = f(given, w, x)  # checked here, eagerly: a refusal names the telemetry
+    stats = jax.grad(lambda t: jnp.sum(f(t, w, x)))(given)[key]
+    return out, stats
+
+
+def _check_float8_telemetry(result: Any, kw: dict) -> None:
+    out, stats = result
+    np.testing.assert_allclose(np.asarray(out), np.full((2, 4), 8.0), rtol=0.1)
+    np.testing.assert_array_equal(np.asarray(stats.amax), [2.0, 1.0, 1.0])
+    np.testing.assert_array_equal(np.asarray(stats.underflow), [0.0, 0.0, 0.0])
+
+
 def _check_multi_steps(tx: Any, kw: dict) -> None:
     """Two micro-steps, as optax.MultiSteps takes them (updates, state and accumulator)."""
     if kw["should_skip_update_fn"] is not None or callable(kw["every_k_schedule"]):
@@ -760,6 +778,14 @@ def _targets() -> dict[str, Target]:
                 "amax_history": (lambda: jnp.zeros((3, 4)), r"amax_history|float8 state"),
             },
             _check_float8,
+        ),
+        "float8 telemetry call": Target(
+            lambda amax, underflow: _float8_telemetry(amax, underflow),
+            {
+                "amax": (lambda: jnp.zeros(3), r"float8 telemetry"),
+                "underflow": (lambda: jnp.zeros(3), r"float8 telemetry"),
+            },
+            _check_float8_telemetry,
         ),
         "from_flax_dynamic_scale": Target(
             lambda fin_steps, scale, **kw: jamp.compat.from_flax_dynamic_scale(

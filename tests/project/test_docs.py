@@ -58,6 +58,8 @@ WITH_EXAMPLES = {
     "jamp._src.skip",
     "jamp._src.value_and_grad",
     "jamp._src.optimizer.master",
+    "jamp._src.numerics.locate",
+    "jamp._src.numerics.report",
     "jamp._src.optimizer.state",
 }
 

@@ -22,7 +22,7 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NoReturn, ParamSpec, TypeVar
 from typing import cast as static_cast
 
 import jax
@@ -33,9 +33,11 @@ from jax.typing import DTypeLike
 
 from jamp._src.autocast.float8 import (
     check_states,
+    check_telemetry,
     current_rule,
-    delayed_rule,
     init_states,
+    init_telemetry,
+    site_rule,
     sites,
 )
 from jamp._src.autocast.interpreter import eval_closed
@@ -51,7 +53,7 @@ from jamp._src.autocast.values import (
     cast,
     is_float,
 )
-from jamp._src.float8 import DelayedScaling, Float8State
+from jamp._src.float8 import DelayedScaling, Float8State, Telemetry
 from jamp._src.policy import Policy, check_dtype, parse_policy
 from jamp._src.types import PyTree
 
@@ -61,6 +63,7 @@ __all__ = [
     "autocast",
     "autocast_report",
     "float8_init",
+    "telemetry_init",
 ]
 
 P = ParamSpec("P")
@@ -241,7 +244,15 @@ def _resolve(
     return compute, policy, float8
 
 
-def _check_recipe(recipe: object, float8: bool) -> None:
+def _check_recipe(recipe: object, float8: bool, telemetry: object = False) -> None:
+    if not isinstance(telemetry, (bool, np.bool_)):
+        raise TypeError(f"Expected a bool for `telemetry`, got {telemetry!r} instead.")
+    if telemetry and not float8:
+        raise ValueError(
+            "Expected dtype='float8' with telemetry=True, got a half-precision autocast "
+            "instead: telemetry reports what float8 made of each product's tensors. Write "
+            "jamp.autocast(fun, 'float8', telemetry=True)."
+        )
     if recipe is None:
         return
     if not isinstance(recipe, DelayedScaling):
@@ -257,27 +268,52 @@ def _check_recipe(recipe: object, float8: bool) -> None:
         )
 
 
-def _check_state_first(fun: Callable, state: object, args: tuple, kwargs: dict) -> None:
-    """A clear error when a delayed-scaling function is called without its state."""
+def _check_leading(fun: Callable, leading: tuple[str, ...], args: tuple, kwargs: dict) -> None:
+    """A clear error when a float8 function is called without its leading arguments
+    (``leading``: ``"state"``, ``"telemetry"``, or both), which ``args`` begins with."""
+    k = len(leading)
+    if len(args) < k:
+        _missing(fun, leading, len(args))
     try:
         signature = inspect.signature(fun)
     except (TypeError, ValueError):
         return  # no signature to check the call against: fun reports its own call errors
     try:
-        signature.bind(*args, **kwargs)
+        signature.bind(*args[k:], **kwargs)
+        return
     except TypeError:
+        pass
+    for given in range(k):  # the call holds only the first `given` of them
         try:
-            signature.bind(state, *args, **kwargs)
+            signature.bind(*args[given:], **kwargs)
         except TypeError:
-            return  # a call error of fun's own, which fun will report
+            continue
+        _missing(fun, leading, given)
+
+
+def _missing(fun: Callable, leading: tuple[str, ...], given: int) -> NoReturn:
+    name = getattr(fun, "__name__", "fun")
+    if leading == ("state",):
         raise TypeError(
             "Expected the float8 state (a dict of jamp.float8.Float8State from "
-            "jamp.float8.init) as the first argument of a delayed-scaling autocast function, "
-            f"then the arguments of {getattr(fun, '__name__', 'fun')}; got only the latter. "
+            "jamp.float8.init) as the first argument of a delayed-scaling autocast "
+            f"function, then the arguments of {name}; got only the latter. "
             "Call f(state, *args)."
-        ) from None
-    except ValueError:  # no signature
-        return
+        )
+    described = " and ".join(_LEADING[what] for what in leading)
+    first = "the first argument" if len(leading) == 1 else f"the first {len(leading)} arguments"
+    raise TypeError(
+        f"Expected {described} as {first} of this float8 autocast function, then the "
+        f"arguments of {name}; got {given} of them. Call f({', '.join(leading)}, *args)."
+    )
+
+
+_LEADING = {
+    "state": "the float8 state (a dict of jamp.float8.Float8State from jamp.float8.init)",
+    "telemetry": (
+        "the float8 telemetry (a dict of jamp.float8.Telemetry from jamp.float8.telemetry_init)"
+    ),
+}
 
 
 def _flat(fun: Callable, args: tuple, kwargs: dict, shapes: bool = False):
@@ -317,6 +353,7 @@ def _autocast(
     recorder: Recorder | None,
     float8: bool = False,
     recipe: DelayedScaling | None = None,
+    telemetry: bool = False,
 ):
     def run(
         closed: jex_core.ClosedJaxpr, out_shape: PyTree, dynamic: list[Value], rule: Rule | None
@@ -333,17 +370,24 @@ def _autocast(
                 final.append(cast(x, target))
         return jax.tree_util.tree_unflatten(out_tree, final)
 
-    if recipe is not None:
+    if recipe is not None or telemetry:
+        leading = _leading(recipe, telemetry)
 
-        def delayed(state: object, *args: Any, **kwargs: Any) -> PyTree:
-            _check_state_first(fun, state, args, kwargs)
+        def with_sites(*args: Any, **kwargs: Any) -> PyTree:
+            _check_leading(fun, leading, args, kwargs)
+            first, args = args[: len(leading)], args[len(leading) :]
             closed, out_shape, dynamic = _trace(fun, args, kwargs)
             found = sites(closed)
-            check_states(state, found, recipe)  # a dict of Float8State from here on
-            states = static_cast(Mapping[str, Float8State], state)
-            return run(closed, out_shape, dynamic, delayed_rule(states, found, recipe))
+            state = tel = None
+            if recipe is not None:
+                check_states(first[0], found, recipe)  # a dict of Float8State from here on
+                state = static_cast(Mapping[str, Float8State], first[0])
+            if telemetry:
+                check_telemetry(first[-1], found)  # a dict of Telemetry from here on
+                tel = static_cast(Mapping[str, Telemetry], first[-1])
+            return run(closed, out_shape, dynamic, site_rule(found, recipe, state, tel))
 
-        return DelayedFloat8(delayed, fun, recipe)
+        return Float8Function(with_sites, fun, recipe, telemetry)
 
     @functools.wraps(fun)
     def wrapped(*args: Any, **kwargs: Any) -> PyTree:
@@ -353,36 +397,53 @@ def _autocast(
     return wrapped
 
 
-class DelayedFloat8:
-    """What ``autocast(f, "float8", recipe=...)`` returns: a function of ``(state, *args)``
-    that carries what [`jamp.float8.init`][] needs to make its first state.
+def _leading(recipe: DelayedScaling | None, telemetry: bool) -> tuple[str, ...]:
+    """The arguments a float8 function takes before ``fun``'s: the state, the telemetry."""
+    return (("state",) if recipe is not None else ()) + (("telemetry",) if telemetry else ())
 
-    It is called as ``f`` is, with the float8 state first, and passes ``jit``,
-    ``grad`` and ``vmap`` like any function; ``functools.wraps`` gives it
-    ``f``'s name and docstring. As a method it takes the state first too:
-    ``model.f(state, x)``, and ``jamp.float8.init(model.f, x)`` makes it.
+
+class Float8Function:
+    """What ``autocast(f, "float8", recipe=...)`` or ``autocast(f, "float8", telemetry=True)``
+    returns: a function of ``(state, *args)``, ``(telemetry, *args)`` or ``(state,
+    telemetry, *args)`` that carries what [`jamp.float8.init`][] and
+    [`jamp.float8.telemetry_init`][] need to make its first state and its telemetry.
+
+    It is called as ``f`` is, with the float8 state and then the telemetry
+    first, and passes ``jit``, ``grad`` and ``vmap`` like any function;
+    ``functools.wraps`` gives it ``f``'s name and docstring. As a method it
+    takes them first too: ``model.f(state, x)``, and
+    ``jamp.float8.init(model.f, x)`` makes the state.
 
     Attributes:
       traced: the function whose float8 products have states (``f``).
-      recipe: the [`jamp.float8.DelayedScaling`][] recipe.
+      recipe: the [`jamp.float8.DelayedScaling`][] recipe, or ``None`` (current scaling).
+      telemetry: whether it takes (and reports) telemetry.
     """
 
-    def __init__(self, call: Callable, traced: Callable, recipe: DelayedScaling) -> None:
-        self._call, self.traced, self.recipe = call, traced, recipe
+    def __init__(
+        self,
+        call: Callable,
+        traced: Callable,
+        recipe: DelayedScaling | None,
+        telemetry: bool = False,
+    ) -> None:
+        self._call, self.traced, self.recipe, self.telemetry = call, traced, recipe, telemetry
         functools.update_wrapper(self, traced)
 
-    def __call__(self, state: object, *args: Any, **kwargs: Any) -> PyTree:
-        return self._call(state, *args, **kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> PyTree:
+        return self._call(*args, **kwargs)
 
-    def __get__(self, obj: object, objtype: type | None = None) -> DelayedFloat8:
+    def __get__(self, obj: object, objtype: type | None = None) -> Float8Function:
         """As a method: ``model.f(state, x)`` is ``f(state, model, x)``, the state first."""
         if obj is None:
             return self
+        k = len(_leading(self.recipe, self.telemetry))
 
-        def call(state: object, *args: Any, **kwargs: Any) -> PyTree:
-            return self._call(state, obj, *args, **kwargs)
+        def call(*args: Any, **kwargs: Any) -> PyTree:
+            return self._call(*args[:k], obj, *args[k:], **kwargs)
 
-        return DelayedFloat8(call, functools.partial(self.traced, obj), self.recipe)
+        bound = functools.partial(self.traced, obj)
+        return Float8Function(call, bound, self.recipe, self.telemetry)
 
 
 _WRAPS_A_FUNCTION = (
@@ -405,8 +466,18 @@ class _Decorator:
     def __init__(self, transform: Callable, message: str, **kwargs: object) -> None:
         self._transform, self._message, self._kwargs = transform, message, kwargs
 
-    def __call__(self, fun: Callable) -> Callable:
-        return self._transform(fun, **self._kwargs)
+    def __call__(self, *args: Any, **kwargs: Any) -> Callable:
+        if len(args) != 1 or kwargs:  # decorator(x, y): the function's arguments, not `fun`
+            given = [type(a).__name__ for a in args] + [f"{k}=..." for k in kwargs]
+            args_ = "enabled=False" if self._message == _MARKS_A_FUNCTION else "dtype=jnp.bfloat16"
+            raise TypeError(
+                f"Expected one function for `fun` of {self!r}, got {len(given)} arguments "
+                f"({', '.join(given)}) instead: jamp.{self._transform.__name__} without a "
+                "function returns a decorator, which takes the function to transform. Write "
+                f"`jamp.autocast(fn, {args_})(x, y)` to call a function, or "
+                f"`@jamp.autocast({args_})` above its `def`."
+            )
+        return self._transform(args[0], **self._kwargs)
 
     def __enter__(self) -> None:
         raise TypeError(f"{self._message}.")
@@ -430,6 +501,13 @@ def _explains_torch_calls(autocast: Callable[P, R]) -> Callable[P, R]:
         except TypeError as e:  # autocast(device_type="cuda", dtype=...), autocast(dtype=...)
             raise TypeError(f"{_WRAPS_A_FUNCTION} ({e}).") from None
         fun = args[0] if args else kwargs.get("fun")
+        if fun is None and (args or "fun" in kwargs):  # autocast(None, jnp.bfloat16)
+            raise TypeError(
+                "Expected a callable for `fun` of jamp.autocast, got None instead: only a `fun` "
+                "left out makes a decorator (`@jamp.autocast(dtype=jnp.bfloat16)`, the "
+                "arguments by name). Pass the function to transform: "
+                "`jamp.autocast(fn, jnp.bfloat16)(x, y)`."
+            )
         if isinstance(fun, str) or _is_dtype(fun):  # autocast("cuda", ...), autocast(jnp.float16)
             raise TypeError(
                 f"{_WRAPS_A_FUNCTION} (got {fun!r} for `fun`; as a decorator, the dtype is "
@@ -455,6 +533,7 @@ def autocast(
     policy: Policy | str | None = None,
     enabled: bool = True,
     recipe: DelayedScaling | None = None,
+    telemetry: bool = False,
 ) -> Callable:
     """Runs ``fun`` with matrix products in ``dtype`` and sensitive ops in float32.
 
@@ -527,7 +606,14 @@ def autocast(
     with ``recipe=jamp.float8.DelayedScaling(...)``, come from an amax history kept
     in a state: the returned function then takes that state first,
     ``f(state, *args)``, [`float8_init`][jamp.float8.init] creates it, and ``jax.grad``
-    with respect to it returns the next state (``docs/float8.md``).
+    with respect to it returns the next state (``docs/float8.md``). With
+    ``telemetry=True`` it takes a telemetry argument too (after the state,
+    if any: ``f(telemetry, *args)``, ``f(state, telemetry, *args)``), which
+    [`jamp.float8.telemetry_init`][] creates and whose gradient is each
+    product's [`jamp.float8.Telemetry`][]: the amax, scale and fractions
+    underflowed and saturated of its operands and output gradient, returned
+    as arrays with the gradients. Without it, the program is the same as
+    before telemetry existed.
 
     Args:
       fun: the function to transform; left out, a decorator is returned.
@@ -550,25 +636,32 @@ def autocast(
         function keeps ``defvjp`` (``defjvp``), which defines the rule of the
         function it wraps: the forward and backward passes then run as
         written; under it (``@jax.custom_vjp`` outermost) only the primal
-        function is marked. With a ``recipe``, the function still takes a
-        state first, and ignores it.
+        function is marked. With a ``recipe`` (``telemetry=True``), the
+        function still takes a state (telemetry) first, and ignores it.
       recipe: with ``dtype="float8"``: ``None`` (current scaling) or a
         [`jamp.float8.DelayedScaling`][].
+      telemetry: with ``dtype="float8"``: whether the function takes a
+        telemetry argument and reports each product's telemetry as its
+        gradient (``docs/float8.md``, "Telemetry").
 
     Returns:
       A function with the signature of ``fun``; with a ``recipe``, one that
-      takes the float8 state (a dict of [`jamp.float8.Float8State`][]) first.
-      Without ``fun``, a decorator that returns that function.
+      takes the float8 state (a dict of [`jamp.float8.Float8State`][]) first;
+      with ``telemetry=True``, one that takes the telemetry (a dict of
+      [`jamp.float8.Telemetry`][]) first, after the state if any. Without
+      ``fun``, a decorator that returns that function.
 
     Raises:
       TypeError: ``fun`` is not callable, ``dtype`` is not a dtype or not a
         floating one (``jnp.int32``, ``"int32"``), ``policy`` is neither a
-        ``Policy`` nor a string, or ``recipe`` is not a ``DelayedScaling``.
+        ``Policy`` nor a string, ``recipe`` is not a ``DelayedScaling``, or
+        ``telemetry`` is not a bool.
       ValueError: ``dtype`` (or the policy's compute dtype) is a floating
         dtype other than float16 and bfloat16 (``jnp.float32``,
         ``jnp.float8_e4m3fn``: float8 is ``"float8"``) or a name that is no
         dtype (``"fp8"``); an invalid policy string; ``dtype`` disagrees
-        with ``policy``; or a ``recipe`` without ``dtype="float8"``.
+        with ``policy``; or a ``recipe`` or ``telemetry=True`` without
+        ``dtype="float8"``.
 
     Examples:
       >>> import jax, jax.numpy as jnp, jamp
@@ -601,26 +694,32 @@ def autocast(
     if fun is not None:
         _check_fun(fun, "autocast")
     low, policy, float8 = _resolve(dtype, policy)
-    _check_recipe(recipe, float8)
+    _check_recipe(recipe, float8, telemetry)
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"Expected a bool for `enabled`, got {enabled!r} instead.")
     if fun is None:
         kwargs = dict(dtype=dtype, policy=policy, enabled=enabled, recipe=recipe)
         given = {k: v for k, v in kwargs.items() if v is not None and (k, v) != ("enabled", True)}
+        if telemetry:
+            given["telemetry"] = True
         return _Decorator(autocast, _WRAPS_A_FUNCTION if enabled else _MARKS_A_FUNCTION, **given)
     if not enabled:
-        return _without_state(fun, recipe) if recipe else autocast_disabled(fun)
-    return _autocast(fun, low, policy, None, float8, recipe)
+        if recipe is not None or telemetry:
+            return _without_float8_args(fun, recipe, bool(telemetry))
+        return autocast_disabled(fun)
+    return _autocast(fun, low, policy, None, float8, recipe, bool(telemetry))
 
 
-def _without_state(fun: Callable, recipe: DelayedScaling) -> Callable:
-    """``enabled=False`` with a recipe: the signature kept, the state taken and ignored."""
+def _without_float8_args(fun: Callable, recipe: DelayedScaling | None, telemetry: bool) -> Callable:
+    """``enabled=False`` with a recipe or telemetry: the signature kept, the state and the
+    telemetry taken and ignored."""
     disabled = autocast_disabled(fun)
+    k = len(_leading(recipe, telemetry))
 
-    def ignoring(state: object, *args: Any, **kwargs: Any) -> Any:
-        return disabled(*args, **kwargs)
+    def ignoring(*args: Any, **kwargs: Any) -> Any:
+        return disabled(*args[k:], **kwargs)
 
-    return DelayedFloat8(ignoring, disabled, recipe)  # float8.init finds no product
+    return Float8Function(ignoring, disabled, recipe, telemetry)  # the inits find no product
 
 
 def autocast_disabled(fun: Callable | None = None) -> Callable:
@@ -816,7 +915,7 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
       >>> state["0:dot_general"].scale  # 448 / 1, 448 / 0.5, 57344 / 1: the next step's
       Array([  448.,   896., 57344.], dtype=float32)
     """
-    if not isinstance(fun, DelayedFloat8):
+    if not isinstance(fun, Float8Function) or fun.recipe is None:
         raise TypeError(
             "Expected for `fun` a function returned by jamp.autocast(f, 'float8', "
             f"recipe=jamp.float8.DelayedScaling(...)), got {fun!r} instead; jamp.float8.init "
@@ -824,3 +923,60 @@ def float8_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Float8Sta
         )
     closed, _, _ = _trace(fun.traced, args, kwargs, shapes=True)
     return init_states(sites(closed), fun.recipe)
+
+
+def telemetry_init(fun: Callable, *args: Any, **kwargs: Any) -> dict[str, Telemetry]:
+    """The telemetry argument of a float8 autocast function made with ``telemetry=True``.
+
+    ``fun`` is what ``jamp.autocast(f, "float8", telemetry=True)`` returned
+    (with a ``recipe`` or without); ``args`` and ``kwargs`` are ``f``'s
+    arguments (arrays or ``jax.ShapeDtypeStruct``), without the state and
+    the telemetry. ``f`` is traced, not run. The telemetry holds one
+    [`jamp.float8.Telemetry`][] of zeros per float8 matrix product, with the
+    keys of the delayed-scaling state (``"<i>:<scope>"``, see
+    [`jamp.float8.init`][]); a product inside a ``lax.scan`` of length ``n``
+    has ``n``, stacked along a leading axis; products inside ``while_loop``,
+    ``cond`` and custom-derivative bodies have none (they report nothing).
+
+    ``fun`` ignores the values of its telemetry argument: its *cotangent* is
+    the step's telemetry. ``jax.grad`` (or ``jax.value_and_grad``) with
+    respect to it returns the amax, scale and fractions underflowed and
+    saturated of each product's operands and output gradient, as arrays, in
+    the pass that computes the gradients: no host callback, no
+    synchronisation. Pass the same zeros every step.
+
+    Args:
+      fun: a function returned by [`autocast`][jamp.autocast] with ``dtype="float8"`` and
+        ``telemetry=True``.
+      *args: ``f``'s positional arguments after the state and the telemetry.
+      **kwargs: ``f``'s keyword arguments.
+
+    Returns:
+      A dict ``{key: Telemetry}`` of float32 zeros ``(..., 3)``, to pass as
+      ``fun``'s first argument (its second, after the state, with a recipe).
+
+    Raises:
+      TypeError: ``fun`` is not a float8 autocast function with telemetry.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, jamp
+      >>> def loss(w, x):
+      ...   return jnp.sum(x @ w)
+      >>> f = jamp.autocast(loss, "float8", telemetry=True)
+      >>> w, x = jnp.full((3, 3), 0.5), jnp.ones((2, 3))
+      >>> zeros = jamp.float8.telemetry_init(f, w, x)
+      >>> list(zeros), zeros["0:dot_general"].amax.shape
+      (['0:dot_general'], (3,))
+      >>> stats, grads = jax.grad(f, argnums=(0, 1))(zeros, w, x)
+      >>> stats["0:dot_general"].scale  # 448 / 1, 448 / 0.5, 57344 / 1
+      Array([  448.,   896., 57344.], dtype=float32)
+    """
+    if not isinstance(fun, Float8Function) or not fun.telemetry:
+        raise TypeError(
+            "Expected for `fun` a function returned by jamp.autocast(f, 'float8', "
+            f"telemetry=True), got {fun!r} instead; jamp.float8.telemetry_init creates the "
+            "telemetry argument that such a function takes first (after the state, with a "
+            "recipe)."
+        )
+    closed, _, _ = _trace(fun.traced, args, kwargs, shapes=True)
+    return init_telemetry(sites(closed))

@@ -20,6 +20,12 @@ return a zero state, and a custom rule's body is traced more than once) nor
 into disabled regions. The interpreter then finds each product's state by
 the path of equations leading to it, so a body traced twice finds the same
 states.
+
+With ``telemetry=True`` the same sites own a [`Telemetry`][jamp.float8.Telemetry]
+each (with the same keys, stacked the same way in scans), which ``SiteRule``
+passes to the products that report it (``current_dot_telemetry``,
+``delayed_dot_telemetry``); products elsewhere report nothing. Without it,
+the products are those of the code before telemetry existed.
 """
 
 from __future__ import annotations
@@ -27,8 +33,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple
+from typing import cast as static_cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
@@ -41,9 +49,12 @@ from jamp._src.float8 import (
     DelayedScaling,
     Float8State,
     Spec,
+    Telemetry,
     check_values,
     current_dot,
+    current_dot_telemetry,
     delayed_dot,
+    delayed_dot_telemetry,
     init_state,
 )
 
@@ -163,23 +174,34 @@ def init_states(found: Sequence[Site], recipe: DelayedScaling) -> dict[str, Floa
     return {site.key: init_state(recipe, site.stack) for site in found}
 
 
-def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -> None:
-    """A clear error unless ``state`` has one well-formed Float8State per site."""
-    fix = "create it with jamp.float8.init(f, *args) from the function and arguments f takes"
-    if not isinstance(state, Mapping):
-        raise TypeError(
-            f"Expected a dict of jamp.float8.Float8State for the float8 state (the first argument "
-            f"of a delayed-scaling autocast function), got {type(state).__name__} instead; "
-            f"{fix}."
-        )
-    want, got = [s.key for s in found], list(state)
+def _check_keys(
+    value: object, found: Sequence[Site], kind: str, what: str, fix: str
+) -> Mapping[str, Any]:
+    """``value``, checked: a TypeError unless it is a mapping, a ValueError unless its keys
+    are the sites' (one entry per float8 product)."""
+    if not isinstance(value, Mapping):
+        raise TypeError(f"Expected {kind}, got {type(value).__name__} instead; {fix}.")
+    want, got = [s.key for s in found], list(value)
     if sorted(want) != sorted(got):
         missing, extra = sorted(set(want) - set(got)), sorted(set(got) - set(want))
         raise ValueError(
-            f"Expected a float8 state with one entry per float8 matrix product of the "
-            f"function, keys {want}, got keys {got} instead (missing {missing}, unexpected "
-            f"{extra}); {fix}."
+            f"Expected {what} with one entry per float8 matrix product of the function, keys "
+            f"{want}, got keys {got} instead (missing {missing}, unexpected {extra}); {fix}."
         )
+    return value
+
+
+def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -> None:
+    """A clear error unless ``state`` has one well-formed Float8State per site."""
+    fix = "create it with jamp.float8.init(f, *args) from the function and arguments f takes"
+    state = _check_keys(
+        state,
+        found,
+        "a dict of jamp.float8.Float8State for the float8 state (the first argument of a "
+        "delayed-scaling autocast function)",
+        "a float8 state",
+        fix,
+    )
     h = recipe.amax_history_len
     for site in found:
         entry = state[site.key]
@@ -188,11 +210,7 @@ def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -
             _is_array(getattr(entry, f), shape) for f, shape in shapes.items()
         )
         if not ok:
-            described = (
-                tuple(_describe(x) for x in entry)
-                if isinstance(entry, tuple)
-                else type(entry).__name__
-            )
+            described = _describe_entry(entry)
             raise ValueError(
                 f"Expected a jamp.float8.Float8State of float32 arrays with shapes {shapes} for "
                 f"float8 state entry {site.key!r} (amax_history_len={h}), got {described} "
@@ -201,10 +219,47 @@ def check_states(state: object, found: Sequence[Site], recipe: DelayedScaling) -
         check_values(entry, f"float8 state entry {site.key!r}", recipe)
 
 
+def init_telemetry(found: Sequence[Site]) -> dict[str, Telemetry]:
+    return {
+        site.key: Telemetry(*(jnp.zeros((*site.stack, 3), F32) for _ in range(4))) for site in found
+    }
+
+
+def check_telemetry(telemetry: object, found: Sequence[Site]) -> None:
+    """A clear error unless ``telemetry`` has one Telemetry of float32 arrays per site (their
+    values are not read: only the cotangent matters)."""
+    fix = (
+        "create it with jamp.float8.telemetry_init(f, *args) from the function and arguments "
+        "f takes"
+    )
+    telemetry = _check_keys(
+        telemetry,
+        found,
+        "a dict of jamp.float8.Telemetry for the float8 telemetry (the argument before those "
+        "of the function, after the state under delayed scaling)",
+        "float8 telemetry",
+        fix,
+    )
+    for site in found:
+        entry, shape = telemetry[site.key], (*site.stack, 3)
+        if not (isinstance(entry, Telemetry) and all(_is_array(x, shape) for x in entry)):
+            described = _describe_entry(entry)
+            raise ValueError(
+                f"Expected a jamp.float8.Telemetry of four float32 arrays of shape {shape} for "
+                f"float8 telemetry entry {site.key!r}, got {described} instead; {fix}."
+            )
+
+
 def _is_array(x: Any, shape: tuple[int, ...]) -> bool:  # any leaf: duck-typed
     """Whether ``x`` is a float32 array (or tracer) of ``shape``."""
     dtype = getattr(x, "dtype", None)
     return dtype is not None and np.dtype(dtype) == F32 and tuple(np.shape(x)) == shape
+
+
+def _describe_entry(entry: Any) -> tuple[tuple[str, tuple[int, ...]] | str, ...] | str:
+    """What a state or telemetry entry holds, for an error message: each field's dtype and
+    shape, or the entry's type when it is not a tuple."""
+    return tuple(_describe(x) for x in entry) if isinstance(entry, tuple) else type(entry).__name__
 
 
 def _describe(x: Any) -> tuple[str, tuple[int, ...]] | str:  # any leaf: duck-typed
@@ -214,11 +269,14 @@ def _describe(x: Any) -> tuple[str, tuple[int, ...]] | str:  # any leaf: duck-ty
 
 
 @dataclasses.dataclass(frozen=True)
-class DelayedRule:
-    """The float8 rule with delayed scaling: each product finds its state by its path."""
+class SiteRule:
+    """The float8 rule of products that own a site: delayed scaling's state, telemetry, or
+    both. Each product finds its values by its path: ``(amax_history, scale)`` with a
+    recipe, then the four fields of its ``Telemetry`` with telemetry."""
 
-    states: Mapping[tuple[int, ...], tuple[Value, Value]]  # path -> (amax_history, scale)
-    recipe: DelayedScaling
+    values: Mapping[tuple[int, ...], tuple[Value, ...]]  # path -> the values of its site
+    recipe: DelayedScaling | None
+    telemetry: bool = False
     prefix: tuple[int, ...] = ()
 
     def __call__(
@@ -227,9 +285,7 @@ class DelayedRule:
         name = eqn.primitive.name
         path = (*self.prefix, id(eqn))
         if eligible(eqn):
-            history, scale = self.states[path]
-            spec = _spec(eqn, invals, ctx, self.recipe)
-            return _finish(eqn, delayed_dot(*invals, history, scale, spec), infos, ctx, FLOAT8)
+            return _finish(eqn, self._product(eqn, invals, ctx, path), infos, ctx, FLOAT8)
         if name in _CALLS:
             inner = dataclasses.replace(ctx, rule=dataclasses.replace(self, prefix=path))
             return self._recurse(eqn, invals, infos, inner)
@@ -238,6 +294,18 @@ class DelayedRule:
         if name == "scan":
             return self._scan(eqn, invals, infos, ctx, path)
         return None
+
+    def _product(
+        self, eqn: jex_core.JaxprEqn, invals: list[Value], ctx: Context, path: tuple[int, ...]
+    ) -> jax.Array:
+        spec = _spec(eqn, invals, ctx, self.recipe)
+        values = self.values[path]
+        if self.recipe is None:  # telemetry only
+            return current_dot_telemetry(*invals, _telemetry(values), spec)
+        history, scale, *fields = values
+        if not self.telemetry:
+            return delayed_dot(*invals, history, scale, spec)
+        return delayed_dot_telemetry(*invals, history, scale, _telemetry(fields), spec)
 
     def _recurse(
         self, eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
@@ -254,22 +322,37 @@ class DelayedRule:
         ctx: Context,
         path: tuple[int, ...],
     ) -> Evaluated:
-        """Each iteration gets its slice of the stacked states of the products inside."""
-        inside = [p for p in self.states if p[: len(path)] == path]
-        extra = [x for p in inside for x in self.states[p]]
+        """Each iteration gets its slice of the stacked values of the products inside."""
+        inside = [p for p in self.values if p[: len(path)] == path]
+        sizes = [len(self.values[p]) for p in inside]
+        extra = [x for p in inside for x in self.values[p]]
+        starts = np.cumsum([0, *sizes])
 
         def body_ctx(ctx: Context, slices: list[Value]) -> Context:
-            states = {p: (slices[2 * i], slices[2 * i + 1]) for i, p in enumerate(inside)}
-            return dataclasses.replace(ctx, rule=DelayedRule(states, self.recipe, path))
+            values = {p: tuple(slices[starts[i] : starts[i + 1]]) for i, p in enumerate(inside)}
+            rule = dataclasses.replace(self, values=values, prefix=path)
+            return dataclasses.replace(ctx, rule=rule)
 
         if ctx.recorder is not None:
             ctx.recorder.add("scan", "recurse", "-")
         return scan_with(eqn, invals, infos, ctx, extra, body_ctx)
 
 
-def delayed_rule(
-    state: Mapping[str, Float8State], found: Sequence[Site], recipe: DelayedScaling
+def _telemetry(fields: Sequence[Value]) -> Telemetry:
+    """A site's four values as the Telemetry they came from (arrays, or their tracers)."""
+    return Telemetry(*static_cast("list[jax.Array]", fields))
+
+
+def site_rule(
+    found: Sequence[Site],
+    recipe: DelayedScaling | None,
+    state: Mapping[str, Float8State] | None,
+    telemetry: Mapping[str, Telemetry] | None,
 ) -> Rule:
-    # check_states made each entry a Float8State
-    states = {s.path: (state[s.key].amax_history, state[s.key].scale) for s in found}
-    return DelayedRule(states, recipe)
+    """The rule of a function with a state (``recipe``), telemetry, or both; the checks
+    (``check_states``, ``check_telemetry``) made each entry a NamedTuple of arrays."""
+    values: dict[tuple[int, ...], tuple[Value, ...]] = {}
+    for site in found:
+        own = () if state is None else tuple(state[site.key])
+        values[site.path] = own + (() if telemetry is None else tuple(telemetry[site.key]))
+    return SiteRule(values, recipe, telemetry is not None)

@@ -12,9 +12,10 @@ it. Sub-computations (``HIGHER_ORDER``) are evaluated recursively.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TypeAlias
 from typing import cast as static_cast
 
@@ -95,6 +96,24 @@ from jamp._src.autocast.values import (
     source,
     strong_cast,
 )
+
+# Whether a rule's operations (the float8 products') are traced under the source line and
+# name stack of the equation they replace: set by `annotated_rules`, for jamp.debug.
+_ANNOTATE_RULES: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "jamp_annotate_rules", default=False
+)
+
+
+@contextlib.contextmanager
+def annotated_rules() -> Iterator[None]:
+    """Trace the rules' operations under their equation's source line and module path,
+    while in the block (``jamp.debug`` reads them)."""
+    token = _ANNOTATE_RULES.set(True)
+    try:
+        yield
+    finally:
+        _ANNOTATE_RULES.reset(token)
+
 
 # ---------------------------------------------------------------------------
 # The interpreter
@@ -358,9 +377,13 @@ def _eval_eqn(
     name = eqn.primitive.name
     if ctx.as_traced:
         return _as_traced(eqn, invals, infos, ctx, "disabled")
-    done = None if ctx.rule is None else ctx.rule(eqn, invals, infos, ctx)
-    if done is not None:
-        return done
+    if ctx.rule is not None:
+        # Under jamp.debug's tools, a float8 product carries the user's line and module
+        # path; otherwise it is traced as it always was (its program stays the same).
+        with source(eqn) if _ANNOTATE_RULES.get() else contextlib.nullcontext():
+            done = ctx.rule(eqn, invals, infos, ctx)
+        if done is not None:
+            return done
     handler = HIGHER_ORDER.get(name)
     if handler is not None:
         if ctx.recorder is not None:

@@ -46,7 +46,9 @@ _SEVERAL = (
 STEPPED_TWICE = "step() has already been called since the last update()."
 
 
-def _trace_state() -> object:
+def trace_state() -> object:
+    """The current JAX trace, as an opaque token (equal within one trace; the eager trace
+    when nothing is traced)."""
     return jax.extend.core.get_opaque_trace_state(convention="jamp")
 
 
@@ -111,7 +113,7 @@ def record(tx: object, params: Params, new_params: Params) -> StepRecord:
         tx=tx,
         structure=jax.tree_util.tree_structure(params),
         outputs=tuple(weakref.ref(a) for a in _arrays(new_params) if id(a) not in given),
-        trace=_trace_state(),
+        trace=trace_state(),
     )
 
 
@@ -126,7 +128,7 @@ def check_step(records: tuple[StepRecord | None, ...], tx: object, params: Param
     """
     structure = jax.tree_util.tree_structure(params)
     arrays = _arrays(params)
-    trace = _trace_state()
+    trace = trace_state()
     for rec in records:
         if rec is None or rec.structure != structure:
             continue

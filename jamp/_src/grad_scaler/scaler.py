@@ -24,8 +24,8 @@ import dataclasses
 import functools
 import inspect
 import math
-from collections.abc import Callable, Mapping
-from typing import ParamSpec, TypeVar, overload
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, ParamSpec, TypeVar, overload
 
 import jax
 import jax.core
@@ -36,7 +36,7 @@ from jax.typing import ArrayLike
 
 from jamp._src import loss_scale as ls
 from jamp._src.finite.check import check_unscaled, unscaled_and_finite
-from jamp._src.grad_scaler.records import check_step, record
+from jamp._src.grad_scaler.records import check_step, record, trace_state
 from jamp._src.leaves import is_real_number
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
@@ -140,14 +140,20 @@ class GradScalerState(ls.LossScaleState):
     returns the state to go on with, and given the old one again, any of them
     raises a ``RuntimeError`` in torch's words (it would unscale twice, or
     lose an inf check). The mark is ``consumed_by``, the one field a method
-    sets on the object it took: it is not part of the pytree (not a leaf,
-    not metadata, not compared), so it never reaches a computation, and
-    every new state object starts unconsumed. To reuse a consumed state on
-    purpose (to replay a step), clone it: ``jax.tree_util.tree_map(lambda x:
-    x, state)`` is a new, usable object with the same values. A state
-    captured from outside the function being traced (a global, while the
-    method's other arguments are traced) is not marked: the next trace
-    would see the mark. A plain [`jamp.LossScaleState`][] given to these
+    sets on the object it took: it is no leaf and not compared, so it never
+    reaches a computation, and every new state object starts unconsumed. To
+    reuse a consumed state on purpose (to replay a step), clone it:
+    ``jax.tree_util.tree_map(lambda x: x, state)`` is a new, usable object
+    with the same values. One exception: a state consumed while traced and
+    returned out of that trace (a jitted iteration that returns the state
+    ``step`` took, not the one it returned, with no ``update``: every call
+    would start from the same state, the scale frozen) carries the mark as
+    pytree metadata, so the next call retraces and its ``step`` refuses it;
+    a clone taken inside the consuming trace is unconsumed, and outside it
+    ``dataclasses.replace(state)`` copies one on purpose. A state captured
+    from outside the function being traced (a global, while the method's
+    other arguments are traced) is not marked: the next trace would see the
+    mark. A plain [`jamp.LossScaleState`][] given to these
     methods carries no stage and is never consumed: each method takes it as
     a ready state, so start from [`GradScaler.init`][jamp.GradScaler.init]
     to have its reuse refused.
@@ -160,23 +166,86 @@ class GradScalerState(ls.LossScaleState):
     found_infs: tuple = ()
     stage: str = dataclasses.field(default=READY, metadata=dict(static=True))
     checked_by: tuple = dataclasses.field(default=(), metadata=dict(static=True))
-    # Not a pytree field (init=False: jax.tree_util.register_dataclass leaves it out), not
-    # compared: a flatten / unflatten, or dataclasses.replace, makes an unconsumed object.
+    # Not a pytree field (init=False), not compared: within the trace that consumed it (or
+    # eagerly), a flatten / unflatten, or dataclasses.replace, makes an unconsumed object.
     consumed_by: str | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
+    # The trace a method consumed this (traced) state in: a state consumed there and
+    # returned out of it stays consumed (``_Stale``).
+    _consumed_in: object = dataclasses.field(default=None, init=False, compare=False, repr=False)
+
+    def __getstate__(self) -> dict:
+        """Pickled without the consuming trace (a weak reference): a stale state comes back
+        consumed, as an eagerly consumed one is."""
+        return {**self.__dict__, "_consumed_in": None}
 
 
 _LOSS_SCALE_FIELDS = [f.name for f in dataclasses.fields(ls.LossScaleState)]
-jax.tree_util.register_dataclass(
-    GradScalerState,
-    data_fields=[
-        *(f.name for f in dataclasses.fields(ls.LossScaleState) if not f.metadata.get("static")),
-        "found_infs",
-    ],
-    meta_fields=[
-        *(f.name for f in dataclasses.fields(ls.LossScaleState) if f.metadata.get("static")),
-        "stage",
-        "checked_by",
-    ],
+_DATA_FIELDS = (
+    *(f.name for f in dataclasses.fields(ls.LossScaleState) if not f.metadata.get("static")),
+    "found_infs",
+)
+_META_FIELDS = (
+    *(f.name for f in dataclasses.fields(ls.LossScaleState) if f.metadata.get("static")),
+    "stage",
+    "checked_by",
+)
+_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _DATA_FIELDS)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Stale:
+    """The pytree metadata of a state consumed while traced: it leaves that trace marked.
+
+    A jitted iteration that returns the state ``step`` took (not the one it returned,
+    with no ``update``) would start every call from the same ready state, the scale
+    frozen; nothing else in the state tells it from a fresh one. Carried as metadata,
+    the mark changes the state's tree structure, so the next call retraces and its
+    ``step`` refuses the state. Unflattened in the trace that consumed it (a clone
+    taken there on purpose, ``jax.tree_util.tree_map(lambda x: x, state)``) the state
+    is a new, unconsumed object, as an eager clone is. Equal for one method whatever
+    the trace, so a pytree holding a stale state still hashes and compares.
+    """
+
+    method: str
+    trace: object  # get_opaque_trace_state() of the consuming trace (a weak reference)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Stale) and self.method == other.method
+
+    def __hash__(self) -> int:
+        return hash((_Stale, self.method))
+
+    def __repr__(self) -> str:
+        return f"consumed by scaler.{self.method}: pass on the state it returned"
+
+
+def _flatten(state: GradScalerState) -> tuple[tuple, tuple]:
+    stale = None
+    if state.consumed_by is not None and state._consumed_in is not None:
+        stale = _Stale(state.consumed_by, state._consumed_in)
+    children = tuple(getattr(state, name) for name in _DATA_FIELDS)
+    return children, (*(getattr(state, name) for name in _META_FIELDS), stale)
+
+
+def _flatten_with_keys(state: GradScalerState) -> tuple[tuple, tuple]:
+    children, aux = _flatten(state)
+    return tuple(zip(_KEYS, children, strict=True)), aux
+
+
+def _unflatten(aux: tuple, children: Iterable[Any]) -> GradScalerState:  # leaves: any
+    *meta, stale = aux
+    state = GradScalerState(
+        **dict(zip(_DATA_FIELDS, children, strict=True)),
+        **dict(zip(_META_FIELDS, meta, strict=True)),
+    )
+    if stale is not None and stale.trace != trace_state():  # out of the consuming trace
+        object.__setattr__(state, "consumed_by", stale.method)
+        object.__setattr__(state, "_consumed_in", stale.trace)
+    return state
+
+
+jax.tree_util.register_pytree_with_keys(
+    GradScalerState, _flatten_with_keys, _unflatten, flatten_func=_flatten
 )
 
 
@@ -272,16 +341,28 @@ def _consume(state: ls.LossScaleState, method: str, others: PyTree = ()) -> None
     """
     if not isinstance(state, GradScalerState):
         return
-    if _is_tracer(state.scale) or not any(map(_is_tracer, jax.tree_util.tree_leaves(others))):
+    if _is_tracer(state.scale):  # consumed in this trace: it leaves it marked (``_Stale``)
+        object.__setattr__(state, "consumed_by", method)
+        object.__setattr__(state, "_consumed_in", trace_state())
+    elif not any(map(_is_tracer, jax.tree_util.tree_leaves(others))):
         object.__setattr__(state, "consumed_by", method)
 
 
 def _check_not_consumed(state: ls.LossScaleState, method: str) -> None:
     """A RuntimeError, in torch's words, if a method already took ``state`` and replaced it."""
-    used = state.consumed_by if isinstance(state, GradScalerState) else None
-    if used is None:
+    if not isinstance(state, GradScalerState) or state.consumed_by is None:
         return
+    used = state.consumed_by
     sentence = _SENTENCES.get((used, method), _AFTER_UPDATE)
+    if state._consumed_in is not None and state._consumed_in != trace_state():
+        raise RuntimeError(
+            f"{sentence} This state was already passed to `scaler.{used}` in another trace: an "
+            f"earlier call of a jitted function took it and returned it, instead of the state "
+            f"the iteration ends with. Every call would start from that same state, and the "
+            f"scale would never change. Inside the jitted function write `{_LOOP}`, and return "
+            f"that state. To reuse this state on purpose, copy it: `state = "
+            f"dataclasses.replace(state)` is a new, unconsumed object with the same values."
+        )
     raise RuntimeError(
         f"{sentence} This state was already passed to `scaler.{used}`, which returned the one "
         f"to use from then on: write `{_CALLS[used]}` and pass that state on. An iteration is "
@@ -682,13 +763,22 @@ class GradScaler:
           RuntimeError: no inf check was recorded ("No inf checks were
             recorded prior to update."), or ``state`` was already passed to
             ``unscale``, ``step`` or ``update``.
-          TypeError: a ``found_inf`` flag was passed: ``step`` records it.
+          TypeError: a ``found_inf`` flag was passed (``step`` records it), or
+            a ``new_scale`` that is no number (a list, a state).
         """
         _check_state(state, "update")
         if not self.enabled:
             return state
+        if isinstance(new_scale, ls.LossScaleState):  # the state step returned, as a flag
+            raise TypeError(
+                "Expected `new_scale` to be a Python float or a scalar array, got a "
+                f"{type(new_scale).__name__} instead: `update` takes the state once, and "
+                "`new_scale` only to set the scale (`scaler.update(state, new_scale=1024.0)`). "
+                "The third value `scaler.step` returns is the state, not a found_inf flag: "
+                f"{_refuse_found_inf('update')}"
+            )
         flags = new_scale if isinstance(new_scale, (list, tuple)) else [new_scale]
-        if isinstance(new_scale, ls.LossScaleState) or all(
+        if flags and all(
             isinstance(f, (bool, np.bool_)) or getattr(f, "dtype", None) == np.bool_ for f in flags
         ):
             raise _refuse_found_inf("update")

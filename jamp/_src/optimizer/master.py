@@ -30,10 +30,16 @@ from jamp._src.optimizer.rounding import (
     step_key,
 )
 from jamp._src.types import OptState, Params, PyTree, Updates
-from jamp._src.validate import check_gradients, check_params, check_updates
+from jamp._src.validate import (
+    check_gradients,
+    check_own_state,
+    check_params,
+    check_updates,
+)
 
 ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
-_LOW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+# The parameters' and the stored moments' narrow dtypes (float8 moments are stored in blocks).
+NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FN = "master_weights"
 
 
@@ -58,7 +64,22 @@ class MasterWeightsState(NamedTuple):
 
 def is_low(leaf: object) -> bool:
     """Whether ``leaf`` is a bfloat16 or float16 array: a parameter with a master."""
-    return getattr(leaf, "dtype", None) in _LOW
+    return getattr(leaf, "dtype", None) in NARROW
+
+
+def master_of(p: jax.Array, r: jax.Array | None) -> jax.Array:
+    """The float32 master of parameter ``p`` and its residual ``r``: ``p`` itself when it
+    is not bfloat16 or float16; merged with int16 low bits (``"exact"``); plus a
+    compensation of its own dtype (``"kahan"``); widened when there is no residual."""
+    if not is_low(p):
+        return p
+    if r is None:
+        return p.astype(jnp.float32)
+    if r.dtype == jnp.int16:
+        return merge(p, r)
+    # No compensation leaves the parameter as it is: -0.0 + 0.0 would be 0.0.
+    wide = p.astype(jnp.float32)
+    return jnp.where(r == jnp.zeros((), r.dtype), wide, wide + r.astype(jnp.float32))
 
 
 def check_rounding(rounding: object, allowed: tuple[str, ...], name: str = "rounding") -> str:
@@ -181,17 +202,6 @@ def master_weights(
             return None
         return jnp.zeros(p.shape, jnp.int16 if rounding == "exact" else p.dtype)
 
-    def master_of(p: jax.Array, r: jax.Array | None) -> jax.Array:
-        if not is_low(p):
-            return p
-        if r is None:
-            return p.astype(jnp.float32)
-        if rounding == "exact":
-            return merge(p, r)
-        # No compensation leaves the parameter as it is: -0.0 + 0.0 would be 0.0.
-        wide = p.astype(jnp.float32)
-        return jnp.where(r == jnp.zeros((), r.dtype), wide, wide + r.astype(jnp.float32))
-
     def init_fn(params: Params) -> MasterWeightsState:
         _check_parameters(params, rounding)
         residual = jax.tree.map(residual_of, params)
@@ -210,11 +220,7 @@ def master_weights(
                 "`jamp.master_weights(...).update` expected `params`, got None: it rounds the "
                 "new parameters from them. Call `tx.update(grads, state, params)`."
             )
-        if not isinstance(state, MasterWeightsState):
-            raise TypeError(
-                "Expected `state` to be the MasterWeightsState from this transformation's "
-                f"init, got {type(state).__name__} instead."
-            )
+        check_own_state(state, MasterWeightsState, "MasterWeightsState")
         check_gradients(updates, _FN)
         check_updates(updates, params, "jamp.master_weights(...).update")
         return run(updates, state, params, **extra_args)
@@ -300,14 +306,5 @@ def master_params(params: Params, opt_state: OptState) -> Params:
             f"MasterWeightsState (the state of a jamp.master_weights), found {len(found)}."
         )
     residual = jax.tree.structure(params).flatten_up_to(found[0].residual)
-    leaves = [
-        p
-        if not is_low(p)
-        else p.astype(jnp.float32)
-        if r is None
-        else merge(p, r)
-        if r.dtype == jnp.int16
-        else p.astype(jnp.float32) + r.astype(jnp.float32)
-        for p, r in zip(jax.tree.leaves(params), residual, strict=True)
-    ]
+    leaves = [master_of(p, r) for p, r in zip(jax.tree.leaves(params), residual, strict=True)]
     return jax.tree.unflatten(jax.tree.structure(params), leaves)

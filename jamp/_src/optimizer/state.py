@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import optax
 
 from jamp._src.loss_scaling import checked_inner
-from jamp._src.optimizer.master import check_rounding, check_seed
+from jamp._src.optimizer.master import NARROW, check_rounding, check_seed
 from jamp._src.optimizer.quantize import (
     MIN_SIZE,
     BlockQuantized,
@@ -21,13 +21,13 @@ from jamp._src.optimizer.quantize import (
 )
 from jamp._src.optimizer.rounding import MOMENTS, random_bits, round_to, step_key
 from jamp._src.types import OptState, Params, Updates
+from jamp._src.validate import check_own_state
 
 # The fields of Optax's states that hold squares (positive, spanning many decades): their
 # 8-bit and float8 codes never round a positive value to zero.
 POSITIVE_FIELDS = frozenset(
     {"nu", "nu_max", "sum_of_squares", "v", "v_row", "v_col", "e_g", "e_x", "grad_sq"}
 )
-_NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _KINDS = (
     "jnp.bfloat16, jnp.float16, '8bit' (block-quantised), jnp.float8_e4m3fn or "
@@ -94,7 +94,7 @@ def _check_dtypes(dtypes: object) -> dict[str, object]:
             dtype = jnp.dtype(cast(jnp.dtype, kind))
         except TypeError:
             dtype = None
-        if dtype not in _NARROW + _FLOAT8:
+        if dtype not in NARROW + _FLOAT8:
             raise ValueError(
                 f"Expected `dtypes[{name!r}]` to be one of {_KINDS}, got {kind!r}. float32 is "
                 "what the state already is: leave the field out."
@@ -172,7 +172,7 @@ def low_precision_state(
                 return x
             kind = chosen[name]
             x = cast(jax.Array, x).astype(jnp.float32)
-            if kind in _NARROW:
+            if kind in NARROW:
                 bits = None if key is None else random_bits(key, i, x.shape)
                 return round_to(x, cast(jnp.dtype, kind), bits)
             if x.size < MIN_SIZE:
@@ -188,7 +188,7 @@ def low_precision_state(
         def leaf(path: jax.tree_util.KeyPath, x: object) -> object:
             if isinstance(x, BlockQuantized):
                 return dequantize(x)
-            if _field(path, chosen, params) is not None and getattr(x, "dtype", None) in _NARROW:
+            if _field(path, chosen, params) is not None and getattr(x, "dtype", None) in NARROW:
                 return cast(jax.Array, x).astype(jnp.float32)
             return x
 
@@ -206,11 +206,7 @@ def low_precision_state(
         params: Params | None = None,
         **extra_args: object,
     ) -> tuple[Updates, LowPrecisionState]:
-        if not isinstance(state, LowPrecisionState):
-            raise TypeError(
-                "Expected `state` to be the LowPrecisionState from this transformation's "
-                f"init, got {type(state).__name__} instead."
-            )
+        check_own_state(state, LowPrecisionState, "LowPrecisionState")
         paths = _param_paths(updates)
         new_updates, new_state = inner.update(
             updates, widen(state.stored_state, paths), params, **extra_args

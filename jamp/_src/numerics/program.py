@@ -1,0 +1,420 @@
+"""A traced program flattened into one list of operations, each with where it came from,
+and evaluated one operation at a time, as it is or with every low-precision dtype
+widened to float32.
+
+The program of ``jax.value_and_grad(fun)`` holds the forward pass, then the backward
+pass (whose operations carry ``transpose(...)`` in their name stack). Calls that only
+group operations (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``,
+``closed_call``) are inlined, so every primitive is one ``Op`` with a global index
+in program order; loops and conditionals (``scan``, ``while``, ``cond``) stay one
+operation each. Evaluating the list under ``jax.jit`` is one compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.extend import core as jex_core
+
+# Operations that only group others: inlined.
+_INLINE = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+}
+# Operations that move or relabel values without computing: their error is their input's.
+MOVES = frozenset(
+    {
+        "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
+        "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "copy", "copy_p",
+        "rev", "select_n", "stop_gradient", "optimization_barrier", "sharding_constraint",
+        "device_put", "gather", "iota",
+    }
+)  # fmt: skip
+LOW = frozenset(
+    np.dtype(d)
+    for d in (
+        jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
+        jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz,
+    )
+)  # fmt: skip
+FLOAT8 = frozenset(d for d in LOW if d.itemsize == 1)
+_LIBRARIES = tuple(
+    os.sep + name + os.sep for name in ("jax", "jaxlib", "flax", "optax", "equinox", "jamp")
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Op:
+    """One primitive of the flattened program.
+
+    ``ins`` and ``outs`` are value ids (ints) or, for a literal input, ``("lit",
+    value)``; ``line`` is the user's source line; ``path`` the module path of the name
+    stack (``CNN/Dense_0``); ``backward`` whether it is in the backward pass."""
+
+    index: int
+    primitive: jex_core.Primitive
+    params: dict[str, Any]
+    ins: tuple[Any, ...]
+    outs: tuple[int, ...]
+    in_avals: tuple[Any, ...]
+    out_avals: tuple[Any, ...]
+    line: str
+    path: str
+    backward: bool
+
+    @property
+    def name(self) -> str:
+        return self.primitive.name
+
+
+@dataclasses.dataclass
+class Program:
+    """The flattened program: its operations, constants, inputs and outputs (value ids)."""
+
+    ops: list[Op]
+    consts: dict[int, Any]
+    inputs: list[int]
+    outputs: list[Any]
+    producer: dict[int, Op]
+
+
+def _user_line(source_info: Any) -> str:
+    """``file:line (function)`` of the innermost frame outside jax and the libraries."""
+    tb = getattr(source_info, "traceback", None)
+    frames = list(getattr(tb, "frames", ()) or ())
+    for frame in frames:
+        name = frame.file_name
+        if not any(lib in name for lib in _LIBRARIES) and "<frozen" not in name:
+            return f"{os.path.basename(name)}:{frame.line_num} ({frame.function_name})"
+    return "?"
+
+
+def _module_path(name_stack: str) -> str:
+    """The name stack without its transformation wrappers and repeats:
+    ``transpose(jvp(jamp_autocast))/CNN/Dense_0/CNN/Dense_0`` is ``CNN/Dense_0``."""
+    parts = []
+    for part in name_stack.split("/"):
+        while "(" in part and part.endswith(")"):
+            part = part[part.index("(") + 1 : -1]
+        if part and part not in ("jamp_autocast", "jamp_autocast_disabled"):
+            parts.append(part)
+    out: list[str] = []
+    for part in parts:  # a nested scope repeats its parent's path: keep one
+        if out and part in out:
+            continue
+        out.append(part)
+    return "/".join(out)
+
+
+def flatten(closed: jex_core.ClosedJaxpr) -> Program:
+    """``closed`` as one list of operations, grouping calls inlined."""
+    ops: list[Op] = []
+    consts: dict[int, Any] = {}
+    producer: dict[int, Op] = {}
+    counter = iter(range(1 << 62))
+
+    def atom(env: dict, a: Any) -> Any:
+        if isinstance(a, jex_core.Literal):  # as an array of its type (not a Python float)
+            return ("lit", np.asarray(a.val, getattr(a.aval, "dtype", None)))
+        return env[a]
+
+    def walk(jaxpr: jex_core.Jaxpr, env: dict, stack: str) -> None:
+        for eqn in jaxpr.eqns:
+            here = "/".join(s for s in (stack, str(eqn.source_info.name_stack)) if s)
+            key = _INLINE.get(eqn.primitive.name)
+            sub = eqn.params.get(key) if key else None
+            if sub is not None:
+                inner = (
+                    sub if isinstance(sub, jex_core.ClosedJaxpr) else jex_core.ClosedJaxpr(sub, ())
+                )
+                sub_env: dict = {}
+                for v, c in zip(inner.jaxpr.constvars, inner.consts, strict=True):
+                    sub_env[v] = i = next(counter)
+                    consts[i] = c
+                args = [atom(env, a) for a in eqn.invars]
+                for v, a in zip(inner.jaxpr.invars, args[-len(inner.jaxpr.invars) :], strict=True):
+                    sub_env[v] = a
+                walk(inner.jaxpr, sub_env, here)
+                for v, o in zip(eqn.outvars, inner.jaxpr.outvars, strict=True):
+                    env[v] = atom(sub_env, o)
+                continue
+            outs = []
+            for v in eqn.outvars:
+                env[v] = i = next(counter)
+                outs.append(i)
+            op = Op(
+                index=len(ops),
+                primitive=eqn.primitive,
+                params=dict(eqn.params),
+                ins=tuple(atom(env, a) for a in eqn.invars),
+                outs=tuple(outs),
+                in_avals=tuple(a.aval for a in eqn.invars),
+                out_avals=tuple(v.aval for v in eqn.outvars),
+                line=_user_line(eqn.source_info),
+                path=_module_path(here),
+                backward="transpose(" in here,
+            )
+            ops.append(op)
+            for i in outs:
+                producer[i] = op
+
+    env: dict = {}
+    for v, c in zip(closed.jaxpr.constvars, closed.consts, strict=True):
+        env[v] = i = next(counter)
+        consts[i] = c
+    inputs = []
+    for v in closed.jaxpr.invars:
+        env[v] = i = next(counter)
+        inputs.append(i)
+    walk(closed.jaxpr, env, "")
+    outputs = [atom(env, v) for v in closed.jaxpr.outvars]
+    return Program(ops, consts, inputs, outputs, producer)
+
+
+# ------------------------------------------------------------------- evaluation
+
+
+def is_low(dtype: Any) -> bool:
+    return np.dtype(dtype) in LOW
+
+
+def _wide(dtype: Any) -> Any:
+    return np.dtype(np.float32) if is_low(dtype) else dtype
+
+
+def wide_value(x: Any) -> Any:
+    dtype = getattr(x, "dtype", None)
+    return x.astype(jnp.float32) if dtype is not None and is_low(dtype) else x
+
+
+def _widened_params(op: Op) -> dict[str, Any] | None:
+    """``op``'s parameters with every low-precision dtype widened, or None when the
+    operation cannot run on float32 values (it reinterprets bits)."""
+    if op.name == "bitcast_convert_type":
+        return None
+    params = dict(op.params)
+    for key in ("preferred_element_type", "new_dtype", "dtype"):
+        if params.get(key) is not None and is_low(params[key]):
+            params[key] = _wide(params[key])
+    return params
+
+
+Observe = Callable[
+    [Op, Sequence[Any], Sequence[Any], Sequence[Any] | None, Sequence[Any] | None], None
+]
+
+
+def bind(op: Op, args: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    out = op.primitive.bind(*args, **op.primitive.get_bind_params(params))
+    return list(out) if op.primitive.multiple_results else [out]
+
+
+def _widened_jaxpr(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
+    """``closed`` traced anew from its widened evaluation, on widened inputs."""
+    program = flatten(closed)
+    shapes = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in closed.in_avals]
+    return jax.make_jaxpr(lambda *xs: evaluate_wide(program, xs))(*shapes)
+
+
+def _widened_param(value: Any) -> Any:
+    """A parameter holding a sub-program (a loop's body, a scatter's update, a reduction's
+    computation) traced anew on widened values; any other parameter as it is."""
+    if (
+        isinstance(value, tuple)
+        and value
+        and all(isinstance(v, jex_core.ClosedJaxpr) for v in value)
+    ):
+        return tuple(_widened_jaxpr(v) for v in value)
+    if isinstance(value, jex_core.ClosedJaxpr):
+        return _widened_jaxpr(value)
+    if isinstance(value, jex_core.Jaxpr):
+        return _widened_jaxpr(jex_core.ClosedJaxpr(value, ())).jaxpr
+    return value
+
+
+def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
+    """One operation on widened values: a conversion to a narrower float is the
+    identity, a loop, a conditional or a scatter runs its widened sub-programs; an
+    operation that reinterprets bits runs as it is, on its inputs narrowed back, and is
+    widened after."""
+    if op.name == "convert_element_type" and is_low(op.params["new_dtype"]):
+        if jnp.issubdtype(ins[0].dtype, jnp.floating):
+            return [ins[0]]
+    if op.name == "reduce_precision":  # a rounding to a narrower format, kept in float32
+        return [ins[0]]
+    params = _widened_params(op)
+    if params is not None:
+        for key, value in params.items():
+            params[key] = _widened_param(value)
+        try:
+            return [wide_value(o) for o in bind(op, ins, params)]
+        except (TypeError, ValueError):
+            pass
+    narrow = [
+        x.astype(aval.dtype) if getattr(x, "dtype", None) != getattr(aval, "dtype", None) else x
+        for x, aval in zip(ins, op.in_avals, strict=True)
+    ]
+    return [wide_value(o) for o in bind(op, narrow, op.params)]
+
+
+def _read(env: dict[int, Any], a: Any, widen: bool) -> Any:
+    if isinstance(a, tuple):  # a literal
+        return wide_value(a[1]) if widen else a[1]
+    return env[a]
+
+
+def evaluate_wide(program: Program, args: Sequence[Any]) -> list[Any]:
+    """``program`` with every low-precision dtype widened to float32."""
+    env: dict[int, Any] = {k: wide_value(v) for k, v in program.consts.items()}
+    for i, a in zip(program.inputs, args, strict=True):
+        env[i] = wide_value(a)
+    for op in program.ops:
+        outs = evaluate_wide_op(op, [_read(env, a, True) for a in op.ins])
+        env.update(zip(op.outs, outs, strict=True))
+    return [_read(env, a, True) for a in program.outputs]
+
+
+def evaluate(
+    program: Program,
+    args: Sequence[Any],
+    *,
+    paired: bool = False,
+    observe: Observe | None = None,
+) -> tuple[list[Any], list[Any] | None]:
+    """Run ``program`` on ``args`` one operation at a time.
+
+    With ``paired``, also run it with every low-precision dtype widened to float32
+    (conversions to a narrower float become identities, ``preferred_element_type``
+    float32, loops and conditionals on widened sub-programs), on the same inputs: the
+    float32 reference of every operation. ``observe(op, ins, outs, wide_ins,
+    wide_outs)`` sees each operation's values. Returns the outputs, and the widened
+    outputs when ``paired``.
+    """
+    env: dict[int, Any] = dict(program.consts)
+    wide: dict[int, Any] = {k: wide_value(v) for k, v in program.consts.items()}
+    for i, a in zip(program.inputs, args, strict=True):
+        env[i] = a
+        wide[i] = wide_value(a)
+    for op in program.ops:
+        ins = [_read(env, a, False) for a in op.ins]
+        outs = bind(op, ins, op.params)
+        env.update(zip(op.outs, outs, strict=True))
+        wide_ins = wide_outs = None
+        if paired:
+            wide_ins = [_read(wide, a, True) for a in op.ins]
+            wide_outs = evaluate_wide_op(op, wide_ins)
+            wide.update(zip(op.outs, wide_outs, strict=True))
+        if observe is not None:
+            observe(op, ins, outs, wide_ins, wide_outs)
+    outputs = [_read(env, a, False) for a in program.outputs]
+    return outputs, ([_read(wide, a, True) for a in program.outputs] if paired else None)
+
+
+# ------------------------------------------------------------------- what a product's gradient is
+
+_PRODUCTS = ("dot_general", "conv_general_dilated")
+# Walked through when finding where a product's operand came from.
+_PASS_THROUGH = MOVES | {"convert_element_type", "mul", "div", "clamp", "max", "min", "neg"}
+
+
+def _ancestors(program: Program, start: Any, limit: int = 64) -> list[int]:
+    """``start`` and the values it came from through moves, casts and scalings (the
+    operand's own chain, not the scale's): a bounded walk up one input each time."""
+    out: list[int] = []
+    a = start
+    while isinstance(a, int) and len(out) < limit:
+        out.append(a)
+        op = program.producer.get(a)
+        if op is None or op.name not in _PASS_THROUGH:
+            break
+        # Follow the input shaped as the output (a scale is a scalar, a bound too).
+        shaped = [
+            i
+            for i, aval in zip(op.ins, op.in_avals, strict=True)
+            if isinstance(i, int)
+            and getattr(aval, "shape", None)
+            and jnp.issubdtype(aval.dtype, jnp.inexact)
+        ]
+        if not shaped:
+            break
+        # Not a scale broadcast to the operand's shape.
+        own = [
+            i for i in shaped if getattr(program.producer.get(i), "name", "") != "broadcast_in_dim"
+        ]
+        a = (own or shaped)[0]
+    return out
+
+
+def roles(program: Program, input_names: Sequence[str]) -> dict[int, str]:
+    """For each matrix product or convolution of the backward pass, which operand's
+    gradient it computes: ``"input gradient"`` (the forward product's left operand) or
+    ``"weight gradient"`` (its right), with the parameter's name when the right operand
+    is one of the function's arguments (``input_names``, by input position)."""
+    named = dict(zip(program.inputs, input_names, strict=True))
+    operand_of: dict[int, tuple[Op, int]] = {}
+    for op in program.ops:
+        if op.name in _PRODUCTS and not op.backward:
+            for position, a in enumerate(op.ins[:2]):
+                for v in _ancestors(program, a):
+                    operand_of.setdefault(v, (op, position))
+    out: dict[int, str] = {}
+    for op in program.ops:
+        if op.name not in _PRODUCTS or not op.backward:
+            continue
+        for a in op.ins[:2]:
+            found = next((operand_of[v] for v in _ancestors(program, a) if v in operand_of), None)
+            if found is None:
+                continue
+            forward, position = found
+            if position == 1:  # multiplied by the forward's right operand: the left's gradient
+                out[op.index] = f"input gradient of the product at {forward.line}"
+            else:
+                right = next(
+                    (named[v] for v in _ancestors(program, forward.ins[1]) if v in named), None
+                )
+                what = f" {right}" if right else ""
+                out[op.index] = f"weight gradient{what} of the product at {forward.line}"
+            break
+    return out
+
+
+def mark_linearization(program: Program, primal_outputs: int) -> Program:
+    """``program`` with the forward pass's derivative computations marked backward.
+
+    JAX computes some of a gradient's factors while it runs the forward pass (the
+    derivative of ``sqrt`` at the point, ``0.5 / sqrt(x)``); they do not reach the
+    function's value, only its gradient. An operation of the forward pass from which
+    none of the first ``primal_outputs`` outputs (the value, and its auxiliary data)
+    is reached is one of them: it belongs to the backward pass."""
+    primal: set[int] = set()
+    stack = [a for a in program.outputs[:primal_outputs] if isinstance(a, int)]
+    seen: set[int] = set()
+    while stack:
+        v = stack.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        op = program.producer.get(v)
+        if op is None or op.backward:
+            continue
+        primal.add(op.index)
+        stack.extend(a for a in op.ins if isinstance(a, int))
+    ops = [
+        op if op.backward or op.index in primal else dataclasses.replace(op, backward=True)
+        for op in program.ops
+    ]
+    producer = {i: ops[op.index] for i, op in program.producer.items()}
+    return Program(ops, program.consts, program.inputs, program.outputs, producer)

@@ -1,0 +1,384 @@
+"""``precision_report``: every operation of a step under autocast against the same step in
+float32, on the same inputs: its error, what it flushes to zero, what it overflows, and
+for float8 products their scales and saturation."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jamp._src.autocast.api import autocast
+from jamp._src.numerics.locate import step_program
+from jamp._src.numerics.program import (
+    FLOAT8,
+    MOVES,
+    Op,
+    Program,
+    evaluate,
+    evaluate_wide_op,
+    is_low,
+    roles,
+    wide_value,
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One operation of the autocast step against float32.
+
+    Attributes:
+      index: its position in the program, forward then backward.
+      primitive: the operation; line: the user's source line; path: the module path.
+      backward: whether it is in the backward pass; role: for a product of the
+        backward pass, which operand's gradient it computes.
+      dtype: its output's dtype under autocast.
+      error: relative error of its output against float32 (``||low - f32|| /
+        ||f32||``), everything before it included.
+      added: the error it adds itself: its output against the same operation computed
+        in float32 on the values its inputs had (a cast's rounding, a float16
+        product's accumulation), its inputs' own errors left out.
+      underflow: the fraction of the values it would make nonzero in float32, from
+        its inputs as they were, that it flushes to zero.
+      overflow: how many of its outputs it makes infinite where float32, from its
+        inputs as they were, stays finite.
+      amax, scale, saturated: for a quantisation to float8, the largest magnitude of
+        the tensor before scaling, its scale, and the fraction of its values clipped
+        at the format's largest; else None.
+    """
+
+    index: int
+    primitive: str
+    line: str
+    path: str
+    backward: bool
+    role: str
+    dtype: str
+    error: float
+    added: float
+    underflow: float
+    overflow: int
+    amax: float | None = None
+    scale: float | None = None
+    saturated: float | None = None
+
+    @property
+    def pass_(self) -> str:
+        return "backward" if self.backward else "forward"
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafError:
+    """One parameter gradient leaf's relative error against float32, the fraction of its
+    float32-nonzero entries that are zero, and how many are nonzero in float32."""
+
+    path: str
+    error: float
+    underflow: float
+    nonzero: int
+
+
+@dataclasses.dataclass(frozen=True)
+class RecipeReport:
+    """One recipe's report: its rows worst first, each gradient leaf's error, the loss's
+    error, and the temp memory XLA gives its compiled step."""
+
+    dtype: str
+    rows: tuple[Row, ...]
+    gradients: tuple[LeafError, ...]
+    loss: float
+    loss_float32: float
+    temp_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionReport:
+    """What [`jamp.debug.precision_report`][] found, recipe by recipe.
+
+    ``str(report)`` is a table; ``report.recipes`` holds the figures, and
+    ``report.rows`` / ``report.gradients`` those of its only recipe."""
+
+    recipes: tuple[RecipeReport, ...]
+    float32_temp_bytes: int
+    top: int = 12
+
+    def _only(self) -> RecipeReport:
+        if len(self.recipes) != 1:
+            raise ValueError("this report compares several recipes: read report.recipes")
+        return self.recipes[0]
+
+    @property
+    def rows(self) -> tuple[Row, ...]:
+        return self._only().rows
+
+    @property
+    def gradients(self) -> tuple[LeafError, ...]:
+        return self._only().gradients
+
+    def __getitem__(self, dtype: str) -> RecipeReport:
+        for r in self.recipes:
+            if r.dtype == dtype:
+                return r
+        raise KeyError(dtype)
+
+    def __str__(self) -> str:
+        lines = ["recipe     loss error  worst gradient leaf (error)           temp memory"]
+        f32 = f"{self.float32_temp_bytes / 2**20:.2f} MiB"
+        lines.append(f"{'float32':<10} {'-':>10}  {'-':<38} {f32}")
+        for r in self.recipes:
+            worst = max(r.gradients, key=lambda g: g.error, default=None)
+            leaf = f"{worst.path} ({worst.error:.3g})" if worst else "-"
+            err = abs(r.loss - r.loss_float32) / max(abs(r.loss_float32), 1e-30)
+            lines.append(f"{r.dtype:<10} {err:>10.3g}  {leaf:<38} {r.temp_bytes / 2**20:.2f} MiB")
+        for r in self.recipes:
+            lines += ["", f"{r.dtype}: the {min(self.top, len(r.rows))} worst operations"]
+            lines.append(
+                f"{'op':<22} {'pass':<9} {'error':>8} {'added':>8} {'underflow':>9} "
+                f"{'overflow':>8}  where"
+            )
+            for row in r.rows[: self.top]:
+                where = f"{row.line} {row.path}".strip() + (f" [{row.role}]" if row.role else "")
+                f8 = "" if row.scale is None else (
+                    f" amax {row.amax:.3g} scale {row.scale:.3g} saturated {row.saturated:.3g}"
+                )  # fmt: skip
+                lines.append(
+                    f"{row.primitive + ' ' + row.dtype:<22} {row.pass_:<9} {row.error:>8.3g} "
+                    f"{row.added:>8.3g} {row.underflow:>9.3g} {row.overflow:>8d}  {where}{f8}"
+                )
+        return "\n".join(lines)
+
+
+def _float8_scales(program: Program) -> dict[int, tuple[int, int]]:
+    """For each quantisation to float8 (a ``convert_element_type``), the value ids of the
+    scalar scale its input was multiplied by and of that product, before the clip
+    (``float8.quantize``'s pattern: a multiply, a clamp, a select, the cast)."""
+    out: dict[int, tuple[int, int]] = {}
+    for op in program.ops:
+        if op.name != "convert_element_type" or np.dtype(op.params["new_dtype"]) not in FLOAT8:
+            continue
+        a = op.ins[0]
+        for _ in range(4):  # through the select and the clamp to the multiply
+            prod = program.producer.get(a) if isinstance(a, int) else None
+            if prod is None:
+                break
+            if prod.name == "mul":
+                for i, aval in zip(prod.ins, prod.in_avals, strict=True):
+                    src = program.producer.get(i) if isinstance(i, int) else None
+                    if aval.shape == () and isinstance(i, int):
+                        out[op.index] = (i, prod.outs[0])
+                    elif src is not None and src.name == "broadcast_in_dim":
+                        if src.in_avals[0].shape == () and isinstance(src.ins[0], int):
+                            out[op.index] = (src.ins[0], prod.outs[0])
+                break
+            shaped = [
+                i
+                for i, v in zip(prod.ins, prod.in_avals, strict=True)
+                if v.shape and isinstance(i, int) and jnp.issubdtype(v.dtype, jnp.floating)
+            ]
+            a = shaped[0] if shaped else None
+    return out
+
+
+def _relative(low: jax.Array, ref: jax.Array) -> jax.Array:
+    diff = jnp.linalg.norm((low - ref).ravel())
+    norm = jnp.linalg.norm(ref.ravel())
+    return jnp.where(
+        norm > 0, diff / jnp.where(norm > 0, norm, 1.0), jnp.where(diff > 0, jnp.inf, 0.0)
+    )
+
+
+def _exact_here(op: Op, ins: Sequence[Any]) -> list[Any]:
+    """``op`` computed in float32 on the values its inputs actually had: what it would
+    give if it alone ran wide (its own rounding, flushing and overflow are the
+    difference from its output)."""
+    return evaluate_wide_op(op, [wide_value(x) for x in ins])
+
+
+def _recipe(
+    fun: Callable, args: Sequence[Any], dtype: Any, argnums: Any, has_aux: bool
+) -> RecipeReport:
+    low_fun = autocast(fun, dtype)
+    program, flat, paths = step_program(low_fun, args, argnums, has_aux)
+    named = roles(program, paths)
+    scales = _float8_scales(program)
+    kept: list[Op] = []
+
+    def run(flat_args: list[Any]) -> dict[str, Any]:
+        stats: list[jax.Array] = []
+        values: dict[int, Any] = {}
+
+        def observe(
+            op: Op, ins: Sequence[Any], outs: Sequence[Any], wide_ins: Any, wide_outs: Any
+        ) -> None:
+            for i, w in zip(op.outs, wide_outs, strict=True):
+                values[i] = w
+            floats = [
+                (o, w)
+                for o, w in zip(outs, wide_outs, strict=True)
+                if jnp.issubdtype(o.dtype, jnp.floating) and o.size
+            ]
+            if op.name in MOVES or not floats:
+                return
+            local = [
+                o for o, w in zip(_exact_here(op, ins), wide_outs, strict=True)
+                if jnp.issubdtype(w.dtype, jnp.floating) and w.size
+            ]  # fmt: skip
+            low = jnp.concatenate([o.astype(jnp.float32).ravel() for o, _ in floats])
+            ref = jnp.concatenate([w.astype(jnp.float32).ravel() for _, w in floats])
+            here = jnp.concatenate([o.astype(jnp.float32).ravel() for o in local])
+            nonzero = here != 0
+            f8 = [jnp.float32(jnp.nan)] * 3
+            if op.index in scales:  # amax and clipping of the product before the clip
+                scale_id, scaled_id = scales[op.index]
+                scale = values[scale_id].astype(jnp.float32)
+                y = jnp.abs(values[scaled_id].astype(jnp.float32))
+                top = np.float32(jnp.finfo(op.params["new_dtype"]).max)
+                f8 = [jnp.max(y) / scale, scale, jnp.mean(y > top)]
+            stats.append(
+                jnp.stack(
+                    [
+                        _relative(low, ref),
+                        _relative(low, here),
+                        jnp.sum(nonzero & (low == 0)) / jnp.maximum(jnp.sum(nonzero), 1),
+                        jnp.sum(jnp.isinf(low) & jnp.isfinite(here)).astype(jnp.float32),
+                        *[jnp.asarray(v, jnp.float32) for v in f8],
+                    ]
+                )
+            )
+            kept.append(op)
+
+        outs, paired = evaluate(program, flat_args, paired=True, observe=observe)
+        wide = typing.cast(list[Any], paired)  # paired=True: the widened outputs
+        grads = [
+            jnp.stack(
+                [
+                    _relative(o.astype(jnp.float32), w.astype(jnp.float32)),
+                    jnp.sum((w != 0) & (o == 0)) / jnp.maximum(jnp.sum(w != 0), 1),
+                    jnp.sum(w != 0).astype(jnp.float32),
+                ]
+            )
+            for o, w in zip(outs, wide, strict=True)
+            if jnp.issubdtype(o.dtype, jnp.floating) and o.size
+        ]
+        return {"rows": jnp.stack(stats), "grads": jnp.stack(grads), "loss": (outs[0], wide[0])}
+
+    got = jax.device_get(jax.jit(run)(flat))
+    rows = []
+    for op, s in zip(kept, got["rows"], strict=True):
+        out_dtype = next((str(np.dtype(a.dtype)) for a in op.out_avals), "")
+        f8 = (
+            {}
+            if np.isnan(s[5])
+            else dict(amax=float(s[4]), scale=float(s[5]), saturated=float(s[6]))
+        )
+        rows.append(
+            Row(
+                op.index,
+                op.name,
+                op.line,
+                op.path,
+                op.backward,
+                named.get(op.index, ""),
+                out_dtype,
+                float(s[0]),
+                float(s[1]),
+                float(s[2]),
+                int(s[3]),
+                **f8,
+            )  # fmt: skip
+        )
+    rows.sort(key=lambda r: (r.overflow > 0, max(r.added, r.underflow), -r.index), reverse=True)
+    grad_paths = _gradient_paths(args, argnums)
+    gradients = tuple(
+        LeafError(p, float(g[0]), float(g[1]), int(g[2]))
+        for p, g in zip(grad_paths, got["grads"][-len(grad_paths) :], strict=True)
+    ) if grad_paths else ()  # fmt: skip
+    temp = _temp_bytes(low_fun, args, argnums, has_aux)
+    loss, loss32 = (float(np.asarray(v).reshape(-1)[0]) for v in got["loss"])
+    return RecipeReport(_name(dtype), tuple(rows), gradients, loss, loss32, temp)
+
+
+def _gradient_paths(args: Sequence[Any], argnums: int | Sequence[int]) -> list[str]:
+    nums = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    out = []
+    for n in nums:
+        for path, x in jax.tree_util.tree_flatten_with_path(args[n])[0]:
+            if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
+                out.append(jax.tree_util.keystr(path) or f"argument {n}")
+    return out
+
+
+def _temp_bytes(fun: Callable, args: Sequence[Any], argnums: Any, has_aux: bool) -> int:
+    step = jax.jit(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux))
+    analysis = step.lower(*args).compile().memory_analysis()
+    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+
+
+def _name(dtype: Any) -> str:
+    return dtype if isinstance(dtype, str) else str(np.dtype(dtype))
+
+
+def precision_report(
+    fun: Callable,
+    *args: Any,
+    dtype: Any = jnp.bfloat16,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+    top: int = 12,
+) -> PrecisionReport:
+    """Where low precision loses accuracy in a step: each operation under ``jamp.autocast``
+    against float32, on the same inputs.
+
+    Runs ``jax.value_and_grad(jamp.autocast(fun, dtype))`` on ``args`` one operation at
+    a time, and beside it the same program with every low-precision dtype widened to
+    float32, which is the float32 step exactly (conversions become identities). For
+    each operation of the forward and the backward pass it reports the user's source
+    line and module path, the pass (for a product of the backward pass, which operand's
+    gradient), the relative error against float32 (everything before it included), the
+    error it adds itself, the fraction of float32-nonzero values it flushes to zero,
+    the infinities it makes, and for a quantisation to float8 its amax, scale and
+    saturated fraction. Rows are sorted worst first. Each parameter gradient's error,
+    leaf by leaf, and the temp memory of the float32 and the autocast step's compiled
+    programs come beside them. Both runs are one jitted program.
+
+    Args:
+      fun: the loss, as ``jax.value_and_grad`` takes it (float32 arithmetic: autocast
+        is applied here).
+      *args: its arguments.
+      dtype: ``jnp.bfloat16``, ``jnp.float16``, ``"float8"``, or a list of them to
+        compare recipes side by side.
+      argnums: the arguments to differentiate (default 0); has_aux: as in jax.
+      top: how many rows ``str(report)`` prints per recipe.
+
+    Returns:
+      A [`PrecisionReport`][jamp.debug.PrecisionReport]: ``print`` it, or read its
+      ``rows`` and ``gradients``.
+
+    Examples:
+      >>> import jax.numpy as jnp, jamp
+      >>> def loss(w, x):
+      ...     return jnp.sum(x @ w) * 2.0**-26
+      >>> w, x = jnp.ones((4, 2)), jnp.ones((8, 4))
+      >>> report = jamp.debug.precision_report(loss, w, x, dtype=jnp.float16)
+      >>> worst = report.rows[0]
+      >>> worst.primitive, worst.backward, worst.underflow
+      ('convert_element_type', True, 1.0)
+    """
+    if not callable(fun):
+        raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
+    dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
+    if not dtypes:
+        raise ValueError("Expected `dtype` to name at least one recipe, got an empty list.")
+    for d in dtypes:
+        if not (d == "float8" or (not isinstance(d, str) and is_low(d))):
+            raise ValueError(
+                "Expected `dtype` to be jnp.bfloat16, jnp.float16, 'float8' or a list of "
+                f"them, got {d!r}."
+            )
+    recipes = tuple(_recipe(fun, args, d, argnums, has_aux) for d in dtypes)
+    return PrecisionReport(recipes, _temp_bytes(fun, args, argnums, has_aux), top)
