@@ -50,6 +50,7 @@ from jamp._src.autocast.values import (
     Info,
     Lift,
     Value,
+    aval,
     bind,
     is_float,
     upcast,
@@ -295,3 +296,52 @@ def recomputed_lifted(
     return recomputed(
         lambda *xs: bind(eqn, [fun(*xs)], params)[0], *lift.args, wides=casts.wides(lift)
     )
+
+
+def kept_preferred_type(eqn: jex_core.JaxprEqn, float_in: Sequence[int]) -> np.dtype | None:
+    """A dot's ``preferred_element_type`` when wider than its traced floating inputs.
+
+    One wider than the inputs (``bf16 x bf16 -> f32``, as
+    ``jax.nn.dot_product_attention`` writes its logits) was chosen on purpose
+    and is kept; one equal to the inputs' dtype (what ``jnp.matmul`` fills in)
+    follows the inputs to autocast's dtype. ``None`` when there is none to keep.
+    """
+    pet = eqn.params.get("preferred_element_type")
+    if pet is None or not is_float(pet):
+        return None
+    traced = max(np.dtype(aval(eqn.invars[i]).dtype).itemsize for i in float_in)
+    return np.dtype(pet) if np.dtype(pet).itemsize > traced else None
+
+
+def lower_params(
+    eqn: jex_core.JaxprEqn, float_in: Sequence[int], ctx: Context
+) -> Mapping[str, object]:
+    """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
+    params = eqn.params
+    pet = params.get("preferred_element_type")
+    if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
+        return params
+    return {**params, "preferred_element_type": ctx.dtype}
+
+
+# Collectives over a named axis (pmap, shard_map, vmap with axis_name).
+_COLLECTIVES = frozenset(
+    {"psum", "pmax", "pmin", "psum_invariant", "all_gather", "all_gather_invariant",
+     "ppermute", "all_to_all", "psum_scatter", "reduce_scatter", "pbroadcast"}
+)  # fmt: skip
+
+
+def across_devices(
+    eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info], out: list[Info]
+) -> list[Info]:
+    """A collective of statistics returns statistics: BatchNorm's mean and variance over
+    ``axis_name`` (a ``pmean``) stay float32 statistics, so ``x - mean`` runs in float32 as
+    it does on one device. (As an unknown primitive it returned a float32 value of no
+    category, a parameter: ``x - mean`` then ran in the half dtype, and its cancellation
+    made the ResNet's gradients 6x further from float32's, issue #35.)"""
+    floats = [i for x, i in zip(invals, infos, strict=True) if is_float(x.dtype)]
+    if eqn.primitive.name not in _COLLECTIVES or not floats:
+        return out
+    if not all(i.low and i.statistic for i in floats):
+        return out
+    return [i._replace(low=True, statistic=True) for i in out]

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias
 from typing import cast as static_cast
 
@@ -26,6 +26,7 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.flow import (
+    across_devices,
     categories,
     constants_allow,
     known_span,
@@ -33,6 +34,7 @@ from jamp._src.autocast.flow import (
     liftable,
     lifted_carry,
     lifts_of,
+    lower_params,
     out_infos,
     promote_target,
     recomputed_lifted,
@@ -236,7 +238,7 @@ def _softmax_matmul(
     dot = jaxpr.eqns[static_cast(int, group.dot)]  # fused: the group has a dot
     start = group.x if from_x and group.x is not None else group.z  # from_x: it has an x
     (z, info), (v, v_info) = read(start), v_in
-    params = _lower_params(dot, [0, 1], ctx)
+    params = lower_params(dot, [0, 1], ctx)
     with source(jaxpr.eqns[group.indices[-1]]):
         body, _, _ = _under_rules(group_jaxpr(jaxpr, group, from_x), [z], [info], ctx)
     drop_jaxpr, others = dropout_jaxpr(jaxpr, group)
@@ -337,32 +339,6 @@ def _as_traced(
     return outs, [Info(kind=_const_kind(infos))] * len(outs)
 
 
-def kept_preferred_type(eqn: jex_core.JaxprEqn, float_in: Sequence[int]) -> np.dtype | None:
-    """A dot's ``preferred_element_type`` when wider than its traced floating inputs.
-
-    One wider than the inputs (``bf16 x bf16 -> f32``, as
-    ``jax.nn.dot_product_attention`` writes its logits) was chosen on purpose
-    and is kept; one equal to the inputs' dtype (what ``jnp.matmul`` fills in)
-    follows the inputs to autocast's dtype. ``None`` when there is none to keep.
-    """
-    pet = eqn.params.get("preferred_element_type")
-    if pet is None or not is_float(pet):
-        return None
-    traced = max(np.dtype(aval(eqn.invars[i]).dtype).itemsize for i in float_in)
-    return np.dtype(pet) if np.dtype(pet).itemsize > traced else None
-
-
-def _lower_params(
-    eqn: jex_core.JaxprEqn, float_in: Sequence[int], ctx: Context
-) -> Mapping[str, object]:
-    """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
-    params = eqn.params
-    pet = params.get("preferred_element_type")
-    if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
-        return params
-    return {**params, "preferred_element_type": ctx.dtype}
-
-
 def _eval_eqn(
     eqn: jex_core.JaxprEqn,
     invals: list[Value],
@@ -395,7 +371,8 @@ def _eval_eqn(
     if rule is None:
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
-        return _as_traced(eqn, invals, infos, ctx, "unknown")
+        outs, outinfos = _as_traced(eqn, invals, infos, ctx, "unknown")
+        return outs, across_devices(eqn, invals, infos, outinfos)
     if name in SCATTER_ADD and scatters_half(eqn, invals, infos):
         # segment_sum of half messages: accumulated in float32 (the traced dtype), returned
         # in the half dtype, a low activation (torch lists scatter_add under promote).
@@ -421,7 +398,7 @@ def _eval_eqn(
     fill = False
     if lowered:
         targets = {i: ctx.dtype for i in float_in}
-        params = _lower_params(eqn, float_in, ctx)
+        params = lower_params(eqn, float_in, ctx)
         low = True
         if logit:  # the matmul of a sigmoid's logits accumulates into float32
             params, held = {**params, "preferred_element_type": FLOAT32_DTYPE}, True
