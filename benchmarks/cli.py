@@ -1,7 +1,7 @@
 """jamp's benchmarks, one command line: ``python -m benchmarks <experiment> [options]``.
 
 Experiments: loss-scaling, gpu-compile, autocast-memory, float8, real-models,
-optimizer-memory; ``--tiny`` runs one as a smoke test in seconds, ``<experiment> --help``
+optimizer-memory, batchnorm; ``--tiny`` runs one as a smoke test in seconds, ``<experiment> --help``
 lists its options. Each is one module (a spoke) on the shared models and variants (the
 hub): ``benchmarks/README.md`` has the map, and which section of ``RESULTS.md`` each writes.
 """
@@ -16,6 +16,7 @@ import jax
 
 from benchmarks import (
     autocast_memory,
+    batchnorm,
     finite_checks,
     float8,
     gpu_compile,
@@ -32,6 +33,7 @@ EXPERIMENTS = {
     "float8": float8,
     "real-models": real_models,
     "optimizer-memory": optimizer_memory,
+    "batchnorm": batchnorm,
 }
 # --step-time's GPT by default, for the experiments that time GPT steps: d=256, 4 layers,
 # batch 8x128 (small) or d=1024, 8 layers, batch 16x512 (large).
@@ -79,7 +81,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parser().parse_args(argv)
     args.argv = argv
     name = args.experiment
-    if name in ("gpu-compile", "real-models", "optimizer-memory") or (
+    if name in ("gpu-compile", "real-models", "optimizer-memory", "batchnorm") or (
         name == "autocast-memory" and not args.step_time
     ):  # GPU-compile rows; real-models measures residuals, on any backend alike;
         use_cpu()  # optimizer-memory's training is sized for two CPU cores

@@ -245,14 +245,18 @@ def test_a_product_in_a_scan_has_one_state_per_iteration_as_an_unrolled_loop_has
     s_loop, d_loop = g_loop(s_loop, ws, x)
     (stacked,) = s_scan.values()
     for i, one in enumerate(s_loop.values()):
-        # The weights' amaxes are inputs: exact; the activations' and gradients' close.
+        # The weights' amaxes are inputs: exact; the activations' and gradients' close. Not
+        # equal: the scan's carry is float32, so its tanh is computed in float32 from the
+        # half input (a carry is state, not rounded), where the loop's h is a bfloat16
+        # activation; their gradients differ by a bfloat16 rounding (2**-8).
         assert (
             np.asarray(stacked.amax_history[i, 1]).tobytes()
             == np.asarray(one.amax_history[1]).tobytes()
         )
-        np.testing.assert_allclose(stacked.amax_history[i], one.amax_history, rtol=1e-3)
-        np.testing.assert_allclose(stacked.scale[i], one.scale, rtol=1e-3)
-    assert rel_err(d_scan[0], d_loop[0]) < 0.01
+        np.testing.assert_allclose(stacked.amax_history[i], one.amax_history, rtol=2**-7)
+        np.testing.assert_allclose(stacked.scale[i], one.scale, rtol=2**-7)
+    # 0.023: a seventh of what float8's e5m2 gradients differ from float32's (0.157).
+    assert rel_err(d_scan[0], d_loop[0]) < 0.05
 
 
 def test_sites_follow_jit_remat_and_scan_while_cond_and_custom_rules_use_current_scaling():

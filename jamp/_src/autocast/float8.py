@@ -40,7 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jamp._src.autocast.interpreter import HIGHER_ORDER, kept_preferred_type, scan_with
+from jamp._src.autocast.flow import kept_preferred_type
+from jamp._src.autocast.interpreter import HIGHER_ORDER, scan_with
 from jamp._src.autocast.rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
 from jamp._src.autocast.values import MARKER, Context, Evaluated, Info, JaxprLike, Rule, Value, aval
 from jamp._src.float8 import (

@@ -9,7 +9,7 @@ span). The interpreter (``autocast.interpreter``) calls them per equation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import jax.core
@@ -17,12 +17,17 @@ import numpy as np
 from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
+from jamp._src.autocast.residuals import recomputed
 from jamp._src.autocast.rules import (
     AFFINE,
     ARITHMETIC,
+    BOUNDED,
+    CONSTANT,
     ELIGIBLE,
     FLOAT32_DTYPE,
+    LOW_ACTIVATION,
     MASK_FILL,
+    PARAMETER,
     REDUCTIONS,
     SPAN_PRESERVING,
     STRUCTURAL,
@@ -36,7 +41,20 @@ from jamp._src.autocast.rules import (
     span_of,
     widest,
 )
-from jamp._src.autocast.values import CONST, LITERAL, Context, Info, Value, is_float
+from jamp._src.autocast.values import (
+    CONST,
+    LITERAL,
+    TRACED,
+    Casts,
+    Context,
+    Info,
+    Lift,
+    Value,
+    aval,
+    bind,
+    is_float,
+    upcast,
+)
 
 
 def known_span(x: Value, info: Info) -> Span | None:
@@ -155,3 +173,175 @@ def out_infos(
     return [
         Info(kind, low and is_float(x.dtype), size, span, held and low, statistic) for x in outs
     ]
+
+
+# What a lift is recorded for: the activations, and the arithmetic between activations,
+# parameters and constants (a gate, a gated sum, a bias added to a matmul's output).
+LIFTED = BOUNDED | AFFINE | frozenset({"square", "integer_pow"})
+# A sum's lift (a bias added to a matmul's output) is used inside another lift, or by a
+# sigmoid or tanh computed in float32 (a sigmoid loss's logits), never by itself: there it
+# would re-read the matmul's output at each float32 consumer, to save one rounding.
+SUMS = frozenset({"add", "sub"})
+
+
+def _parts(
+    eqn: jex_core.JaxprEqn,
+    invals: Sequence[Value],
+    infos: Sequence[Info],
+    cats: Sequence[str],
+    ctx: Context,
+) -> list[Lift] | None:
+    """Each floating input of ``eqn`` as a ``Lift``: a half activation as itself, a parameter
+    or a constant closed over; ``None`` when ``eqn`` is not ``LIFTED`` or an input is
+    neither (a float32 activation, a statistic)."""
+    if eqn.primitive.name not in LIFTED or len(cats) != len(invals):
+        return None
+    parts: list[Lift] = []
+    for x, info, c in zip(invals, infos, cats, strict=True):
+        if c == LOW_ACTIVATION and np.dtype(x.dtype) == ctx.dtype and info.kind == TRACED:
+            parts.append(Lift((x,), lambda a: a))
+        elif c in (PARAMETER, CONSTANT):
+            parts.append(Lift((), lambda x=x: upcast(x, FLOAT32_DTYPE)))
+        else:
+            return None
+    return parts if any(p.args for p in parts) else None
+
+
+def liftable(
+    eqn: jex_core.JaxprEqn,
+    invals: Sequence[Value],
+    infos: Sequence[Info],
+    cats: Sequence[str],
+    ctx: Context,
+) -> bool:
+    """Whether ``eqn``, run in the half dtype, gets a ``Lift`` (``lift_of``)."""
+    return _parts(eqn, invals, infos, cats, ctx) is not None
+
+
+def lift_of(
+    eqn: jex_core.JaxprEqn,
+    invals: Sequence[Value],
+    infos: Sequence[Info],
+    cats: Sequence[str],
+    outs: Sequence[Value],
+    casts: Casts,
+    ctx: Context,
+) -> Lift | None:
+    """How ``eqn``'s half output is computed in float32 for a float32 consumer, or ``None``.
+
+    A sigmoid or tanh rounded to the half dtype and then upcast loses what a
+    float32 consumer would have kept: a GRU's update gate ``z`` near 1 (where
+    the half dtype's spacing is 2**-8) in ``z * h`` with a float32 carry ``h``;
+    a logit added to its bias and rounded before a float32 loss. So
+    ``eqn`` (a ``LIFTED`` primitive that ran in the half dtype, its floating
+    inputs half activations, parameters and constants: ``invals`` before their
+    cast, with their categories ``cats``) records how to compute it in float32
+    instead: from its half activations, each upcast exactly, or from theirs when
+    they have a lift themselves and that reads no more half arrays than ``eqn``
+    does, so what the backward pass keeps (the half arrays) never grows.
+    """
+    if eqn.primitive.name not in LIFTED or len(outs) != 1:
+        return None
+    if not is_float(outs[0].dtype) or np.dtype(outs[0].dtype) != ctx.dtype:
+        return None
+    parts = _parts(eqn, invals, infos, cats, ctx)
+    if parts is None:
+        return None
+    inner = [(casts.lifted(p.args[0]) if p.args else None) or p for p in parts]
+    if sum(len(p.args) for p in inner) <= sum(len(p.args) for p in parts):
+        parts = inner
+    sizes = [len(p.args) for p in parts]
+    params = eqn.params
+
+    def fun(*args: Value) -> Value:
+        it = iter(args)
+        xs = [p.fun(*(next(it) for _ in range(k))) for p, k in zip(parts, sizes, strict=True)]
+        return bind(eqn, xs, params)[0]
+
+    return Lift(tuple(a for p in parts for a in p.args), fun, eqn.primitive.name)
+
+
+def lifts_of(
+    vals: Sequence[Value], targets: Mapping[int, DTypeLike], casts: Casts
+) -> dict[int, tuple[Lift, tuple[Value, ...]]]:
+    """The operands going up to float32 that have a ``Lift`` (not a sum's: ``SUMS``), each
+    with its half inputs' float32 casts (where their cotangents go)."""
+    out = {}
+    for i, dtype in targets.items():
+        lift = casts.lifted(vals[i]) if np.dtype(dtype) == FLOAT32_DTYPE else None
+        if lift is not None and lift.name not in SUMS:
+            out[i] = (lift, casts.wides(lift))
+    return out
+
+
+def lifted_carry(x: Value, casts: Casts) -> Value:
+    """A float32 loop carry's new value: ``x``'s float32 computation if it has a ``Lift``
+    (a carry is state: not rounded to the half dtype between iterations), else ``x``."""
+    lift = casts.lifted(x)
+    if lift is None or lift.name in SUMS:
+        return x
+    return recomputed(lift.fun, *lift.args, wides=casts.wides(lift))
+
+
+def recomputed_lifted(
+    eqn: jex_core.JaxprEqn, params: Mapping[str, object], x: Value, casts: Casts
+) -> Value:
+    """A float32 unary primitive of ``x``, recomputed in the backward pass from ``x``, or
+    from ``x``'s half inputs when ``x`` has a float32 computation (a ``Lift``, a sum's
+    included: a sigmoid loss's logits plus their bias)."""
+    lift = casts.lifted(x)
+    if lift is None:
+        return recomputed(lambda x: bind(eqn, [x], params)[0], x)
+    fun = lift.fun
+    return recomputed(
+        lambda *xs: bind(eqn, [fun(*xs)], params)[0], *lift.args, wides=casts.wides(lift)
+    )
+
+
+def kept_preferred_type(eqn: jex_core.JaxprEqn, float_in: Sequence[int]) -> np.dtype | None:
+    """A dot's ``preferred_element_type`` when wider than its traced floating inputs.
+
+    One wider than the inputs (``bf16 x bf16 -> f32``, as
+    ``jax.nn.dot_product_attention`` writes its logits) was chosen on purpose
+    and is kept; one equal to the inputs' dtype (what ``jnp.matmul`` fills in)
+    follows the inputs to autocast's dtype. ``None`` when there is none to keep.
+    """
+    pet = eqn.params.get("preferred_element_type")
+    if pet is None or not is_float(pet):
+        return None
+    traced = max(np.dtype(aval(eqn.invars[i]).dtype).itemsize for i in float_in)
+    return np.dtype(pet) if np.dtype(pet).itemsize > traced else None
+
+
+def lower_params(
+    eqn: jex_core.JaxprEqn, float_in: Sequence[int], ctx: Context
+) -> Mapping[str, object]:
+    """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
+    params = eqn.params
+    pet = params.get("preferred_element_type")
+    if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
+        return params
+    return {**params, "preferred_element_type": ctx.dtype}
+
+
+# Collectives over a named axis (pmap, shard_map, vmap with axis_name).
+_COLLECTIVES = frozenset(
+    {"psum", "pmax", "pmin", "psum_invariant", "all_gather", "all_gather_invariant",
+     "ppermute", "all_to_all", "psum_scatter", "reduce_scatter", "pbroadcast"}
+)  # fmt: skip
+
+
+def across_devices(
+    eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info], out: list[Info]
+) -> list[Info]:
+    """A collective of statistics returns statistics: BatchNorm's mean and variance over
+    ``axis_name`` (a ``pmean``) stay float32 statistics, so ``x - mean`` runs in float32 as
+    it does on one device. (As an unknown primitive it returned a float32 value of no
+    category, a parameter: ``x - mean`` then ran in the half dtype, and its cancellation
+    made the ResNet's gradients 6x further from float32's, issue #35.)"""
+    floats = [i for x, i in zip(invals, infos, strict=True) if is_float(x.dtype)]
+    if eqn.primitive.name not in _COLLECTIVES or not floats:
+        return out
+    if not all(i.low and i.statistic for i in floats):
+        return out
+    return [i._replace(low=True, statistic=True) for i in out]

@@ -15,7 +15,7 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TypeAlias
 from typing import cast as static_cast
 
@@ -26,11 +26,18 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.flow import (
+    across_devices,
     categories,
     constants_allow,
     known_span,
+    lift_of,
+    liftable,
+    lifted_carry,
+    lifts_of,
+    lower_params,
     out_infos,
     promote_target,
+    recomputed_lifted,
 )
 from jamp._src.autocast.residuals import (
     Group,
@@ -58,6 +65,8 @@ from jamp._src.autocast.rules import (
     output_is_low,
     reaching_float32,
     rule_of,
+    sigmoid_logits,
+    widest,
 )
 from jamp._src.autocast.sums import (
     SCATTER_ADD,
@@ -119,8 +128,12 @@ def _eval_jaxpr(
     args: Sequence[Value],
     infos: Sequence[Info],
     ctx: Context,
+    wide: Sequence[bool] = (),
 ) -> Evaluated:
     """Evaluates ``jaxpr`` with the rules; returns outputs and their ``Info``.
+
+    An output marked in ``wide`` goes to float32 (a float32 loop carry): a half one
+    with a ``Lift`` is returned as that float32 computation, not rounded.
 
     Every value carries an ``Info``: its *kind* (``TRACED``, ``CONST``
     or ``LITERAL``: whether it depends on the function's arguments, is known
@@ -146,6 +159,8 @@ def _eval_jaxpr(
         env[v] = (x, info)
     to_float32 = float32_operands(jaxpr)
     reach = reaching_float32(jaxpr)
+    logits, chain = sigmoid_logits(jaxpr, reach)
+    to_float32 |= logits
     casts = Casts()
     softmaxes = find_softmax(jaxpr, ctx.dtype)
     done: set[int] = set()  # equations a fused softmax evaluated
@@ -195,12 +210,15 @@ def _eval_jaxpr(
         fold = _foldable(eqn, invals, ininfos)
         b = masks.get(k)
         mask = None if b is None else (read(b.invars[0])[0], b)
+        logit = any(v in chain for v in eqn.outvars)  # a float32 sigmoid's logits' matmul
         with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
-            outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts, mask)
+            outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts, mask, logit)
         for v, x, i in zip(eqn.outvars, outs, outinfos, strict=True):
             env[v] = (x, i)
     outs = [read(v) for v in jaxpr.outvars]
-    return [x for x, _ in outs], [i for _, i in outs]
+    wide = [*wide, *[False] * (len(outs) - len(wide))]
+    xs = [lifted_carry(x, casts) if w else x for (x, _), w in zip(outs, wide, strict=True)]
+    return xs, [i for _, i in outs]
 
 
 def _fusable(z: Value, info: Info, ctx: Context) -> bool:
@@ -220,7 +238,7 @@ def _softmax_matmul(
     dot = jaxpr.eqns[static_cast(int, group.dot)]  # fused: the group has a dot
     start = group.x if from_x and group.x is not None else group.z  # from_x: it has an x
     (z, info), (v, v_info) = read(start), v_in
-    params = _lower_params(dot, [0, 1], ctx)
+    params = lower_params(dot, [0, 1], ctx)
     with source(jaxpr.eqns[group.indices[-1]]):
         body, _, _ = _under_rules(group_jaxpr(jaxpr, group, from_x), [z], [info], ctx)
     drop_jaxpr, others = dropout_jaxpr(jaxpr, group)
@@ -293,11 +311,15 @@ def _foldable(eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[I
 
 
 def eval_closed(
-    closed: JaxprLike, args: Sequence[Value], infos: Sequence[Info], ctx: Context
+    closed: JaxprLike,
+    args: Sequence[Value],
+    infos: Sequence[Info],
+    ctx: Context,
+    wide: Sequence[bool] = (),
 ) -> Evaluated:
     if isinstance(closed, jex_core.ClosedJaxpr):
-        return _eval_jaxpr(closed.jaxpr, closed.consts, args, infos, ctx)
-    return _eval_jaxpr(closed, (), args, infos, ctx)
+        return _eval_jaxpr(closed.jaxpr, closed.consts, args, infos, ctx, wide)
+    return _eval_jaxpr(closed, (), args, infos, ctx, wide)
 
 
 def _const_kind(infos: Sequence[Info]) -> int:
@@ -317,32 +339,6 @@ def _as_traced(
     return outs, [Info(kind=_const_kind(infos))] * len(outs)
 
 
-def kept_preferred_type(eqn: jex_core.JaxprEqn, float_in: Sequence[int]) -> np.dtype | None:
-    """A dot's ``preferred_element_type`` when wider than its traced floating inputs.
-
-    One wider than the inputs (``bf16 x bf16 -> f32``, as
-    ``jax.nn.dot_product_attention`` writes its logits) was chosen on purpose
-    and is kept; one equal to the inputs' dtype (what ``jnp.matmul`` fills in)
-    follows the inputs to autocast's dtype. ``None`` when there is none to keep.
-    """
-    pet = eqn.params.get("preferred_element_type")
-    if pet is None or not is_float(pet):
-        return None
-    traced = max(np.dtype(aval(eqn.invars[i]).dtype).itemsize for i in float_in)
-    return np.dtype(pet) if np.dtype(pet).itemsize > traced else None
-
-
-def _lower_params(
-    eqn: jex_core.JaxprEqn, float_in: Sequence[int], ctx: Context
-) -> Mapping[str, object]:
-    """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
-    params = eqn.params
-    pet = params.get("preferred_element_type")
-    if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
-        return params
-    return {**params, "preferred_element_type": ctx.dtype}
-
-
 def _eval_eqn(
     eqn: jex_core.JaxprEqn,
     invals: list[Value],
@@ -352,6 +348,7 @@ def _eval_eqn(
     casts: Casts | None = None,
     # select_n's mask: (its source, the broadcast)
     mask: tuple[Value, jex_core.JaxprEqn] | None = None,
+    logit: bool = False,  # computes a float32 sigmoid's logits alone (rules.sigmoid_logits)
 ) -> Evaluated:
     name = eqn.primitive.name
     if ctx.as_traced:
@@ -374,7 +371,8 @@ def _eval_eqn(
     if rule is None:
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
-        return _as_traced(eqn, invals, infos, ctx, "unknown")
+        outs, outinfos = _as_traced(eqn, invals, infos, ctx, "unknown")
+        return outs, across_devices(eqn, invals, infos, outinfos)
     if name in SCATTER_ADD and scatters_half(eqn, invals, infos):
         # segment_sum of half messages: accumulated in float32 (the traced dtype), returned
         # in the half dtype, a low activation (torch lists scatter_add under promote).
@@ -400,8 +398,10 @@ def _eval_eqn(
     fill = False
     if lowered:
         targets = {i: ctx.dtype for i in float_in}
-        params = _lower_params(eqn, float_in, ctx)
+        params = lower_params(eqn, float_in, ctx)
         low = True
+        if logit:  # the matmul of a sigmoid's logits accumulates into float32
+            params, held = {**params, "preferred_element_type": FLOAT32_DTYPE}, True
     elif rule == KEEP:  # each output is its input, as it arrives
         outs = bind(eqn, vals, params)
         record(ctx, eqn, rule, vals, outs)
@@ -416,31 +416,49 @@ def _eval_eqn(
                 outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
             record(ctx, eqn, rule, outs, outs)
             return outs, out_infos(eqn, invals, infos, outs, low)
-    elif name in BOUNDED and feeds_float32 and float_in == [0] and _upcast(invals[0], infos[0]):
+    elif (
+        name in BOUNDED
+        and feeds_float32
+        and float_in == [0]
+        and _upcast(invals[0], infos[0], 4 if infos[0].held else 2)
+    ):
         # sigmoid feeding log(1 - p): in float32 from its half input, which the backward
-        # pass keeps (in the half dtype 1 - p rounds to 0 and the loss to inf).
+        # pass keeps (in the half dtype 1 - p rounds to 0 and the loss to inf); from its
+        # float32 logits where they are computed so (rules.sigmoid_logits).
         with source(eqn):
-            outs = [recomputed(lambda x: bind(eqn, [x], params)[0], invals[0])]
+            outs = [recomputed_lifted(eqn, params, invals[0], casts)]
         record(ctx, eqn, rule, outs, outs)
         return outs, out_infos(eqn, invals, infos, outs, output_is_low(cats), held=True)
     else:  # promote; lower with float64 or a constant that does not fit
         target, fill, held = promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
+        if logit and target is not None:  # moving a sigmoid's float32 logits
+            target, held = widest([target, FLOAT32_DTYPE]), True
+        if held and liftable(eqn, invals, infos, cats, ctx):
+            # Arithmetic of half inputs feeding a float32 primitive (a matmul's output plus
+            # its bias, into a norm's statistics): in the half dtype for its half consumers,
+            # and in float32 from its half inputs for the float32 ones (its Lift), whose
+            # backward pass keeps the half inputs, not a float32 copy.
+            target, held = ctx.dtype, False
         targets = {} if target is None else {i: target for i in float_in}  # None: no float in
         low = output_is_low(cats)
-    outs: list[Value] = []  # bound by bind_summing when `wide or up`
+    outs: list[Value] = []  # bound by bind_summing when `wide or up or lifts`
+    # Half operands going up to float32 that have a float32 computation: used instead.
+    lifts = lifts_of(vals, targets, casts)
     with source(eqn):  # the casts carry the user's source line (autocast_report)
-        wide = broadcast_in_float32(eqn, vals, targets, infos)
-        up = upcast_in_backward(eqn, vals, targets, infos, wide)
+        rest = {i: d for i, d in targets.items() if i not in lifts}
+        wide = broadcast_in_float32(eqn, vals, rest, infos)
+        up = upcast_in_backward(eqn, vals, targets, infos, wide) - set(lifts)
         for i, dtype in targets.items():
-            if i not in wide and i not in up:
+            if i not in wide and i not in up and i not in lifts:
                 vals[i] = casts(vals[i], dtype, infos[i], saturate=fill)
-        if wide or up:  # summed in float32, half operands kept (autocast.sums)
+        if wide or up or lifts:  # summed in float32, half operands kept (autocast.sums)
             shape = aval(eqn.outvars[0]).shape
             outs = bind_summing(
-                lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape, up
+                lambda xs: bind(eqn, xs, params), name, vals, targets, wide, shape, up, lifts
             )
-    if wide or up:
+    if wide or up or lifts:
         record(ctx, eqn, rule, [vals[i] for i in targets if i not in wide] or outs, outs)
+        casts.lift(outs[0], lift_of(eqn, invals, infos, cats, outs, casts, ctx))
         return outs, out_infos(eqn, invals, infos, outs, low, held)
     if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
         with source(eqn):  # its gradient is summed in float32 (autocast.sums)
@@ -456,6 +474,7 @@ def _eval_eqn(
     else:
         outs = bind(eqn, vals, params)
     record(ctx, eqn, rule, vals, outs)
+    casts.lift(outs[0], lift_of(eqn, invals, infos, cats, outs, casts, ctx))
     return outs, out_infos(eqn, invals, infos, outs, low, held)
 
 
@@ -534,11 +553,12 @@ def scan_with(
     x_infos = [i._replace(size=None) for i in infos[n_consts + n_carry :]]  # slices
     body_infos = [*infos[:n_consts], *([Info()] * n_carry), *x_infos]
     y_infos: list[Info] = []
+    wide = [np.dtype(d) == FLOAT32_DTYPE for d in carry_dtypes]  # a float32 carry: not rounded
 
     def body(carry: list[jax.Array], x: list[Value]) -> tuple[list[jax.Array], list[Value]]:
         x, slices = x[: len(xs)], x[len(xs) :]
         inner = ctx if body_ctx is None else body_ctx(ctx, slices)
-        outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, inner)
+        outs, out_infos = eval_closed(p["jaxpr"], [*consts, *carry, *x], body_infos, inner, wide)
         y_infos[:] = [_traced(i) for i in out_infos[n_carry:]]
         new_carry = [strong_cast(o, d) for o, d in zip(outs[:n_carry], carry_dtypes, strict=True)]
         return new_carry, outs[n_carry:]
@@ -568,8 +588,10 @@ def _while(
     def cond_fun(carry: list[jax.Array]) -> Value:
         return eval_closed(p["cond_jaxpr"], [*cond_consts, *carry], cond_infos, ctx)[0][0]
 
+    wide = [np.dtype(d) == FLOAT32_DTYPE for d in carry_dtypes]
+
     def body_fun(carry: list[jax.Array]) -> list[jax.Array]:
-        outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_infos, ctx)
+        outs, _ = eval_closed(p["body_jaxpr"], [*body_consts, *carry], body_infos, ctx, wide)
         return [strong_cast(o, d) for o, d in zip(outs, carry_dtypes, strict=True)]
 
     outs = lax.while_loop(cond_fun, body_fun, init)

@@ -69,7 +69,7 @@ from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
 from jamp._src.autocast.rules import FLOAT32, FLOAT32_DTYPE, LOWER, rule_of
-from jamp._src.autocast.values import Value, aval, upcast
+from jamp._src.autocast.values import Value, aval, routed, upcast
 
 # The consumers that cast their floating operands to the low dtype under LOWER.
 _MATMULS = frozenset({"dot_general", "conv_general_dilated"})
@@ -420,17 +420,26 @@ def softmax_keeping_low(
     return fun
 
 
-def recomputed(fun: Callable[[jax.Array], Value], x: Value) -> Value:
-    """``fun(x upcast to float32)``; the backward pass keeps ``x`` and recomputes the rest."""
+def recomputed(
+    fun: Callable[..., Value], *xs: Value, wides: Sequence[Value] | None = None
+) -> Value:
+    """``fun(*xs upcast to float32)``; the backward pass keeps ``xs`` and recomputes the rest.
 
-    def upcast_then(x: Value) -> Value:
-        return fun(upcast(x, FLOAT32_DTYPE))
+    With ``wides`` (each ``x`` upcast once, outside), the cotangent of each ``x`` is
+    sent to its wide copy (``autocast.values.routed``), where the float32 uses add up.
+    """
+    n = len(xs)
+
+    def upcast_then(*args: Value) -> Value:
+        if wides is None:
+            return fun(*(upcast(x, FLOAT32_DTYPE) for x in args))
+        return fun(*(routed(x, w) for x, w in zip(args[:n], args[n:], strict=True)))
 
     # prevent_cse=False: no optimization barrier around the recomputation, which would make
     # XLA write x and the float32 cotangent to memory (the recomputation is x's own value).
     return jax.checkpoint(
         upcast_then, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
-    )(x)
+    )(*xs, *(wides or ()))
 
 
 def mask_broadcasts(jaxpr: jex_core.Jaxpr) -> dict[int, jex_core.JaxprEqn]:

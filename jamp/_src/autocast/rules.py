@@ -40,7 +40,13 @@ rule              what happens to the floating inputs of the primitive
                   floating input dtype, literals following the others as in
                   ``jnp``. An ``add``/``sub``/``mul``/``square`` whose result
                   feeds a ``float32`` primitive runs in float32 (so ``x -
-                  max(x)`` in softmax is computed as in float32).
+                  max(x)`` in softmax is computed as in float32); of half
+                  activations and parameters only (a matmul's output plus its
+                  bias into a norm's statistics), it runs in the low dtype and
+                  its float32 consumers compute it in float32 from those
+                  (below). The logits of a float32 sigmoid (``log(sigmoid(z))``)
+                  are float32: their matmul accumulates into float32, their
+                  bias is added in float32 (``sigmoid_logits``).
 ``keep``          left as they arrive (data movement with independent inputs,
                   ``checkpoint_name``, debug printing).
 ``as traced``     cast back to the dtypes they had when ``fun`` was traced
@@ -68,6 +74,18 @@ interpreted recursively with the same rules; loop carries and the outputs of
 ``cond`` keep the dtypes they were traced with, so every branch and iteration
 agrees. ``convert_element_type`` written by the user (``x.astype(...)``) is
 honoured; a no-op conversion in the traced program stays a no-op.
+
+A half value that goes up to float32 (a float32 consumer, a float32 loop
+carry) is not rounded where autocast can compute it in float32 instead, from
+the half values it was computed from (``autocast.values.Lift``): a sigmoid or
+tanh from its half input, a product of such gates from theirs. A GRU's update
+gate ``z`` (spacing ``2**-8`` near 1 in bfloat16) meets its float32 carry in
+``z * h`` so, and an LSTM's ``f * c + i * g`` and ``o * tanh(c)``; a carry is
+state, kept float32 between iterations. The backward pass recomputes these
+from the half inputs it keeps, so what it saves does not grow. A sum's float32
+computation (a bias added to a matmul's output) is used inside another one or
+by a float32 sigmoid only: on its own it would re-read the matmul's output at
+each float32 consumer to save one rounding.
 
 ``jamp.autocast(fun, "float8")`` adds one rule in front of the table:
 
@@ -482,3 +500,57 @@ def reaching_float32(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
 
 
 _SUMS = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum")
+
+
+# Data movement a sigmoid's logits may pass through between their matmul and their bias.
+_MOVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+
+
+def sigmoid_logits(jaxpr: jex_core.Jaxpr, reach: set[jex_core.Var]) -> tuple[set, set]:
+    """The logits of a sigmoid or tanh that runs in float32 (``reach``: ``log(sigmoid(z))``,
+    a sigmoid loss), and what computes them alone from a matmul: ``(logits, chain)``, the
+    chain being the matmul's output and its moves (a transpose under ``vmap``) up to the
+    logits or the sum that adds their bias.
+
+    Rounded to the half dtype, such logits carry the same error wherever a classifier is
+    saturated (its logits cluster at a few values), and the loss's gradient, a sum of
+    ``sigmoid(z) - y`` that cancels, multiplies it: they are computed in float32, the
+    matmul accumulating into float32 and its bias added in float32.
+    """
+    made = {v: e for e in jaxpr.eqns for v in e.outvars}
+    uses: dict[jex_core.Var, int] = {}
+    for e in jaxpr.eqns:
+        for v in e.invars:
+            if not isinstance(v, jex_core.Literal):
+                uses[v] = uses.get(v, 0) + 1
+    for v in jaxpr.outvars:
+        if not isinstance(v, jex_core.Literal):
+            uses[v] = uses.get(v, 0) + 1
+
+    def back(v: jax.core.Atom) -> list[jex_core.Var] | None:  # v ... the matmul's output
+        seen = []
+        while isinstance(v, jex_core.Var) and uses.get(v) == 1 and v in made:
+            seen.append(v)
+            e = made[v]
+            if e.primitive.name == "dot_general":
+                return seen
+            if e.primitive.name not in _MOVES:
+                return None
+            v = e.invars[0]
+        return None
+
+    logits: set[jex_core.Var] = set()
+    chain: set[jex_core.Var] = set()
+    for e in jaxpr.eqns:
+        if e.primitive.name not in BOUNDED or not any(v in reach for v in e.outvars):
+            continue
+        z = e.invars[0]
+        if not isinstance(z, jex_core.Var) or uses.get(z) != 1 or z not in made:
+            continue
+        logits.add(z)
+        by = made[z]
+        found = back(z) if by.primitive.name != "add" else None
+        for v in by.invars if by.primitive.name == "add" else ():
+            found = found or back(v)
+        chain.update(found or ())
+    return logits, chain

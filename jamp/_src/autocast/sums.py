@@ -33,7 +33,7 @@ from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
 from jamp._src.autocast.rules import FLOAT32_DTYPE
-from jamp._src.autocast.values import CONST, TRACED, Info, Value, aval, upcast
+from jamp._src.autocast.values import CONST, TRACED, Info, Lift, Value, aval, routed, upcast
 
 # Elementwise primitives whose operands lax broadcasts itself (rank 0, or size-1 axes):
 # their transpose sums the cotangent of such an operand over the broadcast axes.
@@ -91,29 +91,39 @@ def bind_summing(
     wide: Mapping[int, Sequence[int]],
     out_shape: Sequence[int],
     up: Collection[int] = (),
+    lifts: Mapping[int, tuple[Lift, Sequence[Value]]] | None = None,
 ) -> list[Value]:
     """``bind(vals)`` with the operands in ``wide`` broadcast in float32 and cast to their
-    ``targets`` dtype first (``summed_in_float32``).
+    ``targets`` dtype first (``summed_in_float32``), and those in ``lifts`` computed in
+    float32 from their half inputs (``autocast.values.Lift``, with each input's float32
+    cast, where its cotangent goes: ``autocast.values.routed``).
 
     For a primitive whose derivative reads its operands (``x * scale``), the
     broadcast is recomputed in the backward pass (a checkpoint without an
     optimization barrier), so what it keeps is ``scale`` as it came in, not a
     full-size copy; the operands in ``up`` (half precision, going up to float32)
-    are kept in the half dtype the same way.
+    are kept in the half dtype the same way, and so are a lifted operand's half inputs.
     """
+    lifts = lifts or {}
+    n = len(vals)
+    extra = [x for i in sorted(lifts) for x in (*lifts[i][0].args, *lifts[i][1])]
 
     def run(*xs: Value) -> list[Value]:
-        ys = list(xs)
+        ys, rest = list(xs[:n]), iter(xs[n:])
         for i, dims in wide.items():
             ys[i] = summed_in_float32(xs[i], out_shape, dims, targets[i])
         for i in up:
             ys[i] = upcast(xs[i], targets[i])
+        for i in sorted(lifts):
+            k = len(lifts[i][0].args)
+            args, wides = [next(rest) for _ in range(k)], [next(rest) for _ in range(k)]
+            ys[i] = lifts[i][0].fun(*(routed(a, w) for a, w in zip(args, wides, strict=True)))
         return bind(ys)
 
-    if name not in SAVES_OPERANDS:
+    if name not in SAVES_OPERANDS and not lifts:
         return run(*vals)
     policy = jax.checkpoint_policies.nothing_saveable
-    return list(jax.checkpoint(run, policy=policy, prevent_cse=False)(*vals))
+    return list(jax.checkpoint(run, policy=policy, prevent_cse=False)(*vals, *extra))
 
 
 def broadcast_in_float32(

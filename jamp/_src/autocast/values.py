@@ -129,6 +129,25 @@ def upcast(x: Value, dtype: DTypeLike) -> jax.Array:
     return y
 
 
+@jax.custom_vjp
+def routed(half: Value, wide: Value) -> jax.Array:
+    """``half`` upcast to float32, its cotangent sent to ``wide`` (``half`` upcast once,
+    outside): computed from ``half``, which is what a checkpoint around it keeps, while the
+    cotangents of all its float32 uses add up in float32 at ``wide``, rounded once."""
+    return upcast(half, np.dtype(np.float32))
+
+
+def _routed_fwd(half: Value, wide: Value) -> tuple[jax.Array, None]:
+    return upcast(half, np.dtype(np.float32)), None
+
+
+def _routed_bwd(_: None, ct: jax.Array) -> tuple[None, jax.Array]:
+    return None, ct  # None: a zero cotangent for half
+
+
+routed.defvjp(_routed_fwd, _routed_bwd)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(1,))
 def _rounded(y: jax.Array, half: np.dtype) -> jax.Array:
     """``y`` rounded to ``half``'s precision; its derivative is the identity (the cotangent
@@ -142,16 +161,43 @@ def _rounded_jvp(half: np.dtype, primals: tuple, tangents: tuple) -> tuple:
     return _rounded(primals[0], half), tangents[0]
 
 
+class Lift(NamedTuple):
+    """How a value computed in the half dtype is computed in float32 instead, for a float32
+    consumer: ``fun`` of ``args`` (half activations, each upcast exactly; parameters and
+    constants are closed over as they are), recomputed in the backward pass, which keeps
+    ``args``. ``autocast.flow.lift_of`` makes one for a sigmoid, a tanh or the arithmetic
+    (``+ - *``, a square) of half activations, parameters and constants that ran in the half
+    dtype; the interpreter uses it where the value would go up to float32 rounded."""
+
+    args: tuple[Value, ...]
+    fun: Callable[..., Value]
+    name: str = ""  # the primitive whose output it computes
+
+
 class Casts:
     """The casts autocast inserts, one per value and dtype (torch's cast cache).
 
     A value cast to the same dtype twice (the input of the query, key and
     value projections; a weight used twice) is cast once, so the backward
-    pass saves one copy.
+    pass saves one copy. It also holds the ``Lift`` of each half value that has one.
     """
 
     def __init__(self) -> None:
         self._done: dict[tuple[int, np.dtype, bool], tuple[Value, Value]] = {}
+        self._lifts: dict[int, tuple[Value, Lift]] = {}
+
+    def lift(self, y: Value, lift: Lift | None) -> None:
+        if lift is not None:
+            self._lifts[id(y)] = (y, lift)  # keeps y alive, so its id is not reused
+
+    def lifted(self, y: Value) -> Lift | None:
+        """``y``'s ``Lift``, or ``None``."""
+        hit = self._lifts.get(id(y))
+        return hit[1] if hit is not None and hit[0] is y else None
+
+    def wides(self, lift: Lift) -> tuple[Value, ...]:
+        """The float32 casts of ``lift``'s half inputs (one each, shared by its uses)."""
+        return tuple(self(a, np.dtype(np.float32), Info()) for a in lift.args)
 
     def __call__(self, x: Value, dtype: DTypeLike, info: Info, saturate: bool = False) -> Value:
         if x.dtype == dtype:
