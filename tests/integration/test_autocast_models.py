@@ -26,6 +26,7 @@ import numpy as np
 import optax
 import pytest
 from flax import linen as nn
+from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jamp
@@ -150,7 +151,7 @@ def test_batchnorm_cnn_gradients_are_as_close_to_float32_as_flax_dtype():
 
 
 @pytest.mark.standard_promotion  # Flax's BatchNorm(dtype=bfloat16) promotes internally
-@pytest.mark.parametrize("over", ["vmap", "shard_map"])
+@pytest.mark.parametrize("over", ["vmap", "shard_map", "autocast outside shard_map"])
 def test_batchnorm_over_replicas_subtracts_its_mean_in_float32(over):
     """flax's imagenet ResNet normalises over ``axis_name="batch"``: its mean and variance
     are ``pmean``s across the replicas. autocast lost them as statistics at the collective
@@ -172,11 +173,13 @@ def test_batchnorm_over_replicas_subtracts_its_mean_in_float32(over):
 
         if over == "vmap":  # autocast of the batched program, as of a pmapped step's
             per = wrap(lambda p, x, y: jax.vmap(one, (None, 0, 0), axis_name="b")(p, x, y))
-        else:  # autocast inside shard_map, as docs/data-parallel.md writes it
+        else:  # autocast inside shard_map, as docs/data-parallel.md writes it, or outside
             mesh = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
-            body = wrap(lambda p, x, y: one(p, x[0], y[0])[None])
-            per = jax.shard_map(body, mesh=mesh, in_specs=(P(), P("b"), P("b")),
-                                out_specs=P("b"))  # fmt: skip
+            outside = over == "autocast outside shard_map"
+            body = (lambda f: f) if outside else wrap
+            per = jax.shard_map(body(lambda p, x, y: one(p, x[0], y[0])[None]), mesh=mesh,
+                                in_specs=(P(), P("b"), P("b")), out_specs=P("b"))  # fmt: skip
+            per = wrap(per) if outside else per
         return lambda p, x, labels: jnp.mean(per(p, x, labels))
 
     model = _BatchNormCNN(axis_name="b")
@@ -206,7 +209,7 @@ def test_batchnorm_over_replicas_subtracts_its_mean_in_float32(over):
     # per-device program varies with XLA's excess precision (its conv outputs may reach the
     # statistics unrounded; autocast rounds them, autocast.values.upcast), from 0.84x to
     # 1.19x autocast's mean error over six seeds, a leaf up to 1.75x.
-    slack = 1.0 if over == "vmap" else 1.25
+    slack = 1.0 if over == "vmap" else 1.25  # the same figures, autocast in or outside
     assert np.mean(e_ours) <= slack * np.mean(e_flax), (e_ours, e_flax)
     for o, f in zip(e_ours, e_flax, strict=True):
         assert o <= 2 * f + 0.01, (e_ours, e_flax)
@@ -408,6 +411,40 @@ def test_data_parallel_shard_map_with_check_vma_and_autocast():
     got = step(p, x)  # before: "pvary should be called under jax.shard_map"
     want = jax.jit(jax.grad(jamp.autocast(_relu_gelu_loss, BF16)))(p, x)
     assert _cos(got["w"], want["w"]) > 0.999 and abs(_norm_ratio(got["w"], want["w"]) - 1) < 0.01
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_autocast_of_a_shard_map_is_the_shard_map_of_autocast(check_vma):
+    """autocast enters ``shard_map``'s body: before, ``jamp.autocast(jax.shard_map(f))``
+    ran ``f`` as traced, all float32, without a word. Now its value and gradient are
+    bit for bit those of ``jax.shard_map(jamp.autocast(f))`` (the same program), and
+    its products run in bfloat16; a partly manual mesh keeps its other axis."""
+    mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    p, x = {"w": _randn(0, 4, 3)}, _randn(1, 32, 4)
+
+    def local(p, x):
+        loss = _relu_gelu_loss(p, x)
+        return lax.pmean(loss, "data") if check_vma else loss[None]
+
+    def sharded(f):
+        out = P() if check_vma else P("data")
+        return jax.shard_map(f, mesh=mesh, in_specs=(P(), P("data")), out_specs=out,
+                             axis_names={"data"}, check_vma=check_vma)  # fmt: skip
+
+    outside = jamp.autocast(sharded(local), BF16)
+    inside = sharded(jamp.autocast(local, BF16))
+    jaxpr = jax.make_jaxpr(outside)(p, x)
+    dots = [e for e in _walk(jaxpr.jaxpr) if e.primitive.name == "dot_general"]
+    assert dots and all(e.outvars[0].aval.dtype == BF16 for e in dots)
+
+    def total(f):
+        return jax.jit(jax.value_and_grad(lambda p, x: jnp.sum(f(p, x))))
+
+    (v_out, g_out), (v_in, g_in) = total(outside)(p, x), total(inside)(p, x)
+    assert np.asarray(v_out) == np.asarray(v_in)
+    np.testing.assert_array_equal(np.asarray(g_out["w"]), np.asarray(g_in["w"]))
+    (v32, _) = total(sharded(local))(p, x)
+    assert abs(float(v_out) / float(v32) - 1) < 2e-2  # bfloat16, near float32's
 
 
 def test_data_parallel_explicit_mesh_grad_with_autocast():

@@ -52,7 +52,9 @@ from jamp._src.autocast.values import (
     Value,
     aval,
     bind,
+    cast,
     is_float,
+    record,
     upcast,
 )
 
@@ -345,3 +347,41 @@ def across_devices(
     if not all(i.low and i.statistic for i in floats):
         return out
     return [i._replace(low=True, statistic=True) for i in out]
+
+
+# What runs as traced, and the user's own casts.
+
+
+def const_kind(infos: Sequence[Info]) -> int:
+    """The kind of an output computed from inputs with ``infos``, never literal."""
+    return CONST if all(i.kind >= CONST for i in infos) else TRACED
+
+
+def as_traced(
+    eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info], ctx: Context, rule: str
+) -> tuple[list[Value], list[Info]]:
+    vals = [
+        cast(x, aval(v).dtype) if is_float(x.dtype) and is_float(aval(v).dtype) else x
+        for x, v in zip(invals, eqn.invars, strict=True)
+    ]
+    outs = bind(eqn, vals)
+    record(ctx, eqn, rule, vals, outs)
+    return outs, [Info(kind=const_kind(infos))] * len(outs)
+
+
+def user_cast(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> tuple[list[Value], list[Info]]:
+    (x,) = invals
+    new_dtype = eqn.params["new_dtype"]
+    if aval(eqn.invars[0]).dtype == new_dtype and is_float(new_dtype):
+        # A no-op in the traced program (at most a weak-type change): keep the
+        # autocast dtype instead of undoing it.
+        record(ctx, eqn, "no-op cast", [x], [x])
+        return [x], [infos[0]]
+    outs = bind(eqn, [x])  # the user's own cast: honoured
+    record(ctx, eqn, "cast", outs, outs)
+    info = infos[0]
+    keeps = is_float(x.dtype) and is_float(new_dtype)
+    span = info.span if keeps and not narrows(x.dtype, new_dtype) else None
+    return outs, [info._replace(low=info.low and keeps, span=span, held=False)]

@@ -27,7 +27,9 @@ from jax.extend import core as jex_core
 
 from jamp._src.autocast.flow import (
     across_devices,
+    as_traced,
     categories,
+    const_kind,
     constants_allow,
     known_span,
     lift_of,
@@ -38,6 +40,7 @@ from jamp._src.autocast.flow import (
     out_infos,
     promote_target,
     recomputed_lifted,
+    user_cast,
 )
 from jamp._src.autocast.residuals import (
     Group,
@@ -61,7 +64,6 @@ from jamp._src.autocast.rules import (
     RECOMPUTED,
     div_rule,
     float32_operands,
-    narrows,
     output_is_low,
     reaching_float32,
     rule_of,
@@ -322,23 +324,6 @@ def eval_closed(
     return _eval_jaxpr(closed, (), args, infos, ctx, wide)
 
 
-def _const_kind(infos: Sequence[Info]) -> int:
-    """The kind of an output computed from inputs with ``infos``, never literal."""
-    return CONST if all(i.kind >= CONST for i in infos) else TRACED
-
-
-def _as_traced(
-    eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info], ctx: Context, rule: str
-) -> Evaluated:
-    vals = [
-        cast(x, aval(v).dtype) if is_float(x.dtype) and is_float(aval(v).dtype) else x
-        for x, v in zip(invals, eqn.invars, strict=True)
-    ]
-    outs = bind(eqn, vals)
-    record(ctx, eqn, rule, vals, outs)
-    return outs, [Info(kind=_const_kind(infos))] * len(outs)
-
-
 def _eval_eqn(
     eqn: jex_core.JaxprEqn,
     invals: list[Value],
@@ -352,7 +337,7 @@ def _eval_eqn(
 ) -> Evaluated:
     name = eqn.primitive.name
     if ctx.as_traced:
-        return _as_traced(eqn, invals, infos, ctx, "disabled")
+        return as_traced(eqn, invals, infos, ctx, "disabled")
     if ctx.rule is not None:
         # Under jamp.debug's tools, a float8 product carries the user's line and module
         # path; otherwise it is traced as it always was (its program stays the same).
@@ -366,22 +351,22 @@ def _eval_eqn(
             ctx.recorder.add(name, "recurse", "-")
         return handler(eqn, invals, infos, ctx)
     if name == "convert_element_type":
-        return _convert_element_type(eqn, invals, infos, ctx)
+        return user_cast(eqn, invals, infos, ctx)
     rule = rule_of(eqn)
     if rule is None:
         if ctx.recorder is not None:
             ctx.recorder.unknown.add(name)
-        outs, outinfos = _as_traced(eqn, invals, infos, ctx, "unknown")
+        outs, outinfos = as_traced(eqn, invals, infos, ctx, "unknown")
         return outs, across_devices(eqn, invals, infos, outinfos)
     if name in SCATTER_ADD and scatters_half(eqn, invals, infos):
         # segment_sum of half messages: accumulated in float32 (the traced dtype), returned
         # in the half dtype, a low activation (torch lists scatter_add under promote).
-        outs, _ = _as_traced(eqn, invals, infos, ctx, "scatter-add in float32")
+        outs, _ = as_traced(eqn, invals, infos, ctx, "scatter-add in float32")
         with source(eqn):
             outs = [cast(outs[0], ctx.dtype)]
         return outs, [Info(low=True)]
     if rule == AS_TRACED:
-        return _as_traced(eqn, invals, infos, ctx, rule)
+        return as_traced(eqn, invals, infos, ctx, rule)
     casts = Casts() if casts is None else casts
 
     float_in = [i for i, x in enumerate(invals) if is_float(x.dtype)]
@@ -407,7 +392,7 @@ def _eval_eqn(
         record(ctx, eqn, rule, vals, outs)
         if len(outs) == len(infos):
             return outs, list(infos)
-        return outs, [Info(kind=_const_kind(infos))] * len(outs)
+        return outs, [Info(kind=const_kind(infos))] * len(outs)
     elif rule == FLOAT32:
         targets = {i: FLOAT32_DTYPE for i in float_in if np.dtype(invals[i].dtype) in ELIGIBLE}
         low = output_is_low(cats)
@@ -483,24 +468,6 @@ def _broadcast_args(eqn: jex_core.JaxprEqn) -> tuple[tuple[int, ...], tuple[int,
     return tuple(p["shape"]), tuple(p["broadcast_dimensions"])
 
 
-def _convert_element_type(
-    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
-) -> Evaluated:
-    (x,) = invals
-    new_dtype = eqn.params["new_dtype"]
-    if aval(eqn.invars[0]).dtype == new_dtype and is_float(new_dtype):
-        # A no-op in the traced program (at most a weak-type change): keep the
-        # autocast dtype instead of undoing it.
-        record(ctx, eqn, "no-op cast", [x], [x])
-        return [x], [infos[0]]
-    outs = bind(eqn, [x])  # the user's own cast: honoured
-    record(ctx, eqn, "cast", outs, outs)
-    info = infos[0]
-    keeps = is_float(x.dtype) and is_float(new_dtype)
-    span = info.span if keeps and not narrows(x.dtype, new_dtype) else None
-    return outs, [info._replace(low=info.low and keeps, span=span, held=False)]
-
-
 # ---------------------------------------------------------------------------
 # Sub-computations
 # ---------------------------------------------------------------------------
@@ -529,6 +496,27 @@ def _remat(
     )
     outs = fn(*invals)
     return list(outs), [_traced(i) for i in out_infos]
+
+
+def _shard_map(
+    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
+) -> Evaluated:
+    """``shard_map``'s body under the rules, bound again by ``jax.shard_map`` on the same
+    mesh, specs and manual axes (``autocast(shard_map(f))`` is ``shard_map(autocast(f))``).
+    The inputs' broadcast sizes are the global ones: inside, each is a shard."""
+    p = eqn.params
+    out_infos: list[Info] = []
+    local = [i._replace(size=None) for i in infos]
+
+    def body(*xs: Value) -> tuple[Value, ...]:
+        outs, out_infos[:] = eval_closed(p["jaxpr"], xs, local, ctx)
+        return tuple(outs)
+
+    fn = jax.shard_map(
+        body, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
+        axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"],
+    )  # fmt: skip
+    return list(fn(*invals)), [_traced(i) for i in out_infos]
 
 
 def scan_with(
@@ -760,6 +748,7 @@ HIGHER_ORDER: dict[
     "closed_call": _call,
     "core_call": _call,
     "remat": _remat,
+    "shard_map": _shard_map,
     "remat2": _remat,
     "checkpoint": _remat,
     "scan": scan_with,
