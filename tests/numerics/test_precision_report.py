@@ -146,3 +146,27 @@ def test_bad_arguments_are_refused():
         jamp.debug.precision_report(_tiny, jnp.ones((4, 1)), jnp.ones((1, 4)), dtype=[])
     with pytest.raises(TypeError, match="`fun`"):
         jamp.debug.precision_report(None, jnp.ones(3))  # type: ignore[arg-type]
+
+
+def test_a_shard_map_is_one_operation_run_widened_under_its_mesh():
+    """A step with ``shard_map`` (its body's collectives need the mesh's axes): the report
+    runs the shard_map as one operation, widened under the same shard_map, whose float32
+    twin is float32's step (before: a NameError from jax, "unbound axis name")."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((8,), ("b",), axis_types=(jax.sharding.AxisType.Auto,))
+
+    def local(w, x):
+        return jax.lax.pmean(jnp.mean(jnp.square(jnp.tanh(x @ w))), "b")
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P("b")), out_specs=P())
+    k1, k2 = jax.random.split(jax.random.key(2))
+    w, x = jax.random.normal(k1, (16, 16)) / 4, jax.random.normal(k2, (64, 16))
+    recipe = jamp.debug.precision_report(f, w, x)["bfloat16"]
+    assert recipe.loss_float32 == pytest.approx(float(jax.jit(f)(w, x)), rel=1e-6)
+    maps = [r for r in recipe.rows if r.primitive == "shard_map"]
+    assert {r.backward for r in maps} == {False, True}
+    assert all(0 < r.error < 0.05 for r in maps if r.dtype == "bfloat16")
+    (leaf,) = [g for g in recipe.gradients if g.path == "argument 0"]
+    want = jax.jit(jax.grad(f))(w, x)
+    assert 0 < leaf.error < 0.05 and np.all(np.isfinite(np.asarray(want)))

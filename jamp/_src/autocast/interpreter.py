@@ -97,6 +97,7 @@ from jamp._src.autocast.values import (
     is_float,
     is_inexact,
     record,
+    shard_map_like,
     source,
     strong_cast,
 )
@@ -512,11 +513,7 @@ def _shard_map(
         outs, out_infos[:] = eval_closed(p["jaxpr"], xs, local, ctx)
         return tuple(outs)
 
-    fn = jax.shard_map(
-        body, mesh=p["mesh"], in_specs=tuple(p["in_specs"]), out_specs=tuple(p["out_specs"]),
-        axis_names=set(p["newly_manual_axes"]), check_vma=p["check_vma"],
-    )  # fmt: skip
-    return list(fn(*invals)), [_traced(i) for i in out_infos]
+    return list(shard_map_like(p, body)(*invals)), [_traced(i) for i in out_infos]
 
 
 def scan_with(

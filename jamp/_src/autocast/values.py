@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import NamedTuple, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 from typing import cast as static_cast
 
 import jax
@@ -270,3 +270,13 @@ def record(
 ) -> None:
     if ctx.recorder is not None:
         ctx.recorder.add(eqn.primitive.name, rule, ran_in(vals, outs))
+
+
+def shard_map_like(params: Mapping[str, Any], body: Callable[..., tuple]) -> Callable:
+    """``body`` under ``jax.shard_map`` with the mesh, specs, manual axes and ``check_vma``
+    of a ``shard_map`` equation's ``params``: that equation run with another body."""
+    return jax.shard_map(
+        body, mesh=params["mesh"], in_specs=tuple(params["in_specs"]),
+        out_specs=tuple(params["out_specs"]), axis_names=set(params["newly_manual_axes"]),
+        check_vma=params["check_vma"],
+    )  # fmt: skip

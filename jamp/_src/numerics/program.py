@@ -22,6 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
+from jamp._src.autocast.values import shard_map_like
+
 # Operations that only group others: inlined.
 _INLINE = {
     "pjit": "jaxpr",
@@ -255,6 +257,10 @@ def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
             return [ins[0]]
     if op.name == "reduce_precision":  # a rounding to a narrower format, kept in float32
         return [ins[0]]
+    if op.name == "shard_map":  # its body widened, under the same shard_map (collectives)
+        body = flatten(jex_core.ClosedJaxpr(op.params["jaxpr"], ()))
+        fn = shard_map_like(op.params, lambda *xs: tuple(evaluate_wide(body, xs)))
+        return [wide_value(o) for o in fn(*ins)]
     params = _widened_params(op)
     if params is not None:
         for key, value in params.items():
