@@ -121,9 +121,11 @@ def test_unscale_inverts_scale_for_powers_of_two(dtype, exponent, data):
     scaled = jamp.scale(state, jnp.asarray(x))
     back = jamp.unscale(state, scaled)
     assert back.dtype == x.dtype
-    # Exact while the scaled values stay normal numbers of their dtype.
+    # Exact while the scaled values stay normal numbers of their dtype (zero only where x
+    # is: hypothesis found float16 2**-9 scaled by 2**-16 flushed to zero, not invertible).
     s = np.abs(np.asarray(scaled).astype(np.float32))
-    if np.isfinite(s).all() and ((s == 0) | (s >= float(jnp.finfo(dtype).tiny))).all():
+    zero = np.asarray(x).astype(np.float32) == 0
+    if np.isfinite(s).all() and (zero | (s >= float(jnp.finfo(dtype).tiny))).all():
         np.testing.assert_array_equal(np.asarray(back), x)
 
 
