@@ -104,13 +104,9 @@ def _cos(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def measure(
-    key: str, inits: int, size: int, filters: int, log: Callable, tiny: bool = False
-) -> np.ndarray:
-    """``(inits, 2)``: each initialisation's gradient cosine to float32's, autocast and Flax
-    (``tiny``: the model's first two stages, of one block each)."""
-    stages, block = MODELS[key]
-    stages = (1, 1) if tiny else stages
+def measure(key: str, inits: int, size: int, filters: int, log: Callable, tiny=False):
+    """Per initialisation, autocast's and Flax's gradient cosine to float32's (tiny: 2 blocks)."""
+    stages, block = MODELS[key] if not tiny else ((1, 1), MODELS[key][1])
     build = functools.partial(ResNet, stages, block, filters)
     f32 = _loss(build())
     grads = [
