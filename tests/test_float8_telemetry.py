@@ -321,6 +321,31 @@ def test_loss_scaling_refuses_telemetry_among_the_parameters():
     )
 
 
+@pytest.mark.parametrize("recipe", [ONE, CURRENT_FIRST], ids=["one", "current first"])
+def test_a_corrupted_state_is_skipped_with_telemetry_on_too(recipe):
+    """Issue #35's traced state check, in a jitted train step with telemetry on: a scale
+    of 1e30 for w in a measured state makes the gradients NaN, loss scaling skips the step
+    and the weights stay (before, the telemetry products had no check: the step applied
+    finite wrong gradients, as the check-free product did)."""
+    f = jamp.autocast(loss, "float8", recipe=recipe, telemetry=True)
+    zeros = jamp.float8.telemetry_init(f, W, X)
+    tx = jamp.loss_scaling(optax.sgd(0.1))
+
+    @jax.jit
+    def step(state, w, opt_state):
+        state, _, grad = jax.grad(f, argnums=(0, 1, 2))(state, zeros, w, X)
+        updates, opt_state = tx.update(grad, opt_state, w)
+        return state, optax.apply_updates(w, updates), opt_state
+
+    good = measured_state(np.array([4.0, 2.0, 8.0], np.float32))
+    bad = {KEY: good[KEY]._replace(scale=good[KEY].scale.at[1].set(1e30))}
+    _, w, opt_state = step(good, W, tx.init(W))
+    assert not np.array_equal(np.asarray(w), np.asarray(W))  # a good state's step applies
+    _, kept, after = step(bad, w, opt_state)
+    np.testing.assert_array_equal(np.asarray(kept), np.asarray(w))
+    assert int(after.skipped_steps) == int(opt_state.skipped_steps) + 1
+
+
 def _on():
     return jamp.autocast(loss, "float8", telemetry=True)
 
@@ -616,8 +641,8 @@ def mlp_step(recipe, telemetry):
 # Modelled bytes of the H200 compile (benchmarks/xla_gpu.py: operands plus outputs of
 # every kernel), telemetry off and on, measured with jax 0.10.2 (docs/float8.md), the
 # gradient products on cuBLASLt with float32 accumulation (issue #35): current scaling
-# 478,220,424 -> 516,153,720 (+7.93%), delayed scaling 444,668,583 -> 453,241,743
-# (+1.93%), unmeasured="current" 480,320,211 -> 524,627,043 (+9.22%). Telemetry off, XLA
+# 478,220,424 -> 516,153,720 (+7.93%), delayed scaling 444,669,103 -> 453,242,261
+# (+1.93%), unmeasured="current" 482,417,889 -> 524,627,584 (+8.75%). Telemetry off, XLA
 # writes a tensor's float8 copy in both layouts the GEMMs read (cuBLASLt reads both
 # operands with the contracted axis innermost) in the pass that quantises it; telemetry
 # on, the count fused into that pass (the zeros of the copy, or the amax and counts) keeps

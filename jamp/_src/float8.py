@@ -644,12 +644,18 @@ def delayed_dot(
     return _delayed_fwd(lhs, rhs, amax_history, scale, spec)[0]
 
 
+def _state_check(amax_history, scale, recipe):
+    """``(kept_max(amax_history) or None, traced_check(...))``: the history's pass that
+    ``next_state`` reuses, and 1 or NaN (a corrupted state) for the inverse scales."""
+    kept = kept_max(amax_history) if recipe.amax_compute_algo == "max" else None
+    return kept, traced_check(amax_history, scale, recipe, kept)
+
+
 def _delayed_fwd(lhs, rhs, amax_history, scale, spec):
     a_lhs, a_rhs = amax(lhs), amax(rhs)  # recorded; quantised with the state's scales
     s_lhs = _usable(scale[LHS], a_lhs, LHS, spec.recipe)
     s_rhs = _usable(scale[RHS], a_rhs, RHS, spec.recipe)
-    kept = kept_max(amax_history) if spec.recipe.amax_compute_algo == "max" else None
-    checked = traced_check(amax_history, scale, spec.recipe, kept)  # 1, or NaN: corrupted
+    kept, checked = _state_check(amax_history, scale, spec.recipe)
     out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs, checked)
     return out, (operands, a_lhs, a_rhs, amax_history, scale, kept)
 
@@ -820,12 +826,13 @@ def _stacked(*rows) -> Telemetry:
     return Telemetry(*(jnp.stack(field) for field in zip(*rows, strict=True)))
 
 
-def _telemetry_fwd(spec: Spec, lhs, rhs, scale=None):
+def _telemetry_fwd(spec: Spec, lhs, rhs, scale=None, checked=None):
     """The product of ``lhs`` and ``rhs`` and its residuals, the operands' rows of
-    telemetry among them; ``scale`` is the state's, under delayed scaling."""
+    telemetry among them; ``scale`` is the state's, under delayed scaling, and ``checked``
+    its ``traced_check``."""
     s_lhs, p_lhs = _before(lhs, LHS, spec.recipe, None if scale is None else scale[LHS])
     s_rhs, p_rhs = _before(rhs, RHS, spec.recipe, None if scale is None else scale[RHS])
-    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs)
+    out, operands = _forward(spec, lhs, rhs, s_lhs, s_rhs, checked)
     q_lhs, q_rhs = operands[:2]
     seen = (
         _after(lhs, q_lhs, s_lhs, LHS, p_lhs, None if scale is None else scale[LHS]),
@@ -879,14 +886,15 @@ def delayed_dot_telemetry(
 
 
 def _delayed_telemetry_fwd(lhs, rhs, amax_history, scale, telemetry, spec):
-    out, (operands, seen) = _telemetry_fwd(spec, lhs, rhs, scale)
-    return out, (operands, seen, amax_history, scale)
+    kept, checked = _state_check(amax_history, scale, spec.recipe)  # as delayed_dot's
+    out, (operands, seen) = _telemetry_fwd(spec, lhs, rhs, scale, checked)
+    return out, (operands, seen, amax_history, scale, kept)
 
 
 def _delayed_telemetry_bwd(spec, res, g):
-    operands, seen, amax_history, scale = res
+    operands, seen, amax_history, scale, kept = res
     d_lhs, d_rhs, stats = _telemetry_bwd(spec, operands, seen, g, scale)
-    new = next_state(Float8State(amax_history, scale), stats.amax, spec.recipe)
+    new = next_state(Float8State(amax_history, scale), stats.amax, spec.recipe, kept)
     return d_lhs, d_rhs, new.amax_history, new.scale, stats
 
 
