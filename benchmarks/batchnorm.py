@@ -23,6 +23,7 @@ import optax
 from flax import linen as nn
 
 import jamp
+from benchmarks.measure import grad_cosines
 from benchmarks.models import BF16
 from benchmarks.report import emit, now, version
 
@@ -96,14 +97,6 @@ def _loss(model: nn.Module) -> Callable:
     return lambda params, stats, x, y: jnp.mean(per(params, stats, x, y))
 
 
-def _flat(tree) -> np.ndarray:
-    return np.concatenate([np.asarray(a, np.float64).ravel() for a in jax.tree.leaves(tree)])
-
-
-def _cos(a: np.ndarray, b: np.ndarray) -> float:
-    return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
-
-
 def measure(key: str, inits: int, size: int, filters: int, log: Callable, tiny=False):
     """Per initialisation, autocast's and Flax's gradient cosine to float32's (tiny: 2 blocks)."""
     stages, block = MODELS[key] if not tiny else ((1, 1), MODELS[key][1])
@@ -120,8 +113,8 @@ def measure(key: str, inits: int, size: int, filters: int, log: Callable, tiny=F
         y = jnp.asarray(rng.integers(0, 10, (REPLICAS, PER_REPLICA)), jnp.int32)
         variables = jax.tree.map(lambda a: a[0], init(jax.random.key(seed), x))
         args = (variables["params"], variables["batch_stats"], x, y)
-        ref, ours, flax = (_flat(g(*args)) for g in grads)
-        rows.append((_cos(ours, ref), _cos(flax, ref)))
+        ref, ours, flax = (g(*args) for g in grads)
+        rows.append((grad_cosines(ours, ref)[0], grad_cosines(flax, ref)[0]))
         log(f"{key} init {seed}: cosine autocast {rows[-1][0]:.5f}, Flax {rows[-1][1]:.5f}")
     return np.array(rows)
 
