@@ -30,6 +30,7 @@ FLOORS = {
     "policy": GROUND,
     "float8": GROUND,
     "deprecations": GROUND,
+    "jaxprs": GROUND,
     # the checks and the shared skip machinery
     "finite": CHECKS,
     "skip": CHECKS,

@@ -33,6 +33,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
 import jamp
+from jamp._src.jaxprs import scan_counts
 
 SENSITIVE = {
     "exp", "exp2", "log", "log1p", "expm1", "pow", "rsqrt", "sqrt",
@@ -301,7 +302,7 @@ def test_scan_rnn_matches_float32_and_keeps_carry_dtype(dtype):
     xs = randn(3, 6, 3, 5)
     f = compare_with_float32(rnn, params, xs, dtype=dtype, tol=30 * EPS[dtype], min_dots=3)
     (scan,) = eqns_named(jax.make_jaxpr(f)(params, xs), "scan")
-    carry = scan.params["num_consts"]
+    carry, _ = scan_counts(scan.params)
     assert jnp.dtype(scan.invars[carry].aval.dtype) == F32  # the carry keeps its dtype
     assert jnp.dtype(scan.outvars[0].aval.dtype) == F32
 

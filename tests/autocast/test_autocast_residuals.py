@@ -17,6 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 import jamp
 from jamp._src.autocast.residuals import find_softmax, recomputed, softmax_keeping_low
+from jamp._src.jaxprs import inline_softmax
 
 B, H, T, D = 2, 2, 8, 16
 
@@ -99,7 +100,7 @@ def test_backward_is_softmaxs_rule_on_the_half_probabilities(dtype):
 
 
 def _jaxpr(f, *args):
-    return jax.make_jaxpr(f)(*args).jaxpr
+    return inline_softmax(jax.make_jaxpr(f)(*args).jaxpr)  # jax 0.12: softmax is a custom_jvp
 
 
 def _in_a_loss(q, v):
@@ -339,9 +340,19 @@ def test_a_masked_select_keeps_the_small_mask_only(dtype):
         return jnp.sum(drop(jnp.tanh(s @ w), rngs=nnx.Rngs(dropout=2).dropout()) @ w)
 
     low = np.dtype(dtype)
-    # Of the scores' size: s @ w's input cast, tanh's output and derivative (and the
-    # dropped values the matmul reads, and the dropout's own mask): nothing else.
-    want = {masked: [low] * 3, dropped: sorted([np.dtype(bool)] + [low] * 4, key=str)}
+
+    # Of the scores' size: what float32 JAX keeps, in the low dtype, but the select's
+    # zeros (recomputed) and with s @ w's input cast in place of the argument: tanh's
+    # output and derivative factor (jax 0.12 keeps the factor alone where the matmul reads
+    # the dropped values), the dropped values, and the dropout's own mask.
+    def floats_float32_keeps(f):
+        return sum(shape == s.shape and d == F32 for shape, d in _saved(f, w, s))
+
+    want = {
+        masked: [low] * floats_float32_keeps(masked),
+        dropped: sorted([np.dtype(bool)] + [low] * floats_float32_keeps(dropped), key=str),
+    }
+    assert len(want[masked]) == 3 and len(want[dropped]) in (4, 5)  # jax 0.12, 0.10
     for f, kept in want.items():
         ours = jamp.autocast(f, dtype)
         saved = _saved(ours, w, s)

@@ -28,7 +28,6 @@ from typing import cast as static_cast
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
 from jamp._src.autocast.float8 import (
@@ -54,6 +53,7 @@ from jamp._src.autocast.values import (
     is_float,
 )
 from jamp._src.float8 import DelayedScaling, Float8State, Telemetry
+from jamp._src.jaxprs import ClosedJaxpr
 from jamp._src.policy import Policy, check_dtype, parse_policy
 from jamp._src.types import PyTree
 
@@ -356,7 +356,7 @@ def _autocast(
     telemetry: bool = False,
 ):
     def run(
-        closed: jex_core.ClosedJaxpr, out_shape: PyTree, dynamic: list[Value], rule: Rule | None
+        closed: ClosedJaxpr, out_shape: PyTree, dynamic: list[Value], rule: Rule | None
     ) -> PyTree:
         ctx = Context(dtype=low, recorder=recorder, rule=rule)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)

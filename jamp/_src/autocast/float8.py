@@ -58,6 +58,7 @@ from jamp._src.float8 import (
     delayed_dot_telemetry,
     init_state,
 )
+from jamp._src.jaxprs import ClosedJaxpr
 
 # Sub-computations the products inside of which get a state (as the interpreter evaluates
 # them: with the same context); inside every other one but scan (while, cond, custom
@@ -135,7 +136,7 @@ class Site(NamedTuple):
 
 
 def _jaxpr(value: JaxprLike) -> jex_core.Jaxpr:
-    return value.jaxpr if isinstance(value, jex_core.ClosedJaxpr) else value
+    return value.jaxpr if isinstance(value, ClosedJaxpr) else value
 
 
 def sites(closed: JaxprLike) -> list[Site]:

@@ -101,6 +101,7 @@ from jamp._src.autocast.values import (
     source,
     strong_cast,
 )
+from jamp._src.jaxprs import ClosedJaxpr, inline_softmax, scan_counts, shaped
 
 # Whether a rule's operations (the float8 products') are traced under the source line and
 # name stack of the equation they replace: set by `annotated_rules`, for jamp.debug.
@@ -146,6 +147,7 @@ def _eval_jaxpr(
     The dtype flow of ``promote`` (``autocast.rules.runs_low``) and the
     constant rule (``autocast.rules.fits``) decide from these.
     """
+    jaxpr = inline_softmax(jaxpr)  # jax 0.12's softmax: the form its rule recognises
     env: dict[jex_core.Var, tuple[Value, Info]] = {}
 
     def read(v: jax.core.Atom) -> tuple[Value, Info]:
@@ -320,7 +322,7 @@ def eval_closed(
     ctx: Context,
     wide: Sequence[bool] = (),
 ) -> Evaluated:
-    if isinstance(closed, jex_core.ClosedJaxpr):
+    if isinstance(closed, ClosedJaxpr):
         return _eval_jaxpr(closed.jaxpr, closed.consts, args, infos, ctx, wide)
     return _eval_jaxpr(closed, (), args, infos, ctx, wide)
 
@@ -527,7 +529,7 @@ def scan_with(
     """A ``scan`` under the rules; ``extra`` arrays are scanned over too (one slice per
     iteration), and ``body_ctx(ctx, slices)`` is the context the body runs in."""
     p = eqn.params
-    n_consts, n_carry = p["num_consts"], p["num_carry"]
+    n_consts, n_carry = scan_counts(p)
     consts = invals[:n_consts]
     carry_dtypes = [aval(v).dtype for v in eqn.invars[n_consts : n_consts + n_carry]]
     init = [
@@ -611,7 +613,7 @@ def _under_rules(
 
     traced = jax.make_jaxpr(primal)(*invals)
     body = jex_core.jaxpr_as_fun(traced)
-    dtypes = [a.dtype for a in traced.out_avals]
+    dtypes = [a.dtype for a in shaped(traced.out_avals)]
     return (lambda *xs: tuple(body(*xs))), dtypes, [_traced(i) for i in out_infos]
 
 

@@ -214,6 +214,9 @@ _AS_TRACED = (
     "bitcast_convert_type", "reduce", "reduce_window", "select_and_scatter",
     "select_and_scatter_add", "rng_bit_generator", "rng_uniform",
     "custom_linear_solve", "pure_callback", "io_callback", "ffi_call",
+    # jax 0.12's "hijax" primitives (jnp.searchsorted, ldexp, frexp, nonzero): a
+    # HiPrim whose parameters hold the avals it was traced for.
+    "call_hi_primitive",
     # scatter carries an update jaxpr typed for the traced dtype (torch lists
     # scatter_add and index_put under "promote"; here they run as traced, except a
     # scatter-add of half updates: in float32, its result low (autocast.sums)).

@@ -25,6 +25,7 @@ from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
 from jamp._src.autocast.rules import Span, narrows, saturated, widest
+from jamp._src.jaxprs import ClosedJaxpr
 
 try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
     from jax._src import source_info_util as _source_info_util
@@ -48,7 +49,7 @@ Value: TypeAlias = jax.Array | np.ndarray | np.number | np.bool_
 """What a variable holds as the interpreter evaluates it: a tracer or a concrete array, or a
 NumPy constant or literal."""
 
-JaxprLike: TypeAlias = jex_core.Jaxpr | jex_core.ClosedJaxpr
+JaxprLike: TypeAlias = jex_core.Jaxpr | ClosedJaxpr
 """A jaxpr as sub-computations carry it: open, or closed over its constants."""
 
 

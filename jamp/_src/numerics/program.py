@@ -23,6 +23,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.values import shard_map_like
+from jamp._src.jaxprs import ClosedJaxpr, shaped
 
 # Operations that only group others: inlined.
 _INLINE = {
@@ -121,7 +122,7 @@ def _module_path(name_stack: str) -> str:
     return "/".join(out)
 
 
-def flatten(closed: jex_core.ClosedJaxpr) -> Program:
+def flatten(closed: ClosedJaxpr) -> Program:
     """``closed`` as one list of operations, grouping calls inlined."""
     ops: list[Op] = []
     consts: dict[int, Any] = {}
@@ -139,9 +140,7 @@ def flatten(closed: jex_core.ClosedJaxpr) -> Program:
             key = _INLINE.get(eqn.primitive.name)
             sub = eqn.params.get(key) if key else None
             if sub is not None:
-                inner = (
-                    sub if isinstance(sub, jex_core.ClosedJaxpr) else jex_core.ClosedJaxpr(sub, ())
-                )
+                inner = sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ())
                 sub_env: dict = {}
                 for v, c in zip(inner.jaxpr.constvars, inner.consts, strict=True):
                     sub_env[v] = i = next(counter)
@@ -224,26 +223,22 @@ def bind(op: Op, args: Sequence[Any], params: dict[str, Any]) -> list[Any]:
     return list(out) if op.primitive.multiple_results else [out]
 
 
-def _widened_jaxpr(closed: jex_core.ClosedJaxpr) -> jex_core.ClosedJaxpr:
+def _widened_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` traced anew from its widened evaluation, on widened inputs."""
     program = flatten(closed)
-    shapes = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in closed.in_avals]
+    shapes = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in shaped(closed.in_avals)]
     return jax.make_jaxpr(lambda *xs: evaluate_wide(program, xs))(*shapes)
 
 
 def _widened_param(value: Any) -> Any:
     """A parameter holding a sub-program (a loop's body, a scatter's update, a reduction's
     computation) traced anew on widened values; any other parameter as it is."""
-    if (
-        isinstance(value, tuple)
-        and value
-        and all(isinstance(v, jex_core.ClosedJaxpr) for v in value)
-    ):
+    if isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
         return tuple(_widened_jaxpr(v) for v in value)
-    if isinstance(value, jex_core.ClosedJaxpr):
+    if isinstance(value, ClosedJaxpr):
         return _widened_jaxpr(value)
     if isinstance(value, jex_core.Jaxpr):
-        return _widened_jaxpr(jex_core.ClosedJaxpr(value, ())).jaxpr
+        return _widened_jaxpr(ClosedJaxpr(value, ())).jaxpr
     return value
 
 
@@ -258,7 +253,7 @@ def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
     if op.name == "reduce_precision":  # a rounding to a narrower format, kept in float32
         return [ins[0]]
     if op.name == "shard_map":  # its body widened, under the same shard_map (collectives)
-        body = flatten(jex_core.ClosedJaxpr(op.params["jaxpr"], ()))
+        body = flatten(ClosedJaxpr(op.params["jaxpr"], ()))
         fn = shard_map_like(op.params, lambda *xs: tuple(evaluate_wide(body, xs)))
         return [wide_value(o) for o in fn(*ins)]
     params = _widened_params(op)

@@ -1,0 +1,113 @@
+"""What jamp reads of a jaxpr, the same way on every jax it supports.
+
+The primitives' parameters change between jax releases: jax 0.12 describes a
+``scan``'s operands by flat trees (``ft_in``: consts, carry, scanned; ``ft_out``:
+carry, stacked) where jax 0.10 gave counts (``num_consts``, ``num_carry``), and
+jax 0.12 wraps ``jax.nn.softmax`` in a ``custom_jvp`` (``jax_softmax_custom_jvp``
+now defaults to on). Every walker of jaxprs in jamp (autocast's interpreter,
+``jamp.debug``'s flattened program, float8's sites) reads them through here.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any, TypeAlias
+from typing import cast as static_cast
+
+import jax
+import jax.core
+from jax import lax
+from jax.extend import core as jex_core
+
+# jax 0.12 merged the closed jaxpr into ``Jaxpr``, which carries its constants, and keeps
+# ``ClosedJaxpr`` as an alias of it (exported without the ``as`` form type checkers want).
+ClosedJaxpr: TypeAlias = jex_core.ClosedJaxpr  # pyright: ignore[reportPrivateImportUsage]
+
+
+def shaped(avals: Sequence[Any]) -> list[jax.core.ShapedArray]:
+    """``avals`` (a jaxpr's ``in_avals`` or ``out_avals``) as the arrays they are in the
+    jaxprs jamp walks: jax types them as ``AbstractValue``."""
+    return [static_cast(jax.core.ShapedArray, a) for a in avals]
+
+
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """``(num_consts, num_carry)`` of a ``scan`` equation's parameters: counts in jax 0.10,
+    read from the operands' flat trees (``ft_in``) in jax 0.12."""
+    if "num_consts" in params:
+        return int(params["num_consts"]), int(params["num_carry"])
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def _closed(jaxpr: jex_core.Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
+    return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
+
+
+def _is_softmax(eqn: jex_core.JaxprEqn) -> bool:
+    """Whether ``eqn`` is jax's own ``jax.nn.softmax`` under ``jax_softmax_custom_jvp``: a
+    ``custom_jvp_call`` of the function ``_softmax`` whose body shifts by a ``reduce_max``
+    (jax 0.12's default; jax 0.10 inlined the same body with ``stop_gradient`` on the max)."""
+    if eqn.primitive.name != "custom_jvp_call" or eqn.params.get("num_consts", 0):
+        return False
+    body = _closed(eqn.params["call_jaxpr"])
+    info = body.jaxpr.debug_info
+    name = getattr(info, "func_name", "") or ""
+    if body.consts or not name.endswith("_softmax"):
+        return False
+    names = [e.primitive.name for e in body.jaxpr.eqns]
+    return "reduce_max" in names and "exp" in names and "div" in names
+
+
+# From the reduce_max to the shift: max(-inf, .), the kept dimensions, a cast.
+_KEEPS_MAX = frozenset({"max", "broadcast_in_dim", "reshape", "convert_element_type"})
+
+
+@functools.cache
+def _stop_gradient_eqn(dtype: Any, shape: tuple[int, ...]) -> jex_core.JaxprEqn:
+    x = jax.ShapeDtypeStruct(shape, dtype)
+    return jax.make_jaxpr(lax.stop_gradient)(x).jaxpr.eqns[0]
+
+
+def inline_softmax(jaxpr: jex_core.Jaxpr) -> jex_core.Jaxpr:
+    """``jaxpr`` with each ``custom_jvp_call`` of ``jax.nn.softmax`` replaced by its body,
+    the max it shifts by under ``stop_gradient``: the form jax 0.10 traced
+    (``_softmax_deprecated``), which has the same value and, by its derivative, the same
+    gradient as the ``custom_jvp`` rule. Autocast recognises that form and gives the
+    softmax its own rule (``autocast.residuals``). ``jaxpr`` itself when it has none."""
+    if not any(_is_softmax(e) for e in jaxpr.eqns):
+        return jaxpr
+    eqns: list[jex_core.JaxprEqn] = []
+    for eqn in jaxpr.eqns:
+        if not _is_softmax(eqn):
+            eqns.append(eqn)
+            continue
+        body = _closed(eqn.params["call_jaxpr"]).jaxpr
+        # Fresh variables: the body of a cached trace can be shared by several calls.
+        rename: dict[Any, Any] = dict(zip(body.invars, eqn.invars, strict=True))
+        results = {  # the call's own outputs
+            v: out
+            for v, out in zip(body.outvars, eqn.outvars, strict=True)
+            if not isinstance(v, jex_core.Literal)
+        }  # the call's own outputs
+        maxes: set[Any] = set()
+        inner: list[jex_core.JaxprEqn] = []
+        for e in body.eqns:
+            invars = [v if isinstance(v, jex_core.Literal) else rename[v] for v in e.invars]
+            if e.primitive.name == "sub" and not isinstance(e.invars[1], jex_core.Literal):
+                if e.invars[1] in maxes:  # x - max(x): the max under stop_gradient
+                    m = invars[1]
+                    (a,) = shaped([m.aval])
+                    sg = _stop_gradient_eqn(a.dtype, tuple(a.shape))
+                    stopped = jex_core.Var(a)
+                    inner.append(sg.replace(invars=[m], outvars=[stopped]))
+                    invars[1] = stopped
+            outvars = [results.get(v) or jex_core.Var(v.aval) for v in e.outvars]
+            rename.update(zip(e.outvars, outvars, strict=True))
+            name = e.primitive.name
+            derived = any(v in maxes for v in e.invars if not isinstance(v, jex_core.Literal))
+            if name == "reduce_max" or (name in _KEEPS_MAX and derived):
+                maxes.update(e.outvars)
+            inner.append(e.replace(invars=invars, outvars=outvars))
+        eqns.extend(inner)
+    return jaxpr.replace(eqns=eqns)
