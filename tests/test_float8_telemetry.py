@@ -648,7 +648,14 @@ def mlp_step(recipe, telemetry):
 # on, the count fused into that pass (the zeros of the copy, or the amax and counts) keeps
 # it to one layout, and the other is a transpose of the float8 copy of its own: 2 bytes a
 # value. (Before, with Triton GEMMs reading either layout: +1.95%, -5.95% and +3.87%.)
-BYTES_LIMIT = {"current": 0.08, "delayed": 0.02, "delayed, unmeasured='current'": 0.093}
+# jax 0.12.1 (its XLA) compiles the delayed step with telemetry off in fewer bytes,
+# 444,669,103 -> 427,891,852 (-3.8%), and with it on in the same 453,242,241: +5.92% there.
+# The two other kinds' figures are the same on both.
+BYTES_LIMIT = {
+    "current": 0.08,
+    "delayed": 0.02 if jax.__version_info__ < (0, 12) else 0.06,
+    "delayed, unmeasured='current'": 0.093,
+}
 
 
 @pytest.mark.usefixtures("gpu_compiler")

@@ -98,11 +98,14 @@ def test_default_loss_scaled_step_is_at_the_floor(optimizer_programs, name, dona
 
 def test_cond_over_a_donated_state_copies_it_and_syncs(optimizer_programs):
     # What the default avoids, measured the same way: lax.cond is a conditional in the
-    # GPU program, and with a donated state XLA copies params, mu and nu first.
+    # GPU program, and with a donated state XLA copies state first. jax 0.10.2's XLA copies
+    # params, mu and nu (144 MiB of temp, 2.14x a plain step's bytes); jax 0.12.1's copies
+    # the parameters only (48 MiB, 1.57x).
     plain = optimizer_programs["plain (optax.adamw)", True]
     p = optimizer_programs["jamp.loss_scaling(skip='cond')", True]
+    params_bytes = 4 * sum(a.size for a in jax.tree_util.tree_leaves(models.optimizer().params))
     assert p.conditionals == 1
-    assert p.temp_bytes > 100 << 20 and p.bytes / plain.bytes > 2
+    assert p.temp_bytes >= params_bytes and p.bytes / plain.bytes > 1.5, (p.temp_bytes, p.bytes)
 
 
 @pytest.mark.standard_promotion

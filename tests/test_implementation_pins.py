@@ -9,6 +9,8 @@ test_finite_cpu.py, test_finite_default.py, test_report.py), test_float8.py,
 autocast/test_autocast_float8.py and grad_scaler/test_grad_scaler.py.
 """
 
+import re
+
 import jax
 import jax.extend
 import jax.numpy as jnp
@@ -89,13 +91,18 @@ def test_cpu_check_compiles_to_few_kernels():
     # section 12), so the check's kernels must not grow with the small leaves
     # (one reduction covers them all), and a large leaf adds at most its max|x|
     # in the exact branch.
+    # XLA:CPU in jax 0.12 also wraps the joining of the short vector (a concatenate) in
+    # a kernel of its own, one or two whatever the count of leaves: counted apart.
     state = jamp.dynamic_loss_scale()
 
     def kernels(n_small, n_large):
         tree = [jnp.ones((1000,)) for _ in range(n_small)]
         tree += [jnp.ones((256, 256)) for _ in range(n_large)]
         compiled = jax.jit(lambda t: check_unscaled(state, t)).lower(tree).compile()
-        return compiled.as_text().count(" fusion(")
+        text = compiled.as_text()
+        joins = len(re.findall(r" fusion\([^)]*\), kind=\w+, calls=%wrapped_concatenate", text))
+        assert joins <= 2, joins
+        return text.count(" fusion(") - joins
 
     few = kernels(4, 4)
     assert kernels(40, 4) <= few
@@ -239,15 +246,16 @@ def test_the_stablehlo_is_the_pattern_xla_gpu_rewrites_into_a_float8_gemm(platfo
         "num_primitive_operations = 1, allow_imprecise_accumulation = false>"
     )
     # Each product's result is multiplied by a broadcast scalar (the inverse scales): the
-    # forward product's directly, a gradient product's as the result of the one-branch
-    # `case` that holds it (lax.platform_dependent, resolved at lowering).
+    # forward product's directly; a gradient product's (lax.platform_dependent, resolved at
+    # lowering) as the result of the one-branch `case` that holds it under jax 0.10, and
+    # directly under jax 0.12, which inlines the one branch.
     for i in dots:
         line = lines[i]
         name = line.split("=")[0].strip()
         gradient = "f8E5M2" in line
         assert (precise in line) == (gradient and platform == "cuda"), line
-        if gradient:
-            assert '"stablehlo.case"' in lines[i - 1] and f"stablehlo.return {name}" in lines[i + 1]
+        if '"stablehlo.case"' in lines[i - 1]:
+            assert gradient and f"stablehlo.return {name}" in lines[i + 1]
             name = lines[i - 1].split("=")[0].strip()
             after = "\n".join(lines[i + 2 :])
             assert f"stablehlo.multiply {name}," in after

@@ -234,6 +234,18 @@ def _addition(rng, n):
     return jax.nn.one_hot(enc, _VOCAB, dtype=F32), jax.nn.one_hot(dec, _VOCAB, dtype=F32)
 
 
+def _lstm(features, param_dtype):
+    """flax's LSTMCell; its orthogonal recurrent initialiser computed in float32 (jax 0.12's
+    QR refuses bfloat16, and flax 0.12.12 runs the initialiser abstractly at apply time to
+    check the shapes: the plain cast's bfloat16 model could not be applied)."""
+    orthogonal = nn.initializers.orthogonal()
+
+    def recurrent_init(key, shape, dtype=F32):
+        return orthogonal(key, shape, F32).astype(dtype)
+
+    return nn.LSTMCell(features, param_dtype=param_dtype, recurrent_kernel_init=recurrent_init)
+
+
 class _Decoder(nn.RNNCellBase):
     features: int
     param_dtype: jnp.dtype = F32
@@ -241,7 +253,7 @@ class _Decoder(nn.RNNCellBase):
     @nn.compact
     def __call__(self, carry, x):
         state, _ = carry
-        state, y = nn.LSTMCell(self.features, param_dtype=self.param_dtype)(state, x)
+        state, y = _lstm(self.features, self.param_dtype)(state, x)
         logits = nn.Dense(_VOCAB, param_dtype=self.param_dtype)(y)
         token = jax.random.categorical(self.make_rng("lstm"), logits)  # as the example
         prediction = jax.nn.one_hot(token, _VOCAB, dtype=x.dtype)
@@ -258,7 +270,7 @@ class _Seq2seq(nn.Module):
 
     @nn.compact
     def __call__(self, enc, dec, tap=None):
-        cell = nn.LSTMCell(self.hidden, param_dtype=self.param_dtype)
+        cell = _lstm(self.hidden, self.param_dtype)
         encoder = nn.RNN(cell, return_carry=True, name="encoder")
         decoder = nn.RNN(
             _Decoder(self.hidden, self.param_dtype),
@@ -396,11 +408,15 @@ def test_nnx_scan_over_layers_keeps_half_residuals_and_is_as_accurate_as_the_pla
 
     ours, _ = _residuals(jamp.autocast(loss, BF16), (params, rest, x, y), {})
     f32, _ = _residuals(loss, (params, rest, x, y), {})
-    kept = sum(r.nbytes for r in ours) / sum(r.nbytes for r in f32)
-    # Before: 0.814 (the matmul's output plus its bias, into BatchNorm's statistics, kept
-    # in float32, and the carried gelu's pieces in bfloat16). Now 0.653: the sum is kept in
-    # bfloat16 and recomputed in float32 for the statistics, the carry computed in float32.
-    assert kept < 0.7, kept
+    ours_bytes, f32_bytes = sum(r.nbytes for r in ours), sum(r.nbytes for r in f32)
+    # Before: 0.814 of float32's (the matmul's output plus its bias, into BatchNorm's
+    # statistics, kept in float32, and the carried gelu's pieces in bfloat16). Now 0.653: the
+    # sum is kept in bfloat16 and recomputed in float32 for the statistics, the carry
+    # computed in float32. Autocast keeps 143,872 bytes on jax 0.10.2 and 0.12.1 alike;
+    # float32 JAX keeps 220,160 on 0.10.2 but 195,584 on 0.12.1, whose tanh derivative
+    # (gelu's) keeps the one factor 1 - tanh^2 where 0.10 kept tanh and 1 - tanh: 0.736.
+    assert ours_bytes <= 143_872, ours_bytes
+    assert ours_bytes / f32_bytes < (0.7 if f32_bytes == 220_160 else 0.75), f32_bytes
 
     def grads(f):  # the BatchNorm statistics and dropout keys are state: no gradient
         return jax.jit(jax.grad(f, argnums=(0, 1), allow_int=True))(params, rest, x, y)[0]
