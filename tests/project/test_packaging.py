@@ -88,6 +88,17 @@ def test_ci_lints_then_runs_the_readme_command_then_the_floors():
     assert 'pip install -e ".[test,gpu-compile,lint]"' in run
     lint = run.index("ruff check . && ruff format --check .")
     assert lint < run.index("JAMP_REQUIRE_GPU_COMPILE=1 pytest")
+    # The same suite on the newest jax, on Python 3.12, pinned so that a release cannot turn
+    # main red unseen; jax's CUDA plugin (the gpu-compile extra) at jaxlib's version.
+    assert 'suite newest "$(python_of 3.12)" -c .ci/newest.txt' in run
+    newest = dict(
+        line.split("#")[0].strip().split("==")
+        for line in (ROOT / ".ci" / "newest.txt").read_text().splitlines()
+        if line.split("#")[0].strip()
+    )
+    jax_version = newest["jax"]
+    assert {newest[k] for k in ("jaxlib", "jax-cuda13-plugin", "jax-cuda13-pjrt")} == {jax_version}
+    assert tuple(map(int, jax_version.split("."))) > (0, 10, 2)
     script = (ROOT / ".ci" / "floors").read_text()
     assert "-c .ci/floors.txt" in script and '"git", "ls-files"' in script
     assert 'rm -r "$work/src/jamp"' in script  # the tests import the installed wheel
