@@ -315,12 +315,17 @@ def test_a_new_array_at_the_address_of_a_freed_returned_one_is_not_taken_for_it(
     freed = {id(a) for a in jax.tree.leaves(returned)}
     del returned
     gc.collect()
-    other = None
-    for _ in range(1000):  # CPython reuses a freed address at once: one try, in practice
+    # CPython gives a freed address to a later object of the same size, usually the next
+    # one; jax's own threads may take it first (on a loaded machine, jax 0.12). Every
+    # candidate is held, so each new one takes another free address until one is freed's.
+    other, held = None, []
+    for _ in range(20_000):
         candidate = jax.tree.map(lambda a: a + 1.0, params)  # another model, of one shape
         if any(id(a) in freed for a in jax.tree.leaves(candidate)):
             other = candidate
             break
+        held.append(candidate)
+    del held
     assert other is not None, "no new array took a freed array's id"
     assert not any(r() is not None for r in state.checked_by[0].outputs)  # all freed
     _, _, state = SCALER.step(state, TX, grads, opt_state, other)  # two models, one tx
