@@ -29,6 +29,7 @@ import contextlib
 import functools
 import json
 import os
+import platform
 import re
 import sys
 import time
@@ -159,33 +160,44 @@ def measure(name: str) -> dict[str, dict[str, float]]:
 # --------------------------------------------------------------------------- the table
 
 
-def jax_key() -> str:
-    return f"jax {jax.__version__}"
+def jax_key(version: str | None = None) -> str:
+    """The table's column for a jax version: its minor release (``jax 0.12``)."""
+    return "jax " + ".".join((version or jax.__version__).split(".")[:2])
 
 
 def load(path: Path = TABLE) -> dict:
     return json.loads(path.read_text())
 
 
-def allowed(figure: str, gate: float) -> float:
-    """The largest value of ``figure`` that passes against the table's ``gate``."""
-    return gate * (1 + RELATIVE) + ABSOLUTE[figure]
+def gate(columns: dict[str, float], key: str) -> float:
+    """A figure's gate under the jax version ``key``: its column, or, for a jax version
+    the table lacks, the worst of the columns."""
+    return columns[key] if key in columns else max(columns.values())
 
 
-def regressions(name: str, measured: dict, table: dict) -> list[str]:
-    """What fails against the table: a figure worse than allowed, one the table lacks, or
-    one the table has that was not measured."""
+def allowed(figure: str, value: float) -> float:
+    """The largest value of ``figure`` that passes against a gate of ``value``."""
+    return value * (1 + RELATIVE) + ABSOLUTE[figure]
+
+
+def regressions(name: str, measured: dict, table: dict, key: str | None = None) -> list[str]:
+    """What fails against the table under jax version ``key`` (this one's by default): a
+    figure worse than allowed, one the table lacks, or one the table has but was not
+    measured."""
+    key = key or jax_key()
     rows, out = table["rows"].get(name, {}).get("variants", {}), []
     for variant, figs in measured.items():
         for figure, value in figs.items():
-            gate = rows.get(variant, {}).get(figure, {}).get("gate")
-            if gate is None:
-                out.append(f"{name} / {variant} / {figure}: {value:.4g}, not in the table "
-                           f"(re-measure: {COMMAND})")  # fmt: skip
-            elif not value <= allowed(figure, gate):  # a NaN fails too
-                limit = allowed(figure, gate)
-                out.append(f"{name} / {variant} / {figure}: {value:.4g}, worse than the "
-                           f"table's {gate:.4g} (allowed up to {limit:.4g})")  # fmt: skip
+            columns = rows.get(variant, {}).get(figure)
+            where = f"{name} / {variant} / {figure}: {value:.4g}"
+            if not columns:
+                out.append(f"{where}, not in the table (re-measure: {COMMAND})")
+                continue
+            g = gate(columns, key)
+            if not value <= allowed(figure, g):  # a NaN fails too
+                col = key if key in columns else "the worst column"
+                out.append(f"{where}, worse than the table's {g:.4g} ({col}; allowed up to "
+                           f"{allowed(figure, g):.4g})")  # fmt: skip
     for variant, figs in rows.items():
         out += [f"{name} / {variant} / {figure}: in the table, no longer measured "
                 f"(re-measure: {COMMAND})" for figure in figs
@@ -204,8 +216,15 @@ def _describe(name: str) -> str:
     return f"{c.name}: {c.describe}"
 
 
+def _versions() -> dict[str, str]:
+    from importlib.metadata import version
+
+    out = {d: version(d) for d in ("jax", "jaxlib", "flax", "equinox", "optax", "transformers")}
+    return {"python": platform.python_version(), **out}
+
+
 def write(measured: dict[str, dict], path: Path = TABLE) -> dict:
-    """This jax version's column replaced by ``measured``; each gate the worst column."""
+    """This jax version's column of ``measured``'s rows rewritten; the rest kept."""
     table = load(path) if path.exists() else {}
     key = jax_key()
     rows = table.get("rows", {})
@@ -217,25 +236,27 @@ def write(measured: dict[str, dict], path: Path = TABLE) -> dict:
         for variant, figs in per_variant.items():
             entry = {}
             for figure, value in figs.items():
-                cols = {k: v for k, v in old.get(variant, {}).get(figure, {}).items()
-                        if k.startswith("jax ")}  # fmt: skip
-                cols[key] = _round(value)
-                entry[figure] = {"gate": max(cols.values()), **dict(sorted(cols.items()))}
+                columns = dict(old.get(variant, {}).get(figure, {}))
+                columns[key] = _round(value)
+                entry[figure] = dict(sorted(columns.items()))
             row["variants"][variant] = entry
     table = {
         "about": (
             "jamp's real-model accuracy gate (tests/realmodels): each figure of each model "
-            "and variant, per jax version measured, and its gate, the worst of them. "
-            "tests/realmodels/test_accuracy_gate.py fails when a figure measured now "
-            "exceeds gate * (1 + relative) + absolute[figure]; improvements pass. "
-            f"Rewrite a jax version's column with `{COMMAND}` under that version, in a "
-            "commit that says why. tests/realmodels/measure.py defines the figures."
+            "and variant, one column per jax minor version measured (`measured_with` says "
+            "with what). tests/realmodels/test_accuracy_gate.py fails when a figure "
+            "measured now exceeds gate * (1 + relative) + absolute[figure], the gate being "
+            "the figure's column for the running jax, or the worst column for a jax the "
+            "table lacks; improvements pass. Rewrite a jax version's column with "
+            f"`{COMMAND}` under that version, in a commit that says why. "
+            "tests/realmodels/measure.py defines the figures."
         ),
         "tolerance": {"relative": RELATIVE, "absolute": ABSOLUTE},
+        "measured_with": dict(sorted({**table.get("measured_with", {}), key: _versions()}.items())),
         "rows": {n: rows[n] for n in NAMES if n in rows},
     }
     text = json.dumps(table, indent=1)  # each figure's columns on one line:
-    text = re.sub(r'\{\n\s*("gate"[^{}]*?)\n\s*\}',
+    text = re.sub(r'\{\n\s*("jax [^{}]*?)\n\s*\}',
                   lambda m: "{" + re.sub(r",\n\s*", ", ", m.group(1)) + "}", text)  # fmt: skip
     path.write_text(text + "\n")
     return table
@@ -275,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(names) - set(NAMES))
     if unknown:
         ap.error(f"--models: unknown {unknown}; choose from {','.join(NAMES)}")
-    table = load() if TABLE.exists() else {"rows": {}}
+    table, key = load() if TABLE.exists() else {"rows": {}}, jax_key()
     measured, failed = {}, []
     for name in names:
         t0 = time.perf_counter()
@@ -283,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name} ({time.perf_counter() - t0:.1f} s)")
         for variant, figs in measured[name].items():
             old = table["rows"].get(name, {}).get("variants", {}).get(variant, {})
-            cells = [f"{f} {v:.4g}" + (f" [table {old[f]['gate']:.4g}]" if f in old else "")
+            cells = [f"{f} {v:.4g}" + (f" [table {gate(old[f], key):.4g}]" if f in old else "")
                      for f, v in figs.items()]  # fmt: skip
             print(f"  {variant}: " + ", ".join(cells))
         failed += regressions(name, measured[name], table)
