@@ -40,6 +40,28 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
+# Calls whose body takes the call's operands in order, and the parameter that holds it.
+CALLS = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+}
+
+
+def call_body(eqn: jex_core.JaxprEqn) -> jex_core.Jaxpr | None:
+    """The body of a call (``CALLS``) whose inputs are the call's operands, in order; else
+    ``None``."""
+    key = CALLS.get(eqn.primitive.name)
+    body = eqn.params.get(key) if key else None
+    if body is None:
+        return None
+    body = body.jaxpr if isinstance(body, ClosedJaxpr) else body
+    return body if len(body.invars) == len(eqn.invars) else None
+
+
 def _closed(jaxpr: jex_core.Jaxpr | ClosedJaxpr) -> ClosedJaxpr:
     return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
 

@@ -25,10 +25,14 @@ pytestmark = pytest.mark.usefixtures("gpu_compiler")  # conftest: skips, or fail
 
 BF16 = jnp.bfloat16
 B, T, D, HEADS = 2, 256, 64, 2
-# The CNN's head: jnp.mean of the last activations is float32 under autocast (a sum and a
-# division) and the Dense reads it so, where Flax's mean returns bfloat16: 0.13% of the
-# bytes at these shapes, 0.0% at the benchmark's (python -m benchmarks autocast-memory).
-CNN_BYTES_LIMIT = 1.002
+# The CNN's GroupNorm computes its statistics (E[x], E[x**2], x - E[x]) from one float32
+# computation of the conv's output plus its bias, made from the half output (issue #42:
+# E[x**2] came from it and E[x] from the rounded sum, and their difference cancelled). The
+# cotangents of those float32 reads add up in float32 at the conv's output: 1.144x Flax's
+# bytes and 1.066x its temp (before: 1.0006x and 1.0, with the statistics' inputs rounded
+# twice). Flax reads one bfloat16 copy of the conv's output for its statistics.
+CNN_BYTES_LIMIT = 1.15
+CNN_TEMP_LIMIT = 1.07
 # The dropout block: 0.969x Flax's bytes at the benchmark's shapes (d 512, 8 heads, 16x512);
 # at these, where attention's T*T passes weigh less, 1.024x (before: 1.225x): the backward
 # pass reads the output and its cotangent for the row sums (sum(g_o * o)), 2*d/T of a pass.
@@ -116,7 +120,7 @@ def test_cnn_step_is_as_lean_as_flax_dtype():
     p = _programs("CNN")
     ours, flax = p["autocast"], p["flax"]
     assert ours.bytes <= CNN_BYTES_LIMIT * flax.bytes, ours.bytes / flax.bytes
-    assert ours.temp_bytes <= flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
+    assert ours.temp_bytes <= CNN_TEMP_LIMIT * flax.temp_bytes, (ours.temp_bytes, flax.temp_bytes)
     assert ours.gemm_dtypes() == {"bf16"}
 
 

@@ -180,9 +180,11 @@ def out_infos(
 # What a lift is recorded for: the activations, and the arithmetic between activations,
 # parameters and constants (a gate, a gated sum, a bias added to a matmul's output).
 LIFTED = BOUNDED | AFFINE | frozenset({"square", "integer_pow"})
-# A sum's lift (a bias added to a matmul's output) is used inside another lift, or by a
-# sigmoid or tanh computed in float32 (a sigmoid loss's logits), never by itself: there it
-# would re-read the matmul's output at each float32 consumer, to save one rounding.
+# A sum's lift (a bias added to a matmul's output) is not a loop carry's new value
+# (lifted_carry). Every float32 consumer of the sum reads it, as the lifts of the
+# arithmetic computed from it do: a value and everything computed from it in one
+# expression see the same rounding (issue #42: a LayerNorm's E[x**2] from the lift and its
+# E[x] from the rounded sum, whose difference cancelled what the two roundings differ by).
 SUMS = frozenset({"add", "sub"})
 
 
@@ -266,12 +268,14 @@ def lift_of(
 def lifts_of(
     vals: Sequence[Value], targets: Mapping[int, DTypeLike], casts: Casts
 ) -> dict[int, tuple[Lift, tuple[Value, ...]]]:
-    """The operands going up to float32 that have a ``Lift`` (not a sum's: ``SUMS``), each
-    with its half inputs' float32 casts (where their cotangents go)."""
+    """The operands going up to float32 that have a ``Lift``, each with its half inputs'
+    float32 casts (where their cotangents go). A value gets a lift only where no consumer
+    passes its rounded elements on (``rules.picked``): every float32 consumer of it then
+    reads the same float32 computation."""
     out = {}
     for i, dtype in targets.items():
         lift = casts.lifted(vals[i]) if np.dtype(dtype) == FLOAT32_DTYPE else None
-        if lift is not None and lift.name not in SUMS:
+        if lift is not None:
             out[i] = (lift, casts.wides(lift))
     return out
 

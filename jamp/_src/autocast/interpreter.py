@@ -65,6 +65,7 @@ from jamp._src.autocast.rules import (
     div_rule,
     float32_operands,
     output_is_low,
+    picked,
     reaching_float32,
     rule_of,
     sigmoid_logits,
@@ -173,6 +174,7 @@ def _eval_jaxpr(
     shifts = {g.pre[0]: g for g in fused.values() if g.pre and g.drop}
     from_x: set[int] = set()  # fused softmaxes evaluated from their shift's half input
     masks = mask_broadcasts(jaxpr)
+    kept_rounded = picked(jaxpr)  # values whose rounding is passed on: no Lift
     for k, eqn in enumerate(jaxpr.eqns):
         if k in done:
             continue
@@ -216,8 +218,11 @@ def _eval_jaxpr(
         b = masks.get(k)
         mask = None if b is None else (read(b.invars[0])[0], b)
         logit = any(v in chain for v in eqn.outvars)  # a float32 sigmoid's logits' matmul
+        lift = not any(v in kept_rounded for v in eqn.outvars)
         with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
-            outs, outinfos = _eval_eqn(eqn, invals, ininfos, sub, feeds_float32, casts, mask, logit)
+            outs, outinfos = _eval_eqn(
+                eqn, invals, ininfos, sub, feeds_float32, casts, mask, logit, lift
+            )
         for v, x, i in zip(eqn.outvars, outs, outinfos, strict=True):
             env[v] = (x, i)
     outs = [read(v) for v in jaxpr.outvars]
@@ -337,6 +342,7 @@ def _eval_eqn(
     # select_n's mask: (its source, the broadcast)
     mask: tuple[Value, jex_core.JaxprEqn] | None = None,
     logit: bool = False,  # computes a float32 sigmoid's logits alone (rules.sigmoid_logits)
+    lift: bool = True,  # its output may get a Lift (rules.picked)
 ) -> Evaluated:
     name = eqn.primitive.name
     if ctx.as_traced:
@@ -421,7 +427,7 @@ def _eval_eqn(
         target, fill, held = promote_target(eqn, invals, infos, float_in, cats, ctx, feeds_float32)
         if logit and target is not None:  # moving a sigmoid's float32 logits
             target, held = widest([target, FLOAT32_DTYPE]), True
-        if held and liftable(eqn, invals, infos, cats, ctx):
+        if held and lift and liftable(eqn, invals, infos, cats, ctx):
             # Arithmetic of half inputs feeding a float32 primitive (a matmul's output plus
             # its bias, into a norm's statistics): in the half dtype for its half consumers,
             # and in float32 from its half inputs for the float32 ones (its Lift), whose
@@ -446,7 +452,8 @@ def _eval_eqn(
             )
     if wide or up or lifts:
         record(ctx, eqn, rule, [vals[i] for i in targets if i not in wide] or outs, outs)
-        casts.lift(outs[0], lift_of(eqn, invals, infos, cats, outs, casts, ctx))
+        if lift:
+            casts.lift(outs[0], lift_of(eqn, invals, infos, cats, outs, casts, ctx))
         return outs, out_infos(eqn, invals, infos, outs, low, held)
     if name == "broadcast_in_dim" and _upcast(vals[0], infos[0]) and not eqn.params["sharding"]:
         with source(eqn):  # its gradient is summed in float32 (autocast.sums)
@@ -462,7 +469,8 @@ def _eval_eqn(
     else:
         outs = bind(eqn, vals, params)
     record(ctx, eqn, rule, vals, outs)
-    casts.lift(outs[0], lift_of(eqn, invals, infos, cats, outs, casts, ctx))
+    if lift:
+        casts.lift(outs[0], lift_of(eqn, invals, infos, cats, outs, casts, ctx))
     return outs, out_infos(eqn, invals, infos, outs, low, held)
 
 

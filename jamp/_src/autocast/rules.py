@@ -122,6 +122,8 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
+from jamp._src.jaxprs import call_body
+
 LOWER = "lower"
 FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
 FLOAT32 = "float32"
@@ -557,3 +559,34 @@ def sigmoid_logits(jaxpr: jex_core.Jaxpr, reach: set[jex_core.Var]) -> tuple[set
             found = found or back(v)
         chain.update(found or ())
     return logits, chain
+
+
+# Consumers that pass a value's elements on as they are: picked (a label's logit), sliced,
+# selected, joined or sorted. What they pass on keeps the value's rounding.
+_PICKERS = frozenset(
+    {"gather", "dynamic_slice", "slice", "select_n", "concatenate", "sort", "top_k",
+     "dynamic_update_slice", "pad", "rev"}
+)  # fmt: skip
+
+
+def picked(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
+    """The values whose elements a consumer passes on as they are (``_PICKERS``; a select's
+    cases, not its mask), or that the jaxpr returns.
+
+    Such a value gets no float32 computation (``Lift``) for its float32 consumers: a value
+    and everything computed from it in one expression must see the same rounding. A
+    cross-entropy's log-sum-exp computed from float32 logits minus the label's logit picked
+    from the rounded ones is negative whenever the rounding favours the label.
+    """
+    out: set[jex_core.Var] = set()
+    for e in jaxpr.eqns:
+        body = call_body(e)
+        if body is not None:  # jnp.take_along_axis is a jit: its operand, if it picks it
+            inner = picked(body)
+            ins = [v for v, w in zip(e.invars, body.invars, strict=False) if w in inner]
+        elif e.primitive.name in _PICKERS:
+            ins = e.invars[1:] if e.primitive.name == "select_n" else e.invars
+        else:
+            continue
+        out.update(v for v in ins if isinstance(v, jex_core.Var))
+    return out
