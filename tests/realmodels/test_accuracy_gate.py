@@ -58,29 +58,13 @@ def test_the_tolerance_fails_a_worse_figure_and_passes_a_better_one():
     assert gone and "no longer measured" in gone[0]
 
 
-# The two regressions of issue #42 part 1, as their targets: each fails today and is
-# expected to (strict: the suite turns red when the fix lands; then remove the mark).
+# The two regressions of issue #42 part 1, fixed: their targets.
 
 
-@pytest.mark.xfail(
-    measure.jax_key() == "jax 0.10",
-    strict=True,
-    raises=AssertionError,
-    reason="issue #42 part 1: under jax.jit on jax 0.10, autocast's bfloat16 cross-entropy is "
-    "negative on 15 of 50 draws (XLA keeps some bfloat16 logits in float32 and rounds "
-    "others); 0 of 50 on jax 0.12.1",
-)
 def test_the_jitted_cross_entropy_head_is_never_negative():
     assert measure.figures(measure.CE_HEAD, "autocast bfloat16")["negative_losses"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="issue #42 part 1: LayerNorm's fast variance E[x^2] - E[x]^2 squares mean-8 "
-    "features in bfloat16 under autocast (gradient error 2.3e-2; Flax dtype=bfloat16, "
-    "whose statistics are float32: 4.2e-3)",
-)
 def test_layernorm_of_mean8_features_is_as_accurate_as_flax_dtype():
     name = "dense_layernorm_mean8"
     ours = measure.figures(name, "autocast bfloat16")["grad_rel_err"]
