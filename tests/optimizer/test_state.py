@@ -177,6 +177,22 @@ def test_a_parameter_named_like_a_field_is_not_taken_for_one():
     assert state.stored_state.inner_opt_state[0].trace["trace"].dtype == BF16
 
 
+# ---------------------------------------------------------------- refused: float16 squares
+
+
+def test_float16_is_refused_for_a_field_of_squares_saying_what_to_use():
+    """float16's range, 6e-8 to 65504, does not hold squares of gradients: near 1e-4 they
+    are stored as 0 and near 1e3 they overflow. adam's ``nu`` (and every field the code
+    knows for squares) is refused in float16; its first moment is not."""
+    for field in ("nu", "v_row", "sum_of_squares"):
+        with pytest.raises(
+            ValueError,
+            match=rf"`dtypes\['{field}'\]`.*jnp.bfloat16, '8bit'.*float32.*jnp.float16.*squares",
+        ):
+            jamp.low_precision_state(optax.adam(1e-3), {field: jnp.float16})
+    jamp.low_precision_state(optax.adam(1e-3), {"mu": jnp.float16, "nu": BF16})
+
+
 # ---------------------------------------------------------------- float8 second moments
 
 # The step after a float8 store, against float32 adam's: nu comes back within one rounding,

@@ -99,6 +99,16 @@ def _check_dtypes(dtypes: object) -> dict[str, object]:
                 f"Expected `dtypes[{name!r}]` to be one of {_KINDS}, got {kind!r}. float32 is "
                 "what the state already is: leave the field out."
             )
+        if dtype == jnp.float16 and name in POSITIVE_FIELDS:
+            raise ValueError(
+                f"Expected `dtypes[{name!r}]` to be jnp.bfloat16, '8bit', a float8 dtype, or "
+                f"left out (float32), got jnp.float16: {name!r} holds squares of gradients, "
+                "which span twice the decades the gradients do, and float16's range (6e-8 to "
+                "65504) does not hold them: gradients near 1e-4 square below its smallest "
+                "value and are stored as 0 (adam's step then divides by eps), gradients near "
+                "1e3 square past its largest and become inf (the step stops). bfloat16 has "
+                "float32's range; the 8-bit code and float8 scale each block of 256."
+            )
         out[name] = dtype
     return out
 
@@ -122,7 +132,9 @@ def low_precision_state(
     - ``jnp.bfloat16`` or ``jnp.float16``: rounded stochastically by default. With
       round-to-nearest, adam's ``nu`` stalls: at ``b2 = 0.999`` its change per step,
       ``(1 - b2) * g**2``, is below half a bfloat16 ulp of ``nu`` once the gradients
-      are steady.
+      are steady. float16 is refused for a field of squares (``nu``, and the other
+      fields of squares Optax names): its range, 6e-8 to 65504, holds gradients but
+      not their squares (at 1e-4 they are stored as 0, at 1e3 they overflow).
     - ``"8bit"``: blocks of 256 values with a float32 absmax each (1.016 bytes per
       value), in a log code suited to the field: signed for a first moment (eight
       levels an octave, down to ``2**-15.75`` of the block's absmax), and for a
