@@ -193,6 +193,30 @@ def test_float16_is_refused_for_a_field_of_squares_saying_what_to_use():
     jamp.low_precision_state(optax.adam(1e-3), {"mu": jnp.float16, "nu": BF16})
 
 
+# ---------------------------------------------------------------- refused: no such field
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_field_that_matches_nothing_is_refused_naming_the_fields_there_are(jit):
+    """``{"mom": ...}`` around adam, or the default ``{"mu", "nu"}`` around momentum (whose
+    field is ``trace``), kept everything in float32 without a word: init refuses them,
+    naming the floating fields the optimizer's state has."""
+    params = {"w": jnp.zeros((8,))}
+    cases = [
+        (optax.adam(1e-3), {"mom": BF16}, r"'mom', which matches none.*'mu', 'nu'"),
+        (optax.adam(1e-3), {"mu": BF16, "mom": BF16}, r"'mom', which matches none"),
+        (optax.sgd(0.1, momentum=0.9), None, r"'mu', 'nu', which match none.*'trace'"),
+        (optax.sgd(0.1), {"trace": BF16}, r"'trace'.*no floating field"),
+    ]
+    for inner, dtypes, match in cases:
+        tx = jamp.low_precision_state(inner, dtypes)
+        init = jax.jit(tx.init) if jit else tx.init
+        with pytest.raises(ValueError, match=r"`dtypes` names.*" + match):
+            init(params)
+    # A field named above a parameter called like it: mu/nu of adam over {"trace": ...}.
+    jamp.low_precision_state(optax.adam(1e-3)).init({"trace": jnp.zeros(3)})
+
+
 # ---------------------------------------------------------------- float8 second moments
 
 # The step after a float8 store, against float32 adam's: nu comes back within one rounding,

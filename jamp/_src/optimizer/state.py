@@ -58,6 +58,18 @@ def _param_paths(params: object) -> frozenset[tuple[object, ...]]:
     return frozenset(tuple(path) for path, _ in leaves)
 
 
+def _names(path: jax.tree_util.KeyPath, params: frozenset[tuple[object, ...]]) -> list[str]:
+    """The field names (a NamedTuple's fields, a dict's keys) on ``path`` above the
+    parameters' own keys, outermost first."""
+    path = tuple(path)
+    for start in range(len(path) + 1):
+        if path[start:] in params:
+            path = path[:start]
+            break
+    names = (getattr(entry, "name", getattr(entry, "key", None)) for entry in path)
+    return [name for name in names if isinstance(name, str)]
+
+
 def _field(
     path: jax.tree_util.KeyPath, dtypes: Mapping[str, object], params: frozenset[tuple[object, ...]]
 ) -> str | None:
@@ -65,16 +77,38 @@ def _field(
     or None. The names are read above the parameters' own keys: a parameter named ``nu``
     inside adam's ``mu`` is in ``mu``, and one named ``trace`` in MultiSteps'
     ``acc_grads`` is in no chosen field."""
-    path = tuple(path)
-    for start in range(len(path) + 1):
-        if path[start:] in params:
-            path = path[:start]
-            break
-    for entry in reversed(path):
-        name = getattr(entry, "name", getattr(entry, "key", None))
-        if isinstance(name, str) and name in dtypes:
+    for name in reversed(_names(path, params)):
+        if name in dtypes:
             return name
     return None
+
+
+def _is_floating(x: object) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check_fields_exist(state: OptState, dtypes: Mapping[str, object], params: frozenset) -> None:
+    """A ValueError naming each field of ``dtypes`` that holds no floating leaf of
+    ``state`` (a misspelt name, or adam's names around momentum's ``trace``), and the
+    floating fields ``state`` has: such a field would stay float32 without a word."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    on_paths = [_names(path, params) for path, x in leaves if _is_floating(x)]
+    missing = [name for name in dtypes if not any(name in names for names in on_paths)]
+    if not missing:
+        return
+    fields = sorted({names[-1] for names in on_paths if names})
+    has = (
+        f"the floating fields of its state are {', '.join(map(repr, fields))}"
+        if fields
+        else "its state has no floating field to store"
+    )
+    raise ValueError(
+        f"`jamp.low_precision_state` expected each field `dtypes` names to hold floating "
+        f"state of `inner`, got {', '.join(map(repr, missing))}, which "
+        f"{'match' if len(missing) > 1 else 'matches'} none: {has} (optax.adam's are 'mu' "
+        "and 'nu', momentum's 'trace'). Name those fields, or leave this wrapper out."
+    )
 
 
 def _check_dtypes(dtypes: object) -> dict[str, object]:
@@ -125,7 +159,9 @@ def low_precision_state(
     stored again as ``dtypes`` says. Fields are chosen by name (adam's ``mu`` and
     ``nu``, momentum's ``trace``, adafactor's ``v_row``), wherever they sit in the
     state, so this wraps any Optax optimizer. Between steps the state takes exactly
-    the bytes its dtypes say (``docs/optimizer-memory.md`` measures them).
+    the bytes its dtypes say (``docs/optimizer-memory.md`` measures them). A name
+    that holds no floating leaf of ``inner``'s state is refused at ``init``, naming
+    the fields it has: it would keep everything float32 without a word.
 
     Each field is stored as one of:
 
@@ -218,7 +254,10 @@ def low_precision_state(
 
     def init_fn(params: Params) -> LowPrecisionState:
         count = None if rounding == "nearest" else jnp.zeros((), jnp.uint32)
-        return LowPrecisionState(store(inner.init(params), None, _param_paths(params)), count)
+        paths = _param_paths(params)
+        state = inner.init(params)
+        _check_fields_exist(state, chosen, paths)
+        return LowPrecisionState(store(state, None, paths), count)
 
     def update_fn(
         updates: Updates,
