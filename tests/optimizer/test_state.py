@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bad_input import assert_clear_error
 
 import jamp
 from jamp._src.optimizer.quantize import dequantize
@@ -285,3 +286,67 @@ def test_a_float8_momentum_of_tiny_gradients_is_kept(dtype, jit):
     back = np.asarray(dequantize(stored))
     mantissa = 3 if dtype == jnp.float8_e4m3fn else 2
     np.testing.assert_allclose(back, 1.9 * np.asarray(g), rtol=2.0 ** -(mantissa - 1))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _stepped(rounding="stochastic", **replace):
+    """A low_precision_state around momentum, its state after init with ``replace``d fields."""
+    tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": BF16}, rounding)
+    params = {"w": jnp.ones((4, 3))}
+    state = tx.init(params)._replace(**replace)
+    return lambda: tx.update(params, state, params)
+
+
+def _other_shapes():
+    tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": BF16})
+    state = tx.init({"w": jnp.ones((3,))})
+
+    def update():
+        # JAX's default rank promotion: the (3,) momentum would broadcast silently.
+        with jax.numpy_rank_promotion("allow"):
+            return tx.update({"w": jnp.ones((4, 3))}, state, {"w": jnp.ones((4, 3))})
+
+    return update
+
+
+BAD_INPUT = {
+    "storage_count=None, stochastic": (
+        _stepped(storage_count=None),
+        TypeError,
+        r"`state.storage_count` to be a uint32 scalar \(rounding='stochastic'.*got None",
+    ),
+    "storage_count, nearest": (
+        _stepped("nearest", storage_count=jnp.zeros((), jnp.uint32)),
+        TypeError,
+        r"`state.storage_count` to be None \(rounding='nearest'\)",
+    ),
+    "storage_count float32": (
+        _stepped(storage_count=jnp.zeros((), jnp.float32)),
+        TypeError,
+        r"`state.storage_count` to be a uint32 scalar.*float32",
+    ),
+    "state of other shapes": (
+        _other_shapes(),
+        ValueError,
+        (r"`state.stored_state`.*different shapes at .*\(3,\) and \(4, 3\)", r"tx.init\(params\)"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
+
+
+def test_bad_state_is_refused_while_traced_too():
+    """Each check is of shapes and dtypes: under jit it raises at trace time, the same."""
+    tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": BF16})
+    params = {"w": jnp.ones((4, 3))}
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"`state.storage_count` to be a uint32 scalar"):
+        jax.jit(tx.update)(params, state._replace(storage_count=None), params)
+    other = tx.init({"w": jnp.ones((3,))})
+    with pytest.raises(ValueError, match=r"`state.stored_state`.*different shapes"):
+        jax.jit(tx.update)(params, other, params)

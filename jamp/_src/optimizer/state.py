@@ -11,7 +11,13 @@ import jax.numpy as jnp
 import optax
 
 from jamp._src.loss_scaling import checked_inner
-from jamp._src.optimizer.master import NARROW, check_rounding, check_seed
+from jamp._src.optimizer.master import (
+    NARROW,
+    check_counter,
+    check_rounding,
+    check_seed,
+    refuse_counter,
+)
 from jamp._src.optimizer.quantize import (
     MIN_SIZE,
     BlockQuantized,
@@ -21,7 +27,7 @@ from jamp._src.optimizer.quantize import (
 )
 from jamp._src.optimizer.rounding import MOMENTS, random_bits, round_to, step_key
 from jamp._src.types import OptState, Params, Updates
-from jamp._src.validate import check_own_state
+from jamp._src.validate import check_own_state, check_state_matches, diagnosing
 
 # The fields of Optax's states that hold squares (positive, spanning many decades): their
 # 8-bit and float8 codes never round a positive value to zero.
@@ -266,10 +272,23 @@ def low_precision_state(
         **extra_args: object,
     ) -> tuple[Updates, LowPrecisionState]:
         check_own_state(state, LowPrecisionState, "LowPrecisionState")
+        fn = "jamp.low_precision_state(...).update"
+        if rounding == "stochastic":
+            why = "rounding='stochastic' counts its steps"
+            check_counter(state.storage_count, jnp.uint32, "state.storage_count", why)
+        else:
+            refuse_counter(state.storage_count, "state.storage_count", "rounding='nearest'")
+        # The stored state against init's, for the parameters (or, without them, the
+        # gradients, which have their shapes).
+        like = updates if params is None else params
+        stored, name = state.stored_state, "state.stored_state"
+        init = lambda p: init_fn(p).stored_state  # noqa: E731
+        check_state_matches(stored, init, like, name, fn, strict=False)
         paths = _param_paths(updates)
-        new_updates, new_state = inner.update(
-            updates, widen(state.stored_state, paths), params, **extra_args
-        )
+        with diagnosing(fn, stored, name, init, like, updates, params):
+            new_updates, new_state = inner.update(
+                updates, widen(stored, paths), params, **extra_args
+            )
         # The key comes from the new count: one small kernel makes both.
         count = state.storage_count
         if count is not None:
