@@ -176,6 +176,17 @@ def _refuse_loss_scaling_inside(state: OptState) -> None:
         )
 
 
+def float32_updates_add() -> bool:
+    """Whether ``bfloat16 + float32`` promotes where the step is traced: under JAX's
+    standard promotion ``optax.apply_updates`` adds a float32 update to a bfloat16
+    parameter in float32 and casts the sum back; strict promotion refuses the add."""
+    try:
+        jnp.result_type(jnp.bfloat16, jnp.float32)
+    except jax.dtypes.TypePromotionError:
+        return False
+    return True
+
+
 def _where(path: jax.tree_util.KeyPath) -> str:
     return jax.tree_util.keystr(path) or "<root>"
 
@@ -211,7 +222,8 @@ def _check_state(state: MasterWeightsState, params: Params, rounding: str, fn: s
                 f"`{fn}` expected `params{where}` to be bfloat16 (or float16), as when the "
                 f"state was made, got {getattr(p, 'dtype', type(p).__name__)} instead: an add "
                 "that does not cast back to the parameter's dtype (`eqx.apply_updates` is "
-                "`p + u`) widened it. Apply the updates with `optax.apply_updates`, which "
+                "`p + u`; master_weights' exact updates are float32 under standard "
+                "promotion) widened it. Apply the updates with `optax.apply_updates`, which "
                 "casts the sum back to the parameter's dtype."
             )
         if checked and c is None and low:
@@ -261,10 +273,9 @@ def master_weights(
     forward pass: Flax ``param_dtype=jnp.bfloat16``, NNX, Equinox, or a cast tree.
     ``inner`` sees float32 gradients and float32 parameters (the master) and returns
     float32 updates. The wrapper rounds the new master to the parameters' dtype and
-    returns updates of that dtype, such that a plain ``optax.apply_updates(params,
-    updates)`` gives that rounding, under strict dtype promotion: the train step does
-    not change. Leaves that are float32 (a norm's scale kept wide) are their own master
-    and pass straight through.
+    returns the updates such that a plain ``optax.apply_updates(params, updates)``
+    gives that rounding: the train step does not change. Leaves that are float32 (a
+    norm's scale kept wide) are their own master and pass straight through.
 
     ``rounding`` decides what the state keeps beside each bfloat16 parameter:
 
@@ -272,12 +283,14 @@ def master_weights(
       master. The parameter is the master rounded to nearest, ties away from zero,
       and parameter and low bits are the float32 master bit for bit
       (Transformer Engine's ``store_param_remainders``). Given the same gradients the
-      master moves exactly as a float32 parameter would, with one exception: a step
-      larger than where the parameter lands (it crosses zero, or lands nearer to
-      zero than the step's size) may have no bfloat16 update that
-      ``optax.apply_updates`` can add to reach it; that parameter takes the nearest
-      value the add reaches and its master restarts there (`docs/optimizer-memory.md`
-      measures how often).
+      master moves exactly as a float32 parameter would. Its updates are float32
+      under JAX's standard promotion: the difference of two bfloat16 numbers is
+      exact in float32 (unless one is ``2**16`` times the other), so the add lands
+      on the rounding. Under strict promotion, where ``optax.apply_updates`` refuses
+      ``bfloat16 + float32``, they are bfloat16, and a step longer than where the
+      parameter lands (it crosses zero, or lands near it) may have no bfloat16
+      update that reaches it: that parameter takes the nearest value the add reaches
+      and its master restarts there (`docs/optimizer-memory.md` measures how often).
     - ``"stochastic"``: nothing but a step counter: 2 bytes per parameter. The
       write-back rounds up or down at random, unbiased (``E[p] = master``), from
       bits hashed from ``seed``, the step and each element's index: reproducible
@@ -289,9 +302,9 @@ def master_weights(
       half a bfloat16 ulp (``2**-9`` relative) are lost, so training stalls as the
       learning rate decays: the baseline that shows why the others exist.
 
-    The updates are of the parameters' dtype. float16 parameters work with
-    ``"stochastic"``, ``"kahan"`` and ``"nearest"``; ``"exact"`` refuses them
-    (float16 is not float32's top half).
+    The updates of ``"stochastic"``, ``"kahan"`` and ``"nearest"`` are of the
+    parameters' dtype. float16 parameters work with those three; ``"exact"``
+    refuses them (float16 is not float32's top half).
 
     ``master_weights`` must be the last transformation of a chain: the master is
     rounded to the parameters that its own updates give. With ``"exact"`` and
@@ -397,6 +410,7 @@ def master_weights(
         if count is not None:
             count = count + jnp.ones((), jnp.uint32)
         key = None if count is None else step_key(seed, PARAMETERS, count)
+        float32_updates = rounding == "exact" and float32_updates_add()
         restarted = [m for m in moved if m is not None]
         out, new_residual, new_sums = [], [], []
         for i, (p, r, m, d) in enumerate(
@@ -414,7 +428,13 @@ def master_weights(
                 target, low = round_to(new, p.dtype, random_bits(key, i, p.shape)), None
             else:
                 target, low = new.astype(p.dtype), None
-            update, landed = reach(p, target)
+            if float32_updates:  # exact in float32 unless one is 2**16 times the other
+                stay = same_bits(p, target)
+                wide_step = target.astype(jnp.float32) - p.astype(jnp.float32)
+                update = jnp.where(stay, jnp.array(-0.0, jnp.float32), wide_step)
+                landed = (p.astype(jnp.float32) + update).astype(p.dtype)
+            else:
+                update, landed = reach(p, target)
             if low is not None:  # exact: where no update reaches the target, the master
                 # restarts where the add lands
                 low = jnp.where(same_bits(landed, target), low, jnp.zeros_like(low))
