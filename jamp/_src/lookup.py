@@ -18,6 +18,7 @@ from jax.tree_util import KeyPath
 from jamp._src.float8 import Float8State, check_values
 from jamp._src.loss_scale import STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
+from jamp._src.optimizer.master import MasterWeightsState
 from jamp._src.types import OptState, PyTree
 from jamp._src.validate import check_bool_scalar, checked_counter, checked_scale
 from jamp._src.value_and_grad import ScaledValueAndGrad
@@ -272,10 +273,17 @@ def metrics(state: PyTree) -> dict[str, jax.Array]:
     Nothing is read back to the host: convert with ``float()``/``int()`` (or
     ``jax.device_get``) when you log.
 
+    An optimizer state holding one [`jamp.master_weights`][] state with
+    ``rounding="exact"`` or ``"kahan"`` adds its ``restarted_steps``: the steps whose
+    parameters were not the ones its previous update gave (a transformation chained
+    after it; see ``jamp.optimizer.MasterWeightsState``). Such a state alone, without
+    loss scaling, gives that one metric.
+
     Returns:
       ``loss_scale`` and ``growth_tracker``, plus ``last_finite`` and
       ``skipped_steps`` for an optimizer state, or ``last_finite`` and
-      ``retries`` for a [`value_and_grad`][jamp.value_and_grad] result.
+      ``retries`` for a [`value_and_grad`][jamp.value_and_grad] result; and
+      ``restarted_steps`` for a state holding an exact or Kahan master.
 
     Examples:
       >>> import jax.numpy as jnp, optax, jamp
@@ -292,6 +300,16 @@ def metrics(state: PyTree) -> dict[str, jax.Array]:
         }
     if isinstance(state, LossScaleState):
         return {"loss_scale": state.scale, "growth_tracker": state.growth_tracker}
+    found = [_unwrap(s.restarted_steps) for _, s in _find(state, MasterWeightsState)]
+    counts = [count for count in found if count is not None]
+    extra = {"restarted_steps": counts[0]} if len(counts) == 1 else {}
+    if extra and not holds_loss_scale(state):
+        return extra
+    return {**_loss_scale_metrics(state), **extra}
+
+
+def _loss_scale_metrics(state: PyTree) -> dict[str, jax.Array]:
+    """``metrics`` of a state holding a loss-scale state (or a clear error)."""
     found = _find(state, ScaledOptimizerState)
     if len(found) == 1:
         s = _unwrapped(found[0][1])

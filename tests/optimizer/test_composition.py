@@ -235,8 +235,10 @@ def assert_moves_every(k, runs, p0):
 def test_accumulation_around_master_weights_moves_every_k_steps_by_the_mean(around):
     """``jamp.multi_steps(master_weights(sgd), k)`` and ``optax.MultiSteps(...)``: the
     parameters keep their bits for k - 1 steps and then move by one SGD step on the
-    mean gradient (Welford's mean of the k bfloat16 gradients in float32, handed on in
-    the gradients' bfloat16): the exact master is that float32 step, bit for bit."""
+    mean gradient (Welford's mean of the k bfloat16 gradients in a float32 accumulator,
+    handed on in the gradients' bfloat16): the exact master is that float32 step, bit
+    for bit. The accumulator is float32 in this order too (optax's
+    ``accumulator_dtype``), not the parameters' bfloat16."""
     k, lr = 3, 2.0**-6  # a power of two: lr * g is exact, so there is one rounding
     wrap = jamp.multi_steps if around == "jamp.multi_steps" else optax.MultiSteps
     tx = wrap(jamp.master_weights(optax.sgd(lr), rounding="exact"), k)
@@ -257,6 +259,7 @@ def test_accumulation_around_master_weights_moves_every_k_steps_by_the_mean(arou
         p, s = runs[(step + 1) * k - 1]
         inner = s.inner_opt_state
         assert_bits_equal(master_of(p, inner.residual), master)
+    assert {x.dtype for x in jax.tree.leaves(runs[0][1].acc_grads)} == {jnp.dtype(F32)}
 
 
 @pytest.mark.standard_promotion  # optax.MultiSteps counts in int32 beside float32

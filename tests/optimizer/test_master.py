@@ -7,11 +7,13 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
+from _bad_input import assert_clear_error
 
 import jamp
 from jamp._src.optimizer import rounding as R
 
 BF16 = jnp.bfloat16
+ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
 
 
 def _bits(x):
@@ -241,7 +243,9 @@ def test_adamw_sees_a_float32_master_and_float32_gradients():
         jnp.dtype(jnp.float32)
     }
     params, state, updates = _step(tx)(params, state, {"w": jnp.ones((16,), BF16)})
-    assert seen == [{jnp.dtype(jnp.float32)}] and updates["w"].dtype == BF16
+    # exact's updates are float32 under standard promotion (adam needs it here)
+    assert seen == [{jnp.dtype(jnp.float32)}] and updates["w"].dtype == jnp.float32
+    assert params["w"].dtype == BF16
 
 
 # ---------------------------------------------------------------- bad input
@@ -304,3 +308,248 @@ def test_master_params_reads_the_master_out_of_any_optimizer_state(rounding):
         jamp.optimizer.master_params(params, optax.sgd(0.1).init(params))
     with pytest.raises(ValueError, match=r"found 2"):
         jamp.optimizer.master_params(params, (state, state))
+
+
+# ---------------------------------------------------------------- exact's float32 updates
+
+
+def _diabetes():
+    """scikit-learn's diabetes regression, standardised: 442 samples, 10 features."""
+    from sklearn.datasets import load_diabetes
+
+    x, y = load_diabetes(return_X_y=True)
+    x = jnp.asarray((x - x.mean(0)) / x.std(0), jnp.float32)
+    y = jnp.asarray(((y - y.mean()) / y.std())[:, None], jnp.float32)
+    return x, y
+
+
+@pytest.mark.standard_promotion  # float32 updates: optax.apply_updates adds bf16 + f32
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_exact_holds_the_parameters_to_a_float32_masters_rounding_at_every_step(jit):
+    """A linear regression on the diabetes data from zero weights, sgd(2**-6): the
+    bfloat16 parameters are, at every step (2,000 under jit, 30 eagerly), the rounding
+    (to nearest, ties away from zero) of a float32 master updated by hand with the same
+    gradients, and parameter and low bits are that master, bit for bit. The float32
+    arithmetic is the same: ``m + (-lr) * g`` with a power-of-two rate, once each step.
+    With bfloat16 updates the parameters left the master's rounding at step 18, where a
+    weight's step was larger than where it landed."""
+    x, y = _diabetes()
+
+    def loss(p):
+        out = x @ p["w"].astype(jnp.float32) + p["b"].astype(jnp.float32)[None, :]
+        return jnp.mean((out - y) ** 2)
+
+    lr = 2.0**-6
+    tx = jamp.master_weights(optax.sgd(lr))
+    grad = jax.jit(jax.grad(loss)) if jit else jax.grad(loss)
+    step = _step(tx, jit)
+    params = {"w": jnp.zeros((10, 1), BF16), "b": jnp.zeros((1,), BF16)}
+    state = tx.init(params)
+    master = {n: np.zeros(p.shape, np.float32) for n, p in params.items()}
+    for t in range(2000 if jit else 30):
+        g = grad(params)
+        params, state, updates = step(params, state, g)
+        master = {n: m + np.float32(-lr) * np.asarray(g[n], np.float32) for n, m in master.items()}
+        for n, m in master.items():
+            assert updates[n].dtype == jnp.float32 and params[n].dtype == BF16
+            np.testing.assert_array_equal(_bits(params[n]), _bits(_round_ties_away(m)), str(t))
+            np.testing.assert_array_equal(_bits(R.merge(params[n], state.residual[n])), _bits(m))
+    assert int(state.restarted_steps) == 0
+    assert float(loss(params)) < (0.49 if jit else 0.6)  # it trained
+
+
+@pytest.mark.parametrize("promotion", ["standard", "strict"])
+def test_exact_updates_are_float32_where_apply_updates_can_add_them(promotion):
+    """Under standard promotion exact's updates are float32 (``optax.apply_updates`` adds
+    ``bfloat16 + float32`` in float32 and casts the sum back); strict promotion refuses
+    that add, so there they are bfloat16, as the other recipes' always are."""
+    params = {"w": jnp.ones((4,), BF16)}
+    grads = {"w": jnp.full((4,), 3.0, BF16)}
+    with jax.numpy_dtype_promotion(promotion):
+        for rounding in ROUNDINGS:
+            tx = jamp.master_weights(optax.sgd(2.0**-10), rounding=rounding)
+            for update in (tx.update, jax.jit(tx.update)):
+                updates, _ = update(grads, tx.init(params), params)
+                wide = rounding == "exact" and promotion == "standard"
+                assert updates["w"].dtype == (jnp.float32 if wide else BF16), rounding
+                assert optax.apply_updates(params, updates)["w"].dtype == BF16
+
+
+@pytest.mark.standard_promotion
+def test_an_add_that_widens_the_parameters_is_refused_at_the_next_step():
+    """``eqx.apply_updates`` is ``p + u``: with exact's float32 updates it makes the
+    parameters float32, which the next update refuses, naming the parameter and the add
+    that casts back (the state's master would silently stop being used)."""
+    import equinox as eqx
+
+    params = {"w": jnp.ones((4,), BF16)}
+    tx = jamp.master_weights(optax.sgd(2.0**-10))
+    state = tx.init(params)
+    updates, state = tx.update({"w": jnp.ones((4,), BF16)}, state, params)
+    widened = eqx.apply_updates(params, updates)
+    assert widened["w"].dtype == jnp.float32
+    for update in (tx.update, jax.jit(tx.update)):
+        with pytest.raises(TypeError, match=r"`params\['w'\]` to be bfloat16.*optax.apply_updates"):
+            update({"w": jnp.ones((4,), jnp.float32)}, state, widened)
+
+
+# ---------------------------------------------------------------- the last of a chain
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("rounding", ["exact", "kahan"])
+def test_a_transformation_chained_after_master_weights_counts_restarts(rounding, jit):
+    """``chain(master_weights(sgd(2**-10)), scale(0.5))`` from 1.0 with gradient 1: the
+    halved update of step 3 lands back on 1.0, not where the master's rounding is. The
+    master's low bits belonged to that rounding, and merged with 1.0 they put the master
+    at 1.00098, above its start, while sgd descends. Now the next step counts a restart
+    (``restarted_steps``, in ``jamp.metrics``) and the master restarts at the parameter:
+    it never rises above 1.0. Alone, master_weights counts none."""
+    params0 = {"w": jnp.ones((8,), BF16)}
+    grads = {"w": jnp.ones((8,), BF16)}
+    for chained in (True, False):
+        inner = jamp.master_weights(optax.sgd(2.0**-10), rounding=rounding)
+        tx = optax.chain(inner, optax.scale(0.5)) if chained else inner
+        params, state = params0, tx.init(params0)
+        step = _step(tx, jit)
+        for _ in range(12):
+            params, state, _ = step(params, state, grads)
+            mw = state[0] if chained else state
+            master = jamp.optimizer.master_params(params, state)["w"]
+            assert float(jnp.max(master)) <= 1.0
+        restarts = int(jamp.metrics(state)["restarted_steps"])
+        assert restarts == int(mw.restarted_steps)
+        assert restarts >= 3 if chained else restarts == 0, (chained, restarts)
+
+
+def test_master_weights_around_loss_scaling_is_refused():
+    """``master_weights(loss_scaling(adamw))``, the order the docs warn against, was taken
+    without a word (a skipped step advanced the rounding counter): init refuses it."""
+    params = {"w": jnp.ones((4,), BF16)}
+    tx = jamp.master_weights(jamp.loss_scaling(optax.sgd(0.1)), rounding="stochastic")
+    for init in (tx.init, jax.jit(tx.init)):
+        with pytest.raises(
+            ValueError,
+            match=r"`inner`.*jamp.loss_scaling.*`jamp.loss_scaling\(jamp.master_weights\(inner\)\)`",
+        ):
+            init(params)
+    with pytest.raises(ValueError, match=r"jamp.loss_scaling"):
+        jamp.master_weights(optax.chain(optax.clip(1.0), jamp.loss_scaling(optax.sgd(0.1)))).init(
+            params
+        )
+    jamp.loss_scaling(jamp.master_weights(optax.sgd(0.1))).init(params)
+
+
+# ---------------------------------------------------------------- bad state
+
+
+def _update_with(rounding="exact", params=None, inner=None, state_params=None, **replace):
+    """``tx.update`` of ``master_weights(inner)`` on ``params`` with the state from init
+    (of ``state_params``, if given) with its fields ``replace``d."""
+    params = {"w": jnp.ones((4, 3), BF16)} if params is None else params
+    tx = jamp.master_weights(optax.sgd(0.1) if inner is None else inner, rounding=rounding)
+    state = tx.init(params if state_params is None else state_params)._replace(**replace)
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    def update():
+        # JAX's default rank promotion: a state of other shapes would broadcast silently.
+        with jax.numpy_rank_promotion("allow"):
+            return tx.update(grads, state, params)
+
+    return update
+
+
+def _other_grads():
+    params = {"w": jnp.ones((4, 3), BF16)}
+    tx = jamp.master_weights(optax.sgd(0.1))
+    return lambda: tx.update([jnp.ones((4, 3), BF16)], tx.init(params), params)
+
+
+_MOMENTUM = optax.sgd(0.1, momentum=0.9)
+_W3 = {"w": jnp.ones((3,), BF16)}
+
+BAD_INPUT = {
+    "gradients of another structure": (
+        _other_grads(),
+        ValueError,
+        r"`jamp.master_weights\(...\).update` expected the gradients and `params` to match",
+    ),
+    "inner state of other shapes": (
+        _update_with("stochastic", inner=_MOMENTUM, state_params=_W3),
+        ValueError,
+        r"`state.optimizer_state`.*different shapes at .*\(3,\) and \(4, 3\)",
+    ),
+    "residual of another shape": (
+        _update_with(residual={"w": jnp.zeros((3,), jnp.int16)}),
+        ValueError,
+        r"`state.residual\['w'\]` to have the parameter's shape \(4, 3\), got \(3,\)",
+    ),
+    "state for other parameters": (
+        _update_with(inner=_MOMENTUM, state_params=_W3),
+        ValueError,
+        r"`state.residual\['w'\]` to have the parameter's shape",
+    ),
+    "residual of another dtype": (
+        _update_with(residual={"w": jnp.zeros((4, 3), jnp.float32)}),
+        TypeError,
+        r"`state.residual\['w'\]` to be a int16 array.*float32",
+    ),
+    "residual missing": (
+        _update_with("kahan", residual={"w": None}),
+        TypeError,
+        r"`state.residual\['w'\]` to be a bfloat16 array.*got None",
+    ),
+    "residual of another tree": (
+        _update_with(residual=[jnp.zeros((4, 3), jnp.int16)]),
+        ValueError,
+        r"`state.residual` to be shaped as `params`",
+    ),
+    "rounding_count None, stochastic": (
+        _update_with("stochastic", rounding_count=None),
+        TypeError,
+        r"`state.rounding_count` to be a uint32 scalar.*got None",
+    ),
+    "rounding_count, exact": (
+        _update_with(rounding_count=jnp.zeros((), jnp.uint32)),
+        TypeError,
+        r"`state.rounding_count` to be None",
+    ),
+    "restarted_steps None": (
+        _update_with(restarted_steps=None),
+        TypeError,
+        r"`state.restarted_steps` to be a int32 scalar.*got None",
+    ),
+    "params_checksum of another tree": (
+        _update_with(params_checksum={"v": jnp.zeros((), jnp.uint32)}),
+        ValueError,
+        r"`state.params_checksum` to be shaped as `params`",
+    ),
+    "float32 parameters for a bfloat16 state": (
+        _update_with(params={"w": jnp.ones((4, 3))}, state_params={"w": jnp.ones((4, 3), BF16)}),
+        TypeError,
+        r"`params\['w'\]` to be bfloat16.*got float32.*optax.apply_updates",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
+
+
+def test_bad_state_is_refused_while_traced_too():
+    """The checks read shapes, dtypes and structures: under jit they raise at trace time,
+    naming the same argument, before anything reaches the optimizer."""
+    params = {"w": jnp.ones((4, 3), BF16)}
+    tx = jamp.master_weights(optax.sgd(0.1))
+    state = tx.init(params)
+    grads = jax.tree.map(jnp.ones_like, params)
+    bad = state._replace(residual={"w": jnp.zeros((3,), jnp.int16)})
+    with pytest.raises(ValueError, match=r"`state.residual\['w'\]` to have the parameter's shape"):
+        jax.jit(tx.update)(grads, bad, params)
+    with pytest.raises(ValueError, match=r"expected the gradients and `params` to match"):
+        jax.jit(tx.update)([grads["w"]], state, params)
+    stochastic = jamp.master_weights(optax.sgd(0.1), rounding="stochastic")
+    bad = stochastic.init(params)._replace(rounding_count=None)
+    with pytest.raises(TypeError, match=r"`state.rounding_count` to be a uint32 scalar"):
+        jax.jit(stochastic.update)(grads, bad, params)

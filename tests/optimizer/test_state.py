@@ -6,8 +6,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _bad_input import assert_clear_error
 
 import jamp
+from jamp._src.optimizer.quantize import dequantize
 from jamp.optimizer import BlockQuantized, LowPrecisionState
 
 BF16 = jnp.bfloat16
@@ -174,3 +176,177 @@ def test_a_parameter_named_like_a_field_is_not_taken_for_one():
     state = tx.init(params)
     assert state.stored_state.acc_grads["trace"].dtype == jnp.float32
     assert state.stored_state.inner_opt_state[0].trace["trace"].dtype == BF16
+
+
+# ---------------------------------------------------------------- refused: float16 squares
+
+
+def test_float16_is_refused_for_a_field_of_squares_saying_what_to_use():
+    """float16's range, 6e-8 to 65504, does not hold squares of gradients: near 1e-4 they
+    are stored as 0 and near 1e3 they overflow. adam's ``nu`` (and every field the code
+    knows for squares) is refused in float16; its first moment is not."""
+    for field in ("nu", "v_row", "sum_of_squares"):
+        with pytest.raises(
+            ValueError,
+            match=rf"`dtypes\['{field}'\]`.*jnp.bfloat16, '8bit'.*float32.*jnp.float16.*squares",
+        ):
+            jamp.low_precision_state(optax.adam(1e-3), {field: jnp.float16})
+    jamp.low_precision_state(optax.adam(1e-3), {"mu": jnp.float16, "nu": BF16})
+
+
+# ---------------------------------------------------------------- refused: no such field
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_field_that_matches_nothing_is_refused_naming_the_fields_there_are(jit):
+    """``{"mom": ...}`` around adam, or the default ``{"mu", "nu"}`` around momentum (whose
+    field is ``trace``), kept everything in float32 without a word: init refuses them,
+    naming the floating fields the optimizer's state has."""
+    params = {"w": jnp.zeros((8,))}
+    cases = [
+        (optax.adam(1e-3), {"mom": BF16}, r"'mom', which matches none.*'mu', 'nu'"),
+        (optax.adam(1e-3), {"mu": BF16, "mom": BF16}, r"'mom', which matches none"),
+        (optax.sgd(0.1, momentum=0.9), None, r"'mu', 'nu', which match none.*'trace'"),
+        (optax.sgd(0.1), {"trace": BF16}, r"'trace'.*no floating field"),
+    ]
+    for inner, dtypes, match in cases:
+        tx = jamp.low_precision_state(inner, dtypes)
+        init = jax.jit(tx.init) if jit else tx.init
+        with pytest.raises(ValueError, match=r"`dtypes` names.*" + match):
+            init(params)
+    # A field named above a parameter called like it: mu/nu of adam over {"trace": ...}.
+    jamp.low_precision_state(optax.adam(1e-3)).init({"trace": jnp.zeros(3)})
+
+
+# ---------------------------------------------------------------- float8 second moments
+
+# The step after a float8 store, against float32 adam's: nu comes back within one rounding,
+# so the update sqrt(nu32 / nu8) within these, for every element whose gradient is at least
+# 2**-14.5 of its block's largest (the formats' normals reach 2**-14.8 for e4m3fn's root and
+# 2**-14.9 for e5m2's moment). To nearest: e4m3fn's root within 2**-4, e5m2's nu within
+# 2**-3; stochastically, within one ulp (twice that).
+F8_BOUNDS = {
+    ("e4m3fn", "nearest"): (16 / 17, 16 / 15),
+    ("e5m2", "nearest"): ((8 / 9) ** 0.5, (8 / 7) ** 0.5),
+    ("e4m3fn", "stochastic"): (8 / 9, 8 / 7),
+    ("e5m2", "stochastic"): ((4 / 5) ** 0.5, (4 / 3) ** 0.5),
+}
+
+
+@pytest.mark.standard_promotion  # optax's adam
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("key", list(F8_BOUNDS), ids=["-".join(k) for k in F8_BOUNDS])
+def test_a_float8_second_moment_steps_within_its_documented_bound(key, jit):
+    """Gradients spread over 2**-24 to 1 of each block's largest. Stored as it was (nu in
+    e4m3fn, blocks scaled to 448), an element below about 1/480 of its block's largest
+    held the format's smallest value for its nu, and its step 2 was up to 98% too small.
+    Now step 2 is within the bound at every element down to 2**-14.5 of its block's
+    largest (below, the formats' subnormals, then their smallest value, as the 8-bit
+    code's last level below 2**-15.9)."""
+    fmt, rounding = key
+    dtype = {"e4m3fn": jnp.float8_e4m3fn, "e5m2": jnp.float8_e5m2}[fmt]
+    rng = np.random.default_rng(7)
+    n = 64 * 256
+    g1 = (2.0 ** rng.uniform(-24, 0, n) * rng.choice([-1, 1], n)).astype(np.float32)
+    g2 = (g1 * rng.uniform(0.5, 1.5, n)).astype(np.float32)
+
+    def second_step(tx):
+        update = jax.jit(tx.update) if jit else tx.update
+        state = tx.init(jnp.zeros(n))
+        _, state = update(jnp.asarray(g1), state)
+        return np.asarray(update(jnp.asarray(g2), state)[0])
+
+    want = second_step(optax.scale_by_adam(eps=0.0))
+    got = second_step(
+        jamp.low_precision_state(optax.scale_by_adam(eps=0.0), {"nu": dtype}, rounding=rounding)
+    )
+    ratio = got / want
+    relative = np.abs(g1) / np.repeat(np.abs(g1).reshape(-1, 256).max(1), 256)
+    lo, hi = F8_BOUNDS[key]
+    above = relative >= 2.0**-14.5
+    assert 0.9 * n > above.sum() > 0.5 * n
+    assert ratio[above].min() >= lo * (1 - 1e-5) and ratio[above].max() <= hi * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2])
+def test_a_float8_momentum_of_tiny_gradients_is_kept(dtype, jit):
+    """Momentum's trace in float8 over gradients near 1e-36 (normal float32 values): the
+    block's absmax over the format's largest is a float32 subnormal, and the stored
+    trace came back as zeros. It comes back as float32's trace, to float8's spacing."""
+    n = 4096
+    g = jnp.asarray(1e-36 * np.random.default_rng(8).uniform(0.1, 1.0, n), jnp.float32)
+    tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": dtype}, "nearest")
+    update = jax.jit(tx.update) if jit else tx.update
+    state = tx.init(jnp.zeros(n))
+    for _ in range(2):
+        _, state = update(g, state)
+    stored = state.stored_state[0].trace
+    assert isinstance(stored, BlockQuantized)
+    back = np.asarray(dequantize(stored))
+    mantissa = 3 if dtype == jnp.float8_e4m3fn else 2
+    np.testing.assert_allclose(back, 1.9 * np.asarray(g), rtol=2.0 ** -(mantissa - 1))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def _stepped(rounding="stochastic", **replace):
+    """A low_precision_state around momentum, its state after init with ``replace``d fields."""
+    tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": BF16}, rounding)
+    params = {"w": jnp.ones((4, 3))}
+    state = tx.init(params)._replace(**replace)
+    return lambda: tx.update(params, state, params)
+
+
+def _other_shapes():
+    tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": BF16})
+    state = tx.init({"w": jnp.ones((3,))})
+
+    def update():
+        # JAX's default rank promotion: the (3,) momentum would broadcast silently.
+        with jax.numpy_rank_promotion("allow"):
+            return tx.update({"w": jnp.ones((4, 3))}, state, {"w": jnp.ones((4, 3))})
+
+    return update
+
+
+BAD_INPUT = {
+    "storage_count=None, stochastic": (
+        _stepped(storage_count=None),
+        TypeError,
+        r"`state.storage_count` to be a uint32 scalar \(rounding='stochastic'.*got None",
+    ),
+    "storage_count, nearest": (
+        _stepped("nearest", storage_count=jnp.zeros((), jnp.uint32)),
+        TypeError,
+        r"`state.storage_count` to be None \(rounding='nearest'\)",
+    ),
+    "storage_count float32": (
+        _stepped(storage_count=jnp.zeros((), jnp.float32)),
+        TypeError,
+        r"`state.storage_count` to be a uint32 scalar.*float32",
+    ),
+    "state of other shapes": (
+        _other_shapes(),
+        ValueError,
+        (r"`state.stored_state`.*different shapes at .*\(3,\) and \(4, 3\)", r"tx.init\(params\)"),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
+    assert_clear_error(*BAD_INPUT[case])
+
+
+def test_bad_state_is_refused_while_traced_too():
+    """Each check is of shapes and dtypes: under jit it raises at trace time, the same."""
+    tx = jamp.low_precision_state(optax.sgd(0.1, momentum=0.9), {"trace": BF16})
+    params = {"w": jnp.ones((4, 3))}
+    state = tx.init(params)
+    with pytest.raises(TypeError, match=r"`state.storage_count` to be a uint32 scalar"):
+        jax.jit(tx.update)(params, state._replace(storage_count=None), params)
+    other = tx.init({"w": jnp.ones((3,))})
+    with pytest.raises(ValueError, match=r"`state.stored_state`.*different shapes"):
+        jax.jit(tx.update)(params, other, params)

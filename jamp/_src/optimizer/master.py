@@ -6,7 +6,8 @@ master) and returns float32 updates; the wrapper rounds the new parameters back 
 returns the updates that ``optax.apply_updates`` turns into exactly that rounding.
 What the state keeps beside the parameters decides how much of the master survives:
 its 16 low bits (``"exact"``), a compensation buffer (``"kahan"``), a counter for
-stochastic rounding (``"stochastic"``), or nothing (``"nearest"``).
+stochastic rounding (``"stochastic"``), or nothing (``"nearest"``). A fingerprint of
+each parameter the add will give tells the next step whether something else moved it.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ import jax.numpy as jnp
 import optax
 
 from jamp._src.leaves import is_integer
-from jamp._src.loss_scaling import checked_inner
+from jamp._src.loss_scaling import ScaledOptimizerState, checked_inner
 from jamp._src.optimizer.rounding import (
     PARAMETERS,
+    checksum,
     merge,
     random_bits,
     reach,
@@ -34,7 +36,9 @@ from jamp._src.validate import (
     check_gradients,
     check_own_state,
     check_params,
+    check_state_matches,
     check_updates,
+    diagnosing,
 )
 
 ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
@@ -55,11 +59,24 @@ class MasterWeightsState(NamedTuple):
         that are not bfloat16 or float16 are their own master and hold ``None``.
       rounding_count: uint32 scalar, the steps rounded stochastically so far (the
         random bits' counter); ``None`` unless ``rounding="stochastic"``.
+      params_checksum: with ``"exact"`` and ``"kahan"``, a tree shaped as the
+        parameters: for each bfloat16 or float16 leaf, a uint32 fingerprint of 256 of
+        its elements, spread over it, as the last update's add gives them (``None`` for
+        the other leaves); ``None`` with ``"stochastic"`` and ``"nearest"``, whose
+        parameters are their whole master.
+      restarted_steps: int32 scalar, the steps whose parameters, at some leaf's
+        fingerprinted elements, were not the ones the previous update's add gives:
+        something else moved them (a transformation chained after ``master_weights``, a
+        parameter changed between steps). That leaf's master restarted at the
+        parameter as given. ``None`` with ``"stochastic"`` and ``"nearest"``.
+        [`jamp.metrics`][] reports it.
     """
 
     optimizer_state: OptState
     residual: PyTree
     rounding_count: jax.Array | None
+    params_checksum: PyTree
+    restarted_steps: jax.Array | None
 
 
 def is_low(leaf: object) -> bool:
@@ -123,6 +140,127 @@ def _check_parameters(params: Params, rounding: str) -> None:
         )
 
 
+def check_counter(value: object, dtype: type, name: str, why: str) -> None:
+    """A TypeError unless ``value`` is a scalar array of ``dtype`` (a state's counter)."""
+    shape, got = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape != () or got != jnp.dtype(dtype):
+        shown = "None" if value is None else f"{type(value).__name__} {got} {shape}"
+        raise TypeError(
+            f"Expected `{name}` to be a {jnp.dtype(dtype)} scalar ({why}), got {shown} "
+            "instead: the state was not made by this transformation's init, or was changed. "
+            "Pass the state from `tx.init(params)`."
+        )
+
+
+def refuse_counter(value: object, name: str, why: str) -> None:
+    """A TypeError unless ``value`` is None (a counter the configuration does not keep)."""
+    if value is not None:
+        raise TypeError(
+            f"Expected `{name}` to be None ({why}), got {type(value).__name__} instead: the "
+            "state was made by a transformation of another configuration. Pass the state "
+            "from `tx.init(params)` of this one."
+        )
+
+
+def _refuse_loss_scaling_inside(state: OptState) -> None:
+    """A ValueError if ``inner``'s state holds a ``jamp.loss_scaling`` state."""
+    kind = ScaledOptimizerState
+    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind))
+    if any(isinstance(x, kind) for x in leaves):
+        raise ValueError(
+            "`jamp.master_weights` expected `inner` to be the optimizer of the float32 master, "
+            "got one holding a jamp.loss_scaling state: inside master_weights a skipped step "
+            "still runs the wrapper (its stochastic-rounding counter advances) and the loss "
+            "scaling sees gradients already widened. Put the loss scaling outside: "
+            "`jamp.loss_scaling(jamp.master_weights(inner))`."
+        )
+
+
+def float32_updates_add() -> bool:
+    """Whether ``bfloat16 + float32`` promotes where the step is traced: under JAX's
+    standard promotion ``optax.apply_updates`` adds a float32 update to a bfloat16
+    parameter in float32 and casts the sum back; strict promotion refuses the add."""
+    try:
+        jnp.result_type(jnp.bfloat16, jnp.float32)
+    except jax.dtypes.TypePromotionError:
+        return False
+    return True
+
+
+def _where(path: jax.tree_util.KeyPath) -> str:
+    return jax.tree_util.keystr(path) or "<root>"
+
+
+def _check_state(state: MasterWeightsState, params: Params, rounding: str, fn: str) -> None:
+    """The parts of ``state`` that ``master_weights`` keeps itself, against ``params``: the
+    residual and the fingerprints shaped as the parameters, each leaf of the dtype and
+    shape ``init`` gives it, and the counters. Static: it raises eagerly and while traced."""
+    checked = rounding in ("exact", "kahan")
+    none_leaf = lambda x: x is None  # noqa: E731
+    paths, treedef = jax.tree_util.tree_flatten_with_path(params, is_leaf=none_leaf)
+    names = ("residual", "params_checksum") if checked else ("residual",)
+    for name in names:
+        tree = getattr(state, name)
+        if jax.tree_util.tree_structure(tree, is_leaf=none_leaf) != treedef:
+            raise ValueError(
+                f"`{fn}` expected `state.{name}` to be shaped as `params` (structure "
+                f"{str(treedef):.200}), got {str(jax.tree_util.tree_structure(tree)):.200}: "
+                "the state was made for other parameters. Pass the state from "
+                "`tx.init(params)` for these parameters."
+            )
+    residual = jax.tree_util.tree_leaves(state.residual, is_leaf=none_leaf)
+    sums = jax.tree_util.tree_leaves(state.params_checksum, is_leaf=none_leaf)
+    if not checked:
+        why = f"rounding={rounding!r} keeps no fingerprint"
+        refuse_counter(state.params_checksum, "state.params_checksum", why)
+        refuse_counter(state.restarted_steps, "state.restarted_steps", why)
+        sums = [None] * len(paths)
+    for (path, p), r, c in zip(paths, residual, sums, strict=True):
+        where, low = _where(path), is_low(p)
+        if checked and c is not None and not low:
+            raise TypeError(
+                f"`{fn}` expected `params{where}` to be bfloat16 (or float16), as when the "
+                f"state was made, got {getattr(p, 'dtype', type(p).__name__)} instead: an add "
+                "that does not cast back to the parameter's dtype (`eqx.apply_updates` is "
+                "`p + u`; master_weights' exact updates are float32 under standard "
+                "promotion) widened it. Apply the updates with `optax.apply_updates`, which "
+                "casts the sum back to the parameter's dtype."
+            )
+        if checked and c is None and low:
+            raise TypeError(
+                f"`{fn}` expected `params{where}` to be {p.dtype} only where the state was "
+                "made for a bfloat16 or float16 parameter, got one where it was made for "
+                "another dtype. Pass the state from `tx.init(params)` for these parameters."
+            )
+        if c is not None:
+            check_counter(c, jnp.uint32, f"state.params_checksum{where}", "a fingerprint")
+        want = None
+        if low and checked:
+            want = jnp.dtype(jnp.int16) if rounding == "exact" else jnp.dtype(p.dtype)
+        if want is None:
+            refuse_counter(r, f"state.residual{where}", f"rounding={rounding!r} keeps none")
+            continue
+        if getattr(r, "dtype", None) != want:
+            got = "None" if r is None else f"{type(r).__name__} of {getattr(r, 'dtype', None)}"
+            raise TypeError(
+                f"`{fn}` expected `state.residual{where}` to be a {want} array (what "
+                f"rounding={rounding!r} keeps), got {got} instead. Pass the state from "
+                "`tx.init(params)` of this transformation."
+            )
+        if tuple(r.shape) != tuple(p.shape):
+            raise ValueError(
+                f"`{fn}` expected `state.residual{where}` to have the parameter's shape "
+                f"{tuple(p.shape)}, got {tuple(r.shape)}: it would broadcast into a wrong "
+                "master. Pass the state from `tx.init(params)` for these parameters."
+            )
+    if rounding == "stochastic":
+        check_counter(state.rounding_count, jnp.uint32, "state.rounding_count", "the steps")
+    else:
+        refuse_counter(state.rounding_count, "state.rounding_count", "no stochastic rounding")
+    if checked:
+        check_counter(state.restarted_steps, jnp.int32, "state.restarted_steps", "a count")
+
+
 def master_weights(
     inner: optax.GradientTransformation,
     *,
@@ -135,10 +273,9 @@ def master_weights(
     forward pass: Flax ``param_dtype=jnp.bfloat16``, NNX, Equinox, or a cast tree.
     ``inner`` sees float32 gradients and float32 parameters (the master) and returns
     float32 updates. The wrapper rounds the new master to the parameters' dtype and
-    returns updates of that dtype, such that a plain ``optax.apply_updates(params,
-    updates)`` gives that rounding, under strict dtype promotion: the train step does
-    not change. Leaves that are float32 (a norm's scale kept wide) are their own master
-    and pass straight through.
+    returns the updates such that a plain ``optax.apply_updates(params, updates)``
+    gives that rounding: the train step does not change. Leaves that are float32 (a
+    norm's scale kept wide) are their own master and pass straight through.
 
     ``rounding`` decides what the state keeps beside each bfloat16 parameter:
 
@@ -146,12 +283,14 @@ def master_weights(
       master. The parameter is the master rounded to nearest, ties away from zero,
       and parameter and low bits are the float32 master bit for bit
       (Transformer Engine's ``store_param_remainders``). Given the same gradients the
-      master moves exactly as a float32 parameter would, with one exception: a step
-      larger than where the parameter lands (it crosses zero, or lands nearer to
-      zero than the step's size) may have no bfloat16 update that
-      ``optax.apply_updates`` can add to reach it; that parameter takes the nearest
-      value the add reaches and its master restarts there (`docs/optimizer-memory.md`
-      measures how often).
+      master moves exactly as a float32 parameter would. Its updates are float32
+      under JAX's standard promotion: the difference of two bfloat16 numbers is
+      exact in float32 (unless one is ``2**16`` times the other), so the add lands
+      on the rounding. Under strict promotion, where ``optax.apply_updates`` refuses
+      ``bfloat16 + float32``, they are bfloat16, and a step longer than where the
+      parameter lands (it crosses zero, or lands near it) may have no bfloat16
+      update that reaches it: that parameter takes the nearest value the add reaches
+      and its master restarts there (`docs/optimizer-memory.md` measures how often).
     - ``"stochastic"``: nothing but a step counter: 2 bytes per parameter. The
       write-back rounds up or down at random, unbiased (``E[p] = master``), from
       bits hashed from ``seed``, the step and each element's index: reproducible
@@ -163,11 +302,21 @@ def master_weights(
       half a bfloat16 ulp (``2**-9`` relative) are lost, so training stalls as the
       learning rate decays: the baseline that shows why the others exist.
 
-    float16 parameters work with ``"stochastic"``, ``"kahan"`` and ``"nearest"``;
-    ``"exact"`` refuses them (float16 is not float32's top half).
+    The updates of ``"stochastic"``, ``"kahan"`` and ``"nearest"`` are of the
+    parameters' dtype. float16 parameters work with those three; ``"exact"``
+    refuses them (float16 is not float32's top half).
+
+    ``master_weights`` must be the last transformation of a chain: the master is
+    rounded to the parameters that its own updates give. With ``"exact"`` and
+    ``"kahan"`` the state keeps a fingerprint of 256 elements of each bfloat16
+    leaf as those updates leave them, and counts in ``restarted_steps`` the steps
+    whose parameters differ there (a transformation chained after it); that leaf's
+    master restarts at the parameters it is given. [`jamp.metrics`][] reports the
+    count.
 
     Inside [`jamp.loss_scaling`][] a skipped step leaves the parameters, the
-    residual, the counter and the inner state bit for bit as they were.
+    residual, the counters and the inner state bit for bit as they were; the other
+    nesting, ``master_weights(loss_scaling(...))``, is refused.
 
     Args:
       inner: the optimizer of the float32 master, e.g. ``optax.adamw(1e-3)``;
@@ -196,6 +345,9 @@ def master_weights(
     check_rounding(rounding, ROUNDINGS)
     seed = check_seed(seed)
     inner = optax.with_extra_args_support(inner)
+    fn = "jamp.master_weights(...).update"
+    # The recipes with a state beside the parameters check that nothing else moved them.
+    checked = rounding in ("exact", "kahan")
 
     def residual_of(p: jax.Array) -> jax.Array | None:
         if not is_low(p) or rounding in ("stochastic", "nearest"):
@@ -206,8 +358,13 @@ def master_weights(
         _check_parameters(params, rounding)
         residual = jax.tree.map(residual_of, params)
         masters = jax.tree.map(master_of, params, residual, is_leaf=lambda x: x is None)
+        inner_state = inner.init(masters)
+        _refuse_loss_scaling_inside(inner_state)
         count = jnp.zeros((), jnp.uint32) if rounding == "stochastic" else None
-        return MasterWeightsState(inner.init(masters), residual, count)
+        if not checked:
+            return MasterWeightsState(inner_state, residual, count, None, None)
+        sums = jax.tree.map(lambda p: checksum(p) if is_low(p) else None, params)
+        return MasterWeightsState(inner_state, residual, count, sums, jnp.zeros((), jnp.int32))
 
     def update_fn(
         updates: Updates,
@@ -221,16 +378,25 @@ def master_weights(
                 "new parameters from them. Call `tx.update(grads, state, params)`."
             )
         check_own_state(state, MasterWeightsState, "MasterWeightsState")
+        check_params(params, _FN)
         check_gradients(updates, _FN)
-        check_updates(updates, params, "jamp.master_weights(...).update")
-        return run(updates, state, params, **extra_args)
+        # The gradients are flattened as the parameters are: another structure is refused.
+        check_updates(updates, params, fn, strict=True)
+        _check_state(state, params, rounding, fn)
+        masters = jax.tree.map(
+            lambda p: jax.ShapeDtypeStruct(p.shape, jnp.float32) if is_low(p) else p, params
+        )
+        inner_state, name = state.optimizer_state, "state.optimizer_state"
+        check_state_matches(inner_state, inner.init, masters, name, fn, strict=False)
+        with diagnosing(fn, inner_state, name, inner.init, masters, updates, params):
+            return run(updates, state, params, **extra_args)
 
     def run(
         grads: Updates, state: MasterWeightsState, params: Params, **extra_args: object
     ) -> tuple[Updates, MasterWeightsState]:
         treedef = jax.tree.structure(params)
         leaves = treedef.flatten_up_to(params)
-        residual = treedef.flatten_up_to(state.residual)
+        residual, moved = restart(params, state)
         masters = [master_of(p, r) for p, r in zip(leaves, residual, strict=True)]
         wide = [
             g.astype(jnp.float32) if is_low(p) and g is not None else g
@@ -244,13 +410,16 @@ def master_weights(
         if count is not None:
             count = count + jnp.ones((), jnp.uint32)
         key = None if count is None else step_key(seed, PARAMETERS, count)
-        out, new_residual = [], []
+        float32_updates = rounding == "exact" and float32_updates_add()
+        restarted = [m for m in moved if m is not None]
+        out, new_residual, new_sums = [], [], []
         for i, (p, r, m, d) in enumerate(
             zip(leaves, residual, masters, treedef.flatten_up_to(deltas), strict=True)
         ):
             if not is_low(p) or d is None:
                 out.append(d)
                 new_residual.append(r)
+                new_sums.append(checksum(p) if checked and is_low(p) else None)
                 continue
             new = m + d.astype(jnp.float32)  # the float32 step, as apply_updates adds it
             if rounding == "exact":
@@ -259,7 +428,13 @@ def master_weights(
                 target, low = round_to(new, p.dtype, random_bits(key, i, p.shape)), None
             else:
                 target, low = new.astype(p.dtype), None
-            update, landed = reach(p, target)
+            if float32_updates:  # exact in float32 unless one is 2**16 times the other
+                stay = same_bits(p, target)
+                wide_step = target.astype(jnp.float32) - p.astype(jnp.float32)
+                update = jnp.where(stay, jnp.array(-0.0, jnp.float32), wide_step)
+                landed = (p.astype(jnp.float32) + update).astype(p.dtype)
+            else:
+                update, landed = reach(p, target)
             if low is not None:  # exact: where no update reaches the target, the master
                 # restarts where the add lands
                 low = jnp.where(same_bits(landed, target), low, jnp.zeros_like(low))
@@ -267,13 +442,44 @@ def master_weights(
                 low = (new - landed.astype(jnp.float32)).astype(p.dtype)
             out.append(update)
             new_residual.append(low)
+            new_sums.append(checksum(landed) if checked else None)
+        if not checked:
+            return treedef.unflatten(out), MasterWeightsState(
+                inner_state, treedef.unflatten(new_residual), count, None, None
+            )
+        restarts = cast(jax.Array, state.restarted_steps)
+        if restarted:
+            restarts = restarts + jnp.any(jnp.stack(restarted)).astype(jnp.int32)
         return treedef.unflatten(out), MasterWeightsState(
-            inner_state, treedef.unflatten(new_residual), count
+            inner_state,
+            treedef.unflatten(new_residual),
+            count,
+            treedef.unflatten(new_sums),
+            restarts,
         )
 
     return optax.GradientTransformationExtraArgs(
         cast(optax.TransformInitFn, init_fn), cast(optax.TransformUpdateExtraArgsFn, update_fn)
     )
+
+
+def restart(params: Params, state: MasterWeightsState) -> tuple[list, list]:
+    """The residual of each leaf of ``params``, and whether something else moved the leaf
+    since the last update (``None`` where the state keeps no fingerprint). A moved leaf
+    restarts its master at the parameter as given: the low bits or compensation the
+    state kept belong to another value, and merged with this one would be a master the
+    optimizer never reached (above its start, while sgd descends)."""
+    treedef = jax.tree.structure(params)
+    leaves, residual = treedef.flatten_up_to(params), treedef.flatten_up_to(state.residual)
+    if state.params_checksum is None:
+        return residual, [None] * len(leaves)
+    sums = treedef.flatten_up_to(state.params_checksum)
+    moved = [None if c is None else checksum(p) != c for p, c in zip(leaves, sums, strict=True)]
+    kept = [
+        r if m is None or r is None else jnp.where(m, jnp.zeros_like(r), r)
+        for r, m in zip(residual, moved, strict=True)
+    ]
+    return kept, moved
 
 
 def master_params(params: Params, opt_state: OptState) -> Params:
@@ -283,7 +489,9 @@ def master_params(params: Params, opt_state: OptState) -> Params:
 
     ``"exact"`` gives the master bit for bit (parameter and low bits), ``"kahan"`` the
     parameter plus its compensation, ``"stochastic"`` and ``"nearest"`` the parameters
-    widened (they keep no more). float32 leaves come back as they are.
+    widened (they keep no more). float32 leaves come back as they are, and so, widened,
+    does a leaf that something other than the last update moved (its master restarts
+    there, as the next update's would).
 
     Examples:
       >>> import jax.numpy as jnp, optax, jamp
@@ -305,6 +513,8 @@ def master_params(params: Params, opt_state: OptState) -> Params:
             "`jamp.optimizer.master_params` expected `opt_state` to hold one "
             f"MasterWeightsState (the state of a jamp.master_weights), found {len(found)}."
         )
-    residual = jax.tree.structure(params).flatten_up_to(found[0].residual)
-    leaves = [master_of(p, r) for p, r in zip(jax.tree.leaves(params), residual, strict=True)]
-    return jax.tree.unflatten(jax.tree.structure(params), leaves)
+    treedef = jax.tree.structure(params)
+    leaves = treedef.flatten_up_to(params)
+    residual, _ = restart(params, found[0])
+    masters = [master_of(p, r) for p, r in zip(leaves, residual, strict=True)]
+    return treedef.unflatten(masters)

@@ -11,7 +11,14 @@ The codes are chosen for what they hold:
   since adam divides by ``sqrt(nu)``, and a ``nu`` of zero under a nonzero ``mu``
   would be a step of ``mu / eps``;
 - float8 (``e4m3fn`` or ``e5m2``): the block scaled so its absmax is the format's
-  largest value, then rounded; positive fields again never round to zero.
+  largest value, then rounded; positive fields again never round to zero. A second
+  moment in ``e5m2`` is held as it is: its subnormals reach ``2**-31.8`` of the
+  absmax, the positive 8-bit code's range. ``e4m3fn``'s reach only ``2**-17.8``, so
+  there it is held as its square root, scaled (``"float8-root"``), which needs half
+  the decades: ``2**-35.6``. Its stochastic rounding is unbiased in the square, the
+  value adam reads. A block's scale is its absmax, or, for a block of tiny values,
+  the least that keeps the decoding's factor a normal float32: such a block is not
+  flushed to zero.
 
 The levels are powers of two, so a code is found with one ``log2`` and decoded with
 one ``exp2``: no table, no search, all elementwise after the block's absmax.
@@ -48,7 +55,8 @@ class BlockQuantized:
       absmax: float32 ``(blocks,)``, each block's largest magnitude.
       shape: the array's shape (static).
       code: ``"signed"``, ``"positive"`` (8-bit log codes), or ``"float8-signed"`` /
-        ``"float8-positive"`` (static).
+        ``"float8-positive"`` / ``"float8-root"`` (a positive field's square root, scaled:
+        ``e4m3fn``'s form of a second moment) (static).
     """
 
     codes: jax.Array
@@ -114,12 +122,42 @@ def quantize(x: jax.Array, code: str, dtype: DTypeLike, bits: jax.Array | None) 
             codes = magnitude | jnp.where(blocks < 0, np.uint8(0x80), np.uint8(0))
         return BlockQuantized(codes, absmax, tuple(x.shape), code)
     top = float(jnp.finfo(dtype).max)
-    scaled = jnp.clip(blocks / safe * top, -top, top)
-    codes = scaled.astype(dtype) if bits is None else stochastic_round(scaled, dtype, bits)
+    root = positive and jnp.dtype(dtype) == jnp.float8_e4m3fn
+    ratio = blocks / _base(absmax, top, root)[:, None]
+    if root:  # e4m3fn's 17.8 octaves hold a second moment's square root, not the moment
+        scaled = jnp.clip(jnp.sqrt(ratio) * top, 0.0, top)
+        codes = scaled.astype(dtype) if bits is None else _round_square(scaled, dtype, bits)
+    else:
+        scaled = jnp.clip(ratio * top, -top, top)
+        codes = scaled.astype(dtype) if bits is None else stochastic_round(scaled, dtype, bits)
     if positive:  # a positive value never to zero: the smallest subnormal instead
         zero = jnp.zeros((), dtype)
         codes = jnp.where((scaled > 0) & (codes == zero), neighbour(zero, jnp.array(True)), codes)
-    return BlockQuantized(codes, absmax, tuple(x.shape), "float8-" + code)
+    kind = "root" if root else code
+    return BlockQuantized(codes, absmax, tuple(x.shape), "float8-" + kind)
+
+
+def _base(absmax: jax.Array, top: float, root: bool) -> jax.Array:
+    """The value each block's codes are scaled to: its absmax, but no less than what
+    keeps the decoding's per-block factor (``base / top``, ``base / top**2`` for a root)
+    a normal float32. XLA folds that factor out of the elementwise decode under ``jit``,
+    and a subnormal factor is flushed to zero on XLA:CPU, zeroing a block of tiny values.
+    A value float32 holds as a normal number still gets a normal code (at least 1)."""
+    return jnp.maximum(absmax, np.float32(2.0**-126 * top ** (2 if root else 1)))
+
+
+def _round_square(s: jax.Array, dtype: DTypeLike, bits: jax.Array) -> jax.Array:
+    """``s >= 0`` (float32) into ``dtype`` up or down at random, unbiased in ``s**2``: a
+    root stored for a second moment rounds so that the moment, its square, is right on
+    average (rounding the root unbiased would bias the square up by its variance, and
+    adam's ``nu`` would drift up by it every step)."""
+    y = s.astype(dtype)
+    low = y.astype(jnp.float32)
+    other = neighbour(y, s > low)
+    high = other.astype(jnp.float32)
+    # NaN (s held exactly, or at the format's largest) keeps y, as stochastic_round does.
+    fraction = jnp.abs(s * s - low * low) / jnp.abs(high * high - low * low)
+    return jnp.where(uniform(bits) < fraction, other, y)
 
 
 def dequantize(q: BlockQuantized) -> jax.Array:
@@ -132,7 +170,11 @@ def dequantize(q: BlockQuantized) -> jax.Array:
         blocks = values * q.absmax[:, None]
     else:
         top = float(jnp.finfo(q.codes.dtype).max)
-        blocks = q.codes.astype(jnp.float32) * (q.absmax / top)[:, None]
+        root = q.code == "float8-root"
+        fraction = q.codes.astype(jnp.float32) / top
+        if root:
+            fraction = fraction * fraction
+        blocks = fraction * _base(q.absmax, top, root)[:, None]
     return _unblock(blocks, q.shape)
 
 

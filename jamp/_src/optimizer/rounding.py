@@ -167,3 +167,30 @@ def same_bits(a: jax.Array, b: jax.Array) -> jax.Array:
     not ``0.0``; a NaN is itself)."""
     uint = _UINT[jnp.dtype(a.dtype).itemsize]
     return lax.bitcast_convert_type(a, uint) == lax.bitcast_convert_type(b, uint)
+
+
+# The elements of a leaf whose fingerprint the state keeps: XLA reads them in a kernel of
+# their own, and 256 of them cost nothing beside the step.
+SAMPLE = 256
+
+
+def checksum(x: jax.Array) -> jax.Array:
+    """A uint32 fingerprint of ``SAMPLE`` elements of ``x`` (a floating array) spread
+    evenly over it (all of them, in a smaller array): each element's bits mixed with its
+    place, summed modulo ``2**32``. An integer sum does not depend on its order, so it is
+    the same under any sharding or fusion. A zero counts as ``+0.0`` whatever its sign:
+    an add of ``0.0`` turns ``-0.0`` into ``+0.0`` and changes no value it is used as.
+
+    A sample, not the whole array: a fingerprint of every element is a reduction that
+    XLA does not fuse into the optimizer's pass, and it costs a second read of the
+    parameters (on the H200 compile of adamw's step, 26 bytes a parameter became 36).
+    """
+    with jax.named_scope("fingerprint"):  # named in the compiled program's kernels
+        flat = x.reshape(-1)
+        stride = max(1, flat.size // SAMPLE)
+        sample = flat[::stride][:SAMPLE]
+        uint = _UINT[jnp.dtype(x.dtype).itemsize]
+        bits = lax.bitcast_convert_type(sample, uint).astype(jnp.uint32)
+        bits = jnp.where(sample == jnp.zeros((), x.dtype), _U32(0), bits)
+        place = _mix(lax.iota(jnp.uint32, sample.size) + _U32(0x68E31DA4))
+        return jnp.sum(_mix(bits * _GOLDEN + place), dtype=jnp.uint32)

@@ -11,7 +11,13 @@ import jax.numpy as jnp
 import optax
 
 from jamp._src.loss_scaling import checked_inner
-from jamp._src.optimizer.master import NARROW, check_rounding, check_seed
+from jamp._src.optimizer.master import (
+    NARROW,
+    check_counter,
+    check_rounding,
+    check_seed,
+    refuse_counter,
+)
 from jamp._src.optimizer.quantize import (
     MIN_SIZE,
     BlockQuantized,
@@ -21,7 +27,7 @@ from jamp._src.optimizer.quantize import (
 )
 from jamp._src.optimizer.rounding import MOMENTS, random_bits, round_to, step_key
 from jamp._src.types import OptState, Params, Updates
-from jamp._src.validate import check_own_state
+from jamp._src.validate import check_own_state, check_state_matches, diagnosing
 
 # The fields of Optax's states that hold squares (positive, spanning many decades): their
 # 8-bit and float8 codes never round a positive value to zero.
@@ -58,6 +64,18 @@ def _param_paths(params: object) -> frozenset[tuple[object, ...]]:
     return frozenset(tuple(path) for path, _ in leaves)
 
 
+def _names(path: jax.tree_util.KeyPath, params: frozenset[tuple[object, ...]]) -> list[str]:
+    """The field names (a NamedTuple's fields, a dict's keys) on ``path`` above the
+    parameters' own keys, outermost first."""
+    path = tuple(path)
+    for start in range(len(path) + 1):
+        if path[start:] in params:
+            path = path[:start]
+            break
+    names = (getattr(entry, "name", getattr(entry, "key", None)) for entry in path)
+    return [name for name in names if isinstance(name, str)]
+
+
 def _field(
     path: jax.tree_util.KeyPath, dtypes: Mapping[str, object], params: frozenset[tuple[object, ...]]
 ) -> str | None:
@@ -65,16 +83,38 @@ def _field(
     or None. The names are read above the parameters' own keys: a parameter named ``nu``
     inside adam's ``mu`` is in ``mu``, and one named ``trace`` in MultiSteps'
     ``acc_grads`` is in no chosen field."""
-    path = tuple(path)
-    for start in range(len(path) + 1):
-        if path[start:] in params:
-            path = path[:start]
-            break
-    for entry in reversed(path):
-        name = getattr(entry, "name", getattr(entry, "key", None))
-        if isinstance(name, str) and name in dtypes:
+    for name in reversed(_names(path, params)):
+        if name in dtypes:
             return name
     return None
+
+
+def _is_floating(x: object) -> bool:
+    dtype = getattr(x, "dtype", None)
+    return dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+
+
+def _check_fields_exist(state: OptState, dtypes: Mapping[str, object], params: frozenset) -> None:
+    """A ValueError naming each field of ``dtypes`` that holds no floating leaf of
+    ``state`` (a misspelt name, or adam's names around momentum's ``trace``), and the
+    floating fields ``state`` has: such a field would stay float32 without a word."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    on_paths = [_names(path, params) for path, x in leaves if _is_floating(x)]
+    missing = [name for name in dtypes if not any(name in names for names in on_paths)]
+    if not missing:
+        return
+    fields = sorted({names[-1] for names in on_paths if names})
+    has = (
+        f"the floating fields of its state are {', '.join(map(repr, fields))}"
+        if fields
+        else "its state has no floating field to store"
+    )
+    raise ValueError(
+        f"`jamp.low_precision_state` expected each field `dtypes` names to hold floating "
+        f"state of `inner`, got {', '.join(map(repr, missing))}, which "
+        f"{'match' if len(missing) > 1 else 'matches'} none: {has} (optax.adam's are 'mu' "
+        "and 'nu', momentum's 'trace'). Name those fields, or leave this wrapper out."
+    )
 
 
 def _check_dtypes(dtypes: object) -> dict[str, object]:
@@ -99,6 +139,16 @@ def _check_dtypes(dtypes: object) -> dict[str, object]:
                 f"Expected `dtypes[{name!r}]` to be one of {_KINDS}, got {kind!r}. float32 is "
                 "what the state already is: leave the field out."
             )
+        if dtype == jnp.float16 and name in POSITIVE_FIELDS:
+            raise ValueError(
+                f"Expected `dtypes[{name!r}]` to be jnp.bfloat16, '8bit', a float8 dtype, or "
+                f"left out (float32), got jnp.float16: {name!r} holds squares of gradients, "
+                "which span twice the decades the gradients do, and float16's range (6e-8 to "
+                "65504) does not hold them: gradients near 1e-4 square below its smallest "
+                "value and are stored as 0 (adam's step then divides by eps), gradients near "
+                "1e3 square past its largest and become inf (the step stops). bfloat16 has "
+                "float32's range; the 8-bit code and float8 scale each block of 256."
+            )
         out[name] = dtype
     return out
 
@@ -115,21 +165,33 @@ def low_precision_state(
     stored again as ``dtypes`` says. Fields are chosen by name (adam's ``mu`` and
     ``nu``, momentum's ``trace``, adafactor's ``v_row``), wherever they sit in the
     state, so this wraps any Optax optimizer. Between steps the state takes exactly
-    the bytes its dtypes say (``docs/optimizer-memory.md`` measures them).
+    the bytes its dtypes say (``docs/optimizer-memory.md`` measures them). A name
+    that holds no floating leaf of ``inner``'s state is refused at ``init``, naming
+    the fields it has: it would keep everything float32 without a word.
 
     Each field is stored as one of:
 
     - ``jnp.bfloat16`` or ``jnp.float16``: rounded stochastically by default. With
       round-to-nearest, adam's ``nu`` stalls: at ``b2 = 0.999`` its change per step,
       ``(1 - b2) * g**2``, is below half a bfloat16 ulp of ``nu`` once the gradients
-      are steady.
+      are steady. float16 is refused for a field of squares (``nu``, and the other
+      fields of squares Optax names): its range, 6e-8 to 65504, holds gradients but
+      not their squares (at 1e-4 they are stored as 0, at 1e3 they overflow).
     - ``"8bit"``: blocks of 256 values with a float32 absmax each (1.016 bytes per
       value), in a log code suited to the field: signed for a first moment (eight
       levels an octave, down to ``2**-15.75`` of the block's absmax), and for a
       second moment (``nu``, and the other fields of squares Optax names) a positive
       code down to ``2**-31.75`` that never rounds a positive value to zero.
     - ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``: blocks of 256, each scaled so its
-      absmax is the format's largest value.
+      absmax is the format's largest value (a block of values too tiny for that
+      scale keeps the least scale that does). A second moment never rounds to zero;
+      in ``e5m2`` it is held as it is (its subnormals reach ``2**-31.8`` of the
+      absmax), in ``e4m3fn`` as its square root (held as it is, its reach of
+      ``2**-17.8`` made the step of a gradient under about 1/480 of its block's
+      largest too small, by up to 98% at ``2**-15`` of it). To nearest, adam's
+      step is then within 6.7% (``e4m3fn``) or 6.9% (``e5m2``) of float32's for
+      every element whose gradient is at least ``2**-14.5`` of its block's
+      largest; stochastically, within 14.3% or 15.5%.
 
     Leaves under 4,096 elements stay float32 when ``"8bit"`` or float8 is chosen
     (bitsandbytes and torchao do the same): their blocks would save nothing.
@@ -198,7 +260,10 @@ def low_precision_state(
 
     def init_fn(params: Params) -> LowPrecisionState:
         count = None if rounding == "nearest" else jnp.zeros((), jnp.uint32)
-        return LowPrecisionState(store(inner.init(params), None, _param_paths(params)), count)
+        paths = _param_paths(params)
+        state = inner.init(params)
+        _check_fields_exist(state, chosen, paths)
+        return LowPrecisionState(store(state, None, paths), count)
 
     def update_fn(
         updates: Updates,
@@ -207,10 +272,23 @@ def low_precision_state(
         **extra_args: object,
     ) -> tuple[Updates, LowPrecisionState]:
         check_own_state(state, LowPrecisionState, "LowPrecisionState")
+        fn = "jamp.low_precision_state(...).update"
+        if rounding == "stochastic":
+            why = "rounding='stochastic' counts its steps"
+            check_counter(state.storage_count, jnp.uint32, "state.storage_count", why)
+        else:
+            refuse_counter(state.storage_count, "state.storage_count", "rounding='nearest'")
+        # The stored state against init's, for the parameters (or, without them, the
+        # gradients, which have their shapes).
+        like = updates if params is None else params
+        stored, name = state.stored_state, "state.stored_state"
+        init = lambda p: init_fn(p).stored_state  # noqa: E731
+        check_state_matches(stored, init, like, name, fn, strict=False)
         paths = _param_paths(updates)
-        new_updates, new_state = inner.update(
-            updates, widen(state.stored_state, paths), params, **extra_args
-        )
+        with diagnosing(fn, stored, name, init, like, updates, params):
+            new_updates, new_state = inner.update(
+                updates, widen(stored, paths), params, **extra_args
+            )
         # The key comes from the new count: one small kernel makes both.
         count = state.storage_count
         if count is not None:
