@@ -38,6 +38,7 @@ import numpy as np
 import optax
 import pytest
 from _autocast_helpers import BF16, F32
+from _eqx_models import TrainRNN
 from flax import linen as nn
 from flax import nnx
 from jax import lax
@@ -94,23 +95,7 @@ def _errors(ref, ours, plain, params, batches, grad=jax.grad):
 # ---------------------------------------------------------------------------------------
 
 
-class _RNN(eqx.Module):
-    cell: eqx.nn.GRUCell
-    linear: eqx.nn.Linear
-    bias: jax.Array
-
-    def __init__(self, key):
-        ckey, lkey = jax.random.split(key)
-        self.cell = eqx.nn.GRUCell(2, 16, key=ckey)
-        self.linear = eqx.nn.Linear(16, 1, use_bias=False, key=lkey)
-        self.bias = jnp.zeros(1)
-
-    def __call__(self, xs):
-        def step(h, x):
-            return self.cell(x, h), None
-
-        h, _ = lax.scan(step, jnp.zeros((16,), xs.dtype), xs)
-        return self.linear(h) + self.bias
+_RNN = TrainRNN
 
 
 def _spirals(n, key, steps=32):

@@ -378,22 +378,8 @@ def eqx_cnn() -> Case:
 
 
 def eqx_gru() -> Case:
-    import equinox as eqx
 
-    class RNN(eqx.Module):  # Equinox's train_rnn example
-        cell: eqx.nn.GRUCell
-        linear: eqx.nn.Linear
-        bias: jax.Array
-
-        def __init__(self, key):
-            ckey, lkey = jax.random.split(key)
-            self.cell = eqx.nn.GRUCell(2, 16, key=ckey)
-            self.linear = eqx.nn.Linear(16, 1, use_bias=False, key=lkey)
-            self.bias = jnp.zeros(1)
-
-        def __call__(self, xs):
-            h, _ = jax.lax.scan(lambda h, x: (self.cell(x, h), None), jnp.zeros(16), xs)
-            return self.linear(h) + self.bias
+    from tests._eqx_models import TrainRNN as RNN  # Equinox's train_rnn example
 
     def loss(m, x, y):  # as train_rnn: sigmoid, then log
         p = jax.nn.sigmoid(jax.vmap(m)(x).astype(F32))

@@ -23,20 +23,11 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.values import shard_map_like
-from jamp._src.jaxprs import ClosedJaxpr, shaped
+from jamp._src.jaxprs import CALLS, ClosedJaxpr, shaped
 
-# Operations that only group others: inlined.
-_INLINE = {
-    "pjit": "jaxpr",
-    "jit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-}
+# Operations that only group others: inlined (the calls of jamp's jaxpr vocabulary, and
+# the rematerialised and older custom_vjp forms).
+_INLINE = {**CALLS, "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
 # Operations that move or relabel values without computing: their error is their input's.
 MOVES = frozenset(
     {
