@@ -17,6 +17,7 @@ from typing import NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import optax
+from jax.typing import DTypeLike
 
 from jamp._src.leaves import is_integer
 from jamp._src.loss_scaling import ScaledOptimizerState, checked_inner
@@ -140,7 +141,7 @@ def _check_parameters(params: Params, rounding: str) -> None:
         )
 
 
-def check_counter(value: object, dtype: type, name: str, why: str) -> None:
+def check_counter(value: object, dtype: DTypeLike, name: str, why: str) -> None:
     """A TypeError unless ``value`` is a scalar array of ``dtype`` (a state's counter)."""
     shape, got = getattr(value, "shape", None), getattr(value, "dtype", None)
     if shape != () or got != jnp.dtype(dtype):
