@@ -81,3 +81,29 @@ def gpu_compiler():
         if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
             pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {reason}")
         pytest.skip(reason)
+
+
+if os.environ.get("JAMP_DUMP_GPU_HLO"):
+    # For a refactor's "every GPU program is unchanged" check: each program the suite
+    # compiles for the GPU target is written to $JAMP_DUMP_GPU_HLO, named by its test and
+    # its order there. Compare two dumps with `python -m tests.hlo_diff OLD NEW`.
+    import itertools
+    import re
+
+    from benchmarks import xla_gpu as _xla_gpu
+
+    _compile_lowered = _xla_gpu.compile_lowered
+    _dumped: dict[str, itertools.count] = {}
+
+    def _compile_and_dump(lowered):
+        compiled = _compile_lowered(lowered)
+        test = os.environ.get("PYTEST_CURRENT_TEST", "outside-a-test").rsplit(" ", 1)[0]
+        name = re.sub(r"[^A-Za-z0-9_.-]+", "_", test)
+        n = next(_dumped.setdefault(name, itertools.count()))
+        path = os.path.join(os.environ["JAMP_DUMP_GPU_HLO"], f"{name}.{n}.hlo")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(compiled.as_text())
+        return compiled
+
+    _xla_gpu.compile_lowered = _compile_and_dump
