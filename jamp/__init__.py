@@ -42,7 +42,7 @@ from jamp._src.value_and_grad import (
 _flax_support.register_when_imported()
 
 # The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]).
-__version__ = "0.2.0.dev0"
+__version__ = "0.2.0"
 
 
 def _moved(new: str, obj: object) -> _Rename:

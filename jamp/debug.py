@@ -9,8 +9,7 @@ finite inputs (``locate_when_skipped`` does it inside a step, on skipped steps o
 ``log_nonfinite`` logs them only on the steps that have some (and
 ``jamp.loss_scaling(..., report_nonfinite=True)`` does it on skipped steps);
 ``autocast_report`` traces an autocast function and lists its primitives'
-dtypes and its saved residuals. See ``docs/debugging-precision.md`` and
-``docs/observability.md``.
+dtypes and its saved residuals. See ``docs/debugging-precision.md``.
 """
 
 from jamp._src.autocast.api import AutocastReport, autocast_report

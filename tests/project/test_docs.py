@@ -75,3 +75,29 @@ def test_docstring_examples(name):
         runner.run(t)
     result = runner.summarize(verbose=False)
     assert result.failed == 0, f"{result.failed} docstring example(s) failed in {name}"
+
+
+def _mapped_units():
+    """The units the map of ``jamp/_src/README.md`` names: the backticked name in the
+    second column of each row of its table, a package with a trailing ``/``."""
+    text = (ROOT / "jamp" / "_src" / "README.md").read_text()
+    table = text.split("## The map", 1)[1].split("\n## ", 1)[0]
+    units = set()
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 3 and (m := re.fullmatch(r"`([a-z0-9_]+/?)`", cells[1])):
+            units.add(m.group(1))
+    return units
+
+
+def test_the_src_map_names_every_unit():
+    src = ROOT / "jamp" / "_src"
+    packages = {f"{p.parent.name}/" for p in src.glob("*/__init__.py")}
+    modules = {p.stem for p in src.glob("*.py") if p.name != "__init__.py"}
+    units, mapped = packages | modules, _mapped_units()
+    assert len(mapped) >= 10, mapped  # the table was read
+    assert not units - mapped, (
+        "jamp/_src/README.md's map has no row for these units (a package is written `name/`): "
+        f"{sorted(units - mapped)}"
+    )
+    assert not mapped - units, f"the map names units that do not exist: {sorted(mapped - units)}"
