@@ -49,7 +49,7 @@ FLOORS = {
 PACKAGES = {
     "finite": ["default", "cpu", "check", "report"],
     "autocast": ["rules", "values", "sums", "residuals", "flow", "interpreter", "float8", "api"],
-    "grad_scaler": ["records", "scaler"],
+    "grad_scaler": ["records", "state", "scaler"],
     "optimizer": ["rounding", "quantize", "master", "state"],
     "numerics": ["program", "locate", "report"],
 }
