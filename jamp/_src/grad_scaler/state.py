@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import inspect
+import operator
 from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
@@ -146,6 +147,8 @@ _META_FIELDS = (
     "checked_by",
 )
 _KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _DATA_FIELDS)
+# Read in one C call each: a jitted step flattens its state argument on every dispatch.
+_data_of, _meta_of = operator.attrgetter(*_DATA_FIELDS), operator.attrgetter(*_META_FIELDS)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -174,8 +177,7 @@ def _flatten(state: GradScalerState) -> tuple[tuple, tuple]:
     stale = None
     if state.consumed_by is not None and state._consumed_in is not None:
         stale = _Stale(state.consumed_by, state._consumed_in)
-    children = tuple(getattr(state, name) for name in _DATA_FIELDS)
-    return children, (*(getattr(state, name) for name in _META_FIELDS), stale)
+    return _data_of(state), (*_meta_of(state), stale)
 
 
 def _flatten_with_keys(state: GradScalerState) -> tuple[tuple, tuple]:
