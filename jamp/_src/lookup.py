@@ -16,7 +16,7 @@ import numpy as np
 from jax.tree_util import KeyPath
 
 from jamp._src.float8 import Float8State, check_values
-from jamp._src.loss_scale import STATIC, LossScaleState, placed_like, restore
+from jamp._src.loss_scale import DATA_FIELDS, STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
 from jamp._src.optimizer.master import MasterWeightsState
 from jamp._src.types import OptState, PyTree
@@ -40,9 +40,6 @@ def _unwrapped(tree: PyTree) -> PyTree:
 def _find_in(tree: PyTree, kind: type) -> list[tuple[KeyPath, PyTree]]:
     leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
     return [(path, leaf) for path, leaf in leaves if isinstance(leaf, kind)]
-
-
-_FIELDS = ("scale", "growth_tracker", "overflow_streak")
 
 
 def _flattened(tree: PyTree) -> dict[KeyPath, dict[str, object]]:
@@ -113,7 +110,7 @@ def _find_flattened(tree: PyTree) -> list[tuple[KeyPath, dict[str, object]]]:
     return [
         (path, fields)
         for path, fields in _flattened(tree).items()
-        if all(f in fields for f in _FIELDS)
+        if all(f in fields for f in DATA_FIELDS)
     ]
 
 
@@ -323,7 +320,7 @@ def _loss_scale_metrics(state: PyTree) -> dict[str, jax.Array]:
     for path, fields in flat.items():  # nnx.state(optimizer): loss_scaling's fields
         inner_path = (*path, jax.tree_util.DictKey("loss_scale"))
         inner = flat.get(inner_path, {})
-        if all(f in inner for f in _FIELDS) and {"last_finite", "skipped_steps"} <= set(fields):
+        if all(f in inner for f in DATA_FIELDS) and {"last_finite", "skipped_steps"} <= set(fields):
             snapshot = _snapshot(inner_path, inner, "state")
             last, skipped = fields["last_finite"], fields["skipped_steps"]
             return {

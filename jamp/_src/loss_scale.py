@@ -31,6 +31,8 @@ from jamp._src.validate import (
     check_filter,
 )
 
+# The state's leaves, in their pytree order (what a checkpoint holds, by these names).
+DATA_FIELDS = ("scale", "growth_tracker", "overflow_streak")
 # The static configuration: metadata of the pytree, arguments of check_config.
 CONFIG_FIELDS = (
     "growth_factor",
@@ -90,7 +92,7 @@ class LossScaleState:
 
 jax.tree_util.register_dataclass(
     LossScaleState,
-    data_fields=["scale", "growth_tracker", "overflow_streak"],
+    data_fields=list(DATA_FIELDS),
     meta_fields=["kind", *CONFIG_FIELDS],
 )
 
@@ -177,7 +179,7 @@ def restore(
       A new [`LossScaleState`][jamp.LossScaleState].
     """
     check_state(target, "restore")
-    names = {f: f"{where}{f}" for f in ("scale", "growth_tracker", "overflow_streak")}
+    names = {f: f"{where}{f}" for f in DATA_FIELDS}
     for name, value in (("growth_tracker", growth_tracker), ("overflow_streak", overflow_streak)):
         if value is None:  # check_config reads None as "not given"
             raise TypeError(
