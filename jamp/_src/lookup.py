@@ -10,7 +10,6 @@ configuration, so the state found there is a static snapshot of the scale.
 from __future__ import annotations
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import KeyPath
@@ -19,7 +18,7 @@ from jamp._src.float8 import Float8State, check_values
 from jamp._src.loss_scale import DATA_FIELDS, STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
 from jamp._src.optimizer.master import MasterWeightsState
-from jamp._src.types import OptState, PyTree
+from jamp._src.types import OptState, PyTree, is_tracer
 from jamp._src.validate import check_bool_scalar, checked_counter, checked_scale
 from jamp._src.value_and_grad import ScaledValueAndGrad
 
@@ -74,9 +73,7 @@ def _field(path: KeyPath, key: str, value: object, kind: str, arg: str = "opt_st
     ``"flag"`` (a bool). A traced value (``nnx.state`` under ``jit``) is checked by its
     dtype and shape only."""
     name = f"{arg}{jax.tree_util.keystr((*path, jax.tree_util.DictKey(key)))}"
-    if isinstance(value, jax.core.Tracer) or (
-        isinstance(value, jax.Array) and not value.is_fully_addressable
-    ):
+    if is_tracer(value) or (isinstance(value, jax.Array) and not value.is_fully_addressable):
         dtype, shape = np.dtype(value.dtype), tuple(value.shape)
         want = {"scale": np.floating, "count": np.integer, "flag": np.bool_}[kind]
         if shape != () or not np.issubdtype(dtype, want):
@@ -232,7 +229,7 @@ def check_restored(tree: PyTree) -> PyTree:
             return x
         where = prefix(path)
         skipped = checked_counter(f"{where}skipped_steps", x.skipped_steps)
-        if isinstance(x.last_finite, jax.core.Tracer):
+        if is_tracer(x.last_finite):
             raise TypeError(
                 f"Expected `{where}last_finite` to be a concrete bool, got a traced value "
                 "instead; call jamp.check_restored outside `jit`."

@@ -12,14 +12,13 @@ import dataclasses
 from typing import TypedDict, TypeVar
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
 from jamp._src.leaves import map_floating, scale_leaf, unscale_leaf
 from jamp._src.torch_rounding import mul_as_torch
-from jamp._src.types import Filter, PyTree
+from jamp._src.types import Filter, PyTree, is_tracer
 from jamp._src.validate import (
     INT32_MAX,
     MAX_SCALE,
@@ -218,7 +217,7 @@ def placed_like(value: jax.Array, restored: object) -> jax.Array:
     mixing committed arrays (Orbax's) with uncommitted ones (new ones) would
     compile the step once more.
     """
-    if not isinstance(restored, jax.Array) or isinstance(restored, jax.core.Tracer):
+    if not isinstance(restored, jax.Array) or is_tracer(restored):
         return value
     if not restored.is_fully_addressable:
         return value

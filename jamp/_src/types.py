@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any, TypeAlias
 
 import jax
+import jax.core
 
 PyTree: TypeAlias = Any
 """Any pytree: arrays and numbers in tuples, lists, dicts, dataclasses, modules."""
@@ -35,3 +36,9 @@ Filter: TypeAlias = Callable[[Any], Any] | None
 
 Scalar: TypeAlias = jax.Array
 """A 0-d device array: a flag, a counter, a scale."""
+
+
+def is_tracer(x: object) -> bool:
+    """Whether ``x`` is being traced (under ``jit``, ``grad``, ``vmap``...): it has no value to
+    read, so a check of its value waits for the traced computation, or is left out."""
+    return isinstance(x, jax.core.Tracer)

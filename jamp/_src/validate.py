@@ -22,12 +22,11 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Final, NamedTuple, Protocol, cast
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 
 from jamp._src.leaves import is_integer, is_numeric_dtype, is_real_number, partition
-from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, Updates
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, Updates, is_tracer
 
 # The default bounds keep 1/scale a *normal* float32 number, so unscaling never
 # multiplies by inf, 0, or a subnormal that a backend may flush to zero.
@@ -53,7 +52,7 @@ class Config(NamedTuple):
 
 
 def _refuse_tracer(name: str, value: object, what: str, action: str) -> None:
-    if isinstance(value, jax.core.Tracer):
+    if is_tracer(value):
         raise TypeError(
             f"Expected `{name}` to be a concrete {what}, got a traced value instead; {action} "
             "outside `jit`."
@@ -499,7 +498,7 @@ def check_counters(skipped_steps: object, last_finite: object, fix: str) -> None
                 f"Expected `state.{name}` to be {kind} scalar, got an array of shape {shape} "
                 f"instead; {fix}."
             )
-    concrete = not isinstance(skipped_steps, jax.core.Tracer)
+    concrete = not is_tracer(skipped_steps)
     if concrete and getattr(skipped_steps, "is_fully_addressable", True):
         v = int(np.asarray(skipped_steps))
         if not 0 <= v <= INT32_MAX:

@@ -28,7 +28,6 @@ from collections.abc import Callable, Mapping
 from typing import overload
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -61,7 +60,7 @@ from jamp._src.leaves import is_real_number
 from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import optimizer_step
-from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, is_tracer
 from jamp._src.validate import (
     Config,
     check_axis_name,
@@ -79,7 +78,7 @@ _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_
 def _python_scalar(value: object) -> object:
     """A 0-d NumPy/JAX array (a dict restored by Orbax or ``np.load``) as a Python number."""
     if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
-        if isinstance(value, jax.core.Tracer):
+        if is_tracer(value):
             return value
         arr = np.asarray(value)
         if arr.dtype.kind in "iu":
@@ -463,7 +462,7 @@ class GradScaler:
             )
         check_not_consumed(state, "update")
         if new_scale is not None:
-            if isinstance(new_scale, jax.core.Tracer):
+            if is_tracer(new_scale):
                 dtype = np.dtype(new_scale.dtype)
                 if dtype not in (np.float32, np.float64) and not np.issubdtype(dtype, np.integer):
                     raise TypeError(

@@ -18,13 +18,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, ParamSpec, TypeVar
 
 import jax
-import jax.core
 
 from jamp._src import loss_scale as ls
 from jamp._src.grad_scaler.records import trace_state
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
-from jamp._src.types import PyTree
+from jamp._src.types import PyTree, is_tracer
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -48,7 +47,6 @@ def check_scaler_state(state: object, method: str) -> ls.LossScaleState:
         f"`GradScaler.{method}` expected `state` to be the scaler's GradScalerState (from "
         f"scaler.init() or scaler.load_state_dict), got {type(state).__name__} instead{hint}."
     )
-
 
 
 # ---------------------------------------------------------------- the state
@@ -276,20 +274,16 @@ CALLS = {
 _CLONE = "jax.tree_util.tree_map(lambda x: x, state)"
 
 
-def _is_tracer(x: object) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
 def consume(state: ls.LossScaleState, method: str, others: PyTree = ()) -> None:
     """Mark ``state`` consumed by ``method``, which took it and returned its successor: what
     that means, and which states are not marked, is ``GradScalerState``'s docstring (``others``:
     the method's other arguments, traced when a captured, concrete ``state`` is not marked)."""
     if not isinstance(state, GradScalerState):
         return
-    if _is_tracer(state.scale):  # consumed in this trace: it leaves it marked (``_Stale``)
+    if is_tracer(state.scale):  # consumed in this trace: it leaves it marked (``_Stale``)
         object.__setattr__(state, "consumed_by", method)
         object.__setattr__(state, "_consumed_in", trace_state())
-    elif not any(map(_is_tracer, jax.tree_util.tree_leaves(others))):
+    elif not any(map(is_tracer, jax.tree_util.tree_leaves(others))):
         object.__setattr__(state, "consumed_by", method)
 
 
@@ -359,4 +353,3 @@ def takes_state(call: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
         return checked
 
     return decorate
-
