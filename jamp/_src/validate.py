@@ -24,6 +24,7 @@ from typing import Final, NamedTuple, Protocol, cast
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jamp._src.leaves import is_integer, is_numeric_dtype, is_real_number, partition
 from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, Updates, is_tracer
@@ -469,6 +470,30 @@ def check_own_state(state: object, kind: type, name: str) -> None:
         raise TypeError(
             f"Expected `state` to be the {name} from this transformation's init, got "
             f"{type(state).__name__} instead."
+        )
+
+
+def check_counter(value: object, dtype: DTypeLike, name: str, why: str) -> None:
+    """A TypeError unless ``value`` is a scalar array of ``dtype``: a counter an optimizer
+    state keeps (``master_weights``, ``low_precision_state``; ``check_counters`` checks the
+    loss-scaling state's)."""
+    shape, got = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape != () or got != jnp.dtype(dtype):
+        shown = "None" if value is None else f"{type(value).__name__} {got} {shape}"
+        raise TypeError(
+            f"Expected `{name}` to be a {jnp.dtype(dtype)} scalar ({why}), got {shown} "
+            "instead: the state was not made by this transformation's init, or was changed. "
+            "Pass the state from `tx.init(params)`."
+        )
+
+
+def refuse_counter(value: object, name: str, why: str) -> None:
+    """A TypeError unless ``value`` is None (a counter the configuration does not keep)."""
+    if value is not None:
+        raise TypeError(
+            f"Expected `{name}` to be None ({why}), got {type(value).__name__} instead: the "
+            "state was made by a transformation of another configuration. Pass the state "
+            "from `tx.init(params)` of this one."
         )
 
 

@@ -17,7 +17,6 @@ from typing import NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import optax
-from jax.typing import DTypeLike
 
 from jamp._src.leaves import is_integer
 from jamp._src.loss_scaling import ScaledOptimizerState, checked_inner
@@ -34,12 +33,14 @@ from jamp._src.optimizer.rounding import (
 )
 from jamp._src.types import OptState, Params, PyTree, Updates
 from jamp._src.validate import (
+    check_counter,
     check_gradients,
     check_own_state,
     check_params,
     check_state_matches,
     check_updates,
     diagnosing,
+    refuse_counter,
 )
 
 ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
@@ -138,28 +139,6 @@ def _check_parameters(params: Params, rounding: str) -> None:
             "ones: the exact recipe keeps float32's 16 low bits, and only bfloat16 is float32's "
             "top half. For float16 parameters use rounding='kahan' (the same 4 bytes per "
             "parameter) or 'stochastic' (2), or store them in bfloat16."
-        )
-
-
-def check_counter(value: object, dtype: DTypeLike, name: str, why: str) -> None:
-    """A TypeError unless ``value`` is a scalar array of ``dtype`` (a state's counter)."""
-    shape, got = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape != () or got != jnp.dtype(dtype):
-        shown = "None" if value is None else f"{type(value).__name__} {got} {shape}"
-        raise TypeError(
-            f"Expected `{name}` to be a {jnp.dtype(dtype)} scalar ({why}), got {shown} "
-            "instead: the state was not made by this transformation's init, or was changed. "
-            "Pass the state from `tx.init(params)`."
-        )
-
-
-def refuse_counter(value: object, name: str, why: str) -> None:
-    """A TypeError unless ``value`` is None (a counter the configuration does not keep)."""
-    if value is not None:
-        raise TypeError(
-            f"Expected `{name}` to be None ({why}), got {type(value).__name__} instead: the "
-            "state was made by a transformation of another configuration. Pass the state "
-            "from `tx.init(params)` of this one."
         )
 
 
