@@ -15,6 +15,7 @@ import numpy as np
 from jax.tree_util import KeyPath
 
 from jamp._src.float8 import Float8State, check_values
+from jamp._src.leaves import find_nodes
 from jamp._src.loss_scale import DATA_FIELDS, STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
 from jamp._src.optimizer.master import MasterWeightsState
@@ -34,11 +35,6 @@ def _unwrapped(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         _unwrap, tree, is_leaf=lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
     )
-
-
-def _find_in(tree: PyTree, kind: type) -> list[tuple[KeyPath, PyTree]]:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
-    return [(path, leaf) for path, leaf in leaves if isinstance(leaf, kind)]
 
 
 def _flattened(tree: PyTree) -> dict[KeyPath, dict[str, object]]:
@@ -116,10 +112,10 @@ def _find(tree: PyTree, kind: type) -> list[tuple[KeyPath, PyTree]]:
     TrainState, nnx.Optimizer), those in its ``opt_state``, else those in the
     whole object (a TrainState with a ``loss_scale`` field of its own)."""
     if hasattr(tree, "opt_state") and not isinstance(tree, tuple):
-        found = _find_in(tree.opt_state, kind)
+        found = find_nodes(tree.opt_state, kind)
         if found:
             return found
-    return _find_in(tree, kind)
+    return find_nodes(tree, kind)
 
 
 def holds_loss_scale(tree: PyTree) -> bool:

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jamp._src.leaves import map_floating, scale_leaf, unscale_leaf
+from jamp._src.leaves import find_nodes, map_floating, scale_leaf, unscale_leaf
 from jamp._src.torch_rounding import mul_as_torch
 from jamp._src.types import Filter, PyTree, is_tracer
 from jamp._src.validate import (
@@ -240,8 +240,7 @@ def fresh(state: LossScaleState) -> LossScaleState:
 def _holds_state(tree: PyTree) -> bool:
     """Whether a loss-scale state is inside ``tree`` (or its ``opt_state``, for Flax objects)."""
     tree = getattr(tree, "opt_state", tree)
-    nodes = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
-    return any(isinstance(x, LossScaleState) for x in nodes)
+    return bool(find_nodes(tree, LossScaleState))
 
 
 def check_state(state: object, fn: str) -> LossScaleState:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jamp._src.leaves import is_integer
+from jamp._src.leaves import find_nodes, is_integer
 from jamp._src.loss_scaling import ScaledOptimizerState, checked_inner
 from jamp._src.optimizer.rounding import (
     PARAMETERS,
@@ -144,9 +144,7 @@ def _check_parameters(params: Params, rounding: str) -> None:
 
 def _refuse_loss_scaling_inside(state: OptState) -> None:
     """A ValueError if ``inner``'s state holds a ``jamp.loss_scaling`` state."""
-    kind = ScaledOptimizerState
-    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind))
-    if any(isinstance(x, kind) for x in leaves):
+    if find_nodes(state, ScaledOptimizerState):
         raise ValueError(
             "`jamp.master_weights` expected `inner` to be the optimizer of the float32 master, "
             "got one holding a jamp.loss_scaling state: inside master_weights a skipped step "
@@ -483,11 +481,7 @@ def master_params(params: Params, opt_state: OptState) -> Params:
       >>> params["w"], jamp.optimizer.master_params(params, state)["w"]
       (Array([1, 1], dtype=bfloat16), Array([0.99975586, 0.99975586], dtype=float32))
     """
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
-        if isinstance(x, MasterWeightsState)
-    ]
+    found = [x for _, x in find_nodes(opt_state, MasterWeightsState)]
     if len(found) != 1:
         raise ValueError(
             "`jamp.optimizer.master_params` expected `opt_state` to hold one "
