@@ -11,7 +11,8 @@ wrong value (out of range, another shape, another structure) a
 ``ValueError``, each naming the argument, showing the value and saying the
 fix. ``diagnosing`` is the one place that explains a failure inside the
 user's optimizer. Imports only jax, numpy and the ground floor's ``leaves``
-and ``types``.
+and ``types``. ``hide_from_tracebacks`` leaves the modules that refuse a
+misuse (this one, ``grad_scaler``'s) out of JAX's filtered tracebacks.
 """
 
 from __future__ import annotations
@@ -28,6 +29,23 @@ from jax.typing import DTypeLike
 
 from jamp._src.leaves import is_integer, is_numeric_dtype, is_real_number, partition
 from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, Updates, is_tracer
+
+
+def hide_from_tracebacks(path: str) -> None:
+    """Leave the module at ``path`` out of the tracebacks JAX filters (an error raised while
+    a function is transformed), as JAX, Optax, Equinox and Flax leave theirs: a misuse that
+    a module of jamp's refuses is shown from the user's line that made it. The frames are
+    still in the unfiltered traceback JAX chains to it (``JAX_TRACEBACK_FILTERING=off``
+    shows them). Nothing happens on a jax without the (private) hook."""
+    try:
+        from jax._src import traceback_util
+
+        traceback_util.register_exclusion(path)
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the jax version
+        pass
+
+
+hide_from_tracebacks(__file__)
 
 # The default bounds keep 1/scale a *normal* float32 number, so unscaling never
 # multiplies by inf, 0, or a subnormal that a backend may flush to zero.

@@ -32,6 +32,9 @@ import jax
 import jax.extend.core
 
 from jamp._src.types import Params, is_tracer
+from jamp._src.validate import hide_from_tracebacks
+
+hide_from_tracebacks(__file__)  # a misuse it refuses shows the user's line
 
 _LOOP = (
     "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`, then "

@@ -69,8 +69,11 @@ from jamp._src.validate import (
     check_not_swapped,
     check_skip,
     check_step_arguments,
+    hide_from_tracebacks,
     refuse_axis_name,
 )
+
+hide_from_tracebacks(__file__)  # a misuse it refuses shows the user's line
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 

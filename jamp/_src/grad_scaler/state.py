@@ -24,6 +24,9 @@ from jamp._src.grad_scaler.records import trace_state
 from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
 from jamp._src.types import PyTree, is_tracer
+from jamp._src.validate import hide_from_tracebacks
+
+hide_from_tracebacks(__file__)  # a misuse it refuses shows the user's line
 
 P = ParamSpec("P")
 R = TypeVar("R")
