@@ -34,9 +34,9 @@ from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, U
 def hide_from_tracebacks(path: str) -> None:
     """Leave the module at ``path`` out of the tracebacks JAX filters (an error raised while
     a function is transformed), as JAX, Optax, Equinox and Flax leave theirs: a misuse that
-    a module of jamp's refuses is shown from the user's line that made it. The frames are
-    still in the unfiltered traceback JAX chains to it (``JAX_TRACEBACK_FILTERING=off``
-    shows them). Nothing happens on a jax without the (private) hook."""
+    a module of jamp's refuses is shown from the user's line that made it
+    (``JAX_TRACEBACK_FILTERING=off`` shows every frame). Nothing happens on a jax without
+    the (private) hook."""
     try:
         from jax._src import traceback_util
 
