@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import jamp
-from jamp._src.deprecations import Rename, module_getattr, renamed_arguments
+from jamp._src.deprecations import Rename, module_getattr
 
 OLD_NAME = "LossScaling" + "State"  # spelled apart: test_namespaces finds only real uses
 RENAMED = (
@@ -58,21 +58,3 @@ def test_module_getattr_serves_any_rename_with_its_versions():
         assert getattr_("Old") is New
     with pytest.raises(AttributeError, match="'pkg' has no attribute 'New'"):
         getattr_("New")
-
-
-def test_renamed_arguments_passes_the_old_keyword_on_with_a_warning():
-    @renamed_arguments(since="0.2.0", init="init_scale")
-    def make(*, init_scale=1.0):
-        return init_scale
-
-    with pytest.warns(
-        DeprecationWarning,
-        match=r"^`.*make\(init=\.\.\.\)` is deprecated since jamp 0\.2\.0 and will be removed in "
-        r"jamp 0\.3\.0: it was renamed `init_scale=`\. Write `init_scale=` instead\.$",
-    ):
-        assert make(init=4.0) == 4.0
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert make(init_scale=2.0) == 2.0  # the new name: no warning
-    with pytest.raises(TypeError, match=r"got both `init` and `init_scale`.*pass `init_scale`"):
-        make(init=1.0, init_scale=2.0)

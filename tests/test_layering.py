@@ -19,7 +19,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SRC = ROOT / "jamp" / "_src"
 
-GROUND, CHECKS, FRONT, FACADE = range(4)
+GROUND, CHECKS, FRONT, READERS, FACADE = range(5)
 FLOORS = {
     # the vocabulary, the validators, leaves, torch rounding, the state, policies, float8
     "types": GROUND,
@@ -37,11 +37,13 @@ FLOORS = {
     # the front ends
     "loss_scaling": FRONT,
     "value_and_grad": FRONT,
-    "lookup": FRONT,
     "autocast": FRONT,
     "flax_support": FRONT,
     "optimizer": FRONT,
-    "numerics": FRONT,
+    # what reads the front ends' states (lookup finds them, numerics reads the metrics):
+    # above them, so no front end depends on a reader of its state
+    "lookup": READERS,
+    "numerics": READERS,
     # the GradScaler facade over the shared pieces
     "grad_scaler": FACADE,
 }
@@ -49,7 +51,7 @@ FLOORS = {
 PACKAGES = {
     "finite": ["default", "cpu", "check", "report"],
     "autocast": ["rules", "values", "sums", "residuals", "flow", "interpreter", "float8", "api"],
-    "grad_scaler": ["records", "scaler"],
+    "grad_scaler": ["records", "state", "scaler"],
     "optimizer": ["rounding", "quantize", "master", "state"],
     "numerics": ["program", "locate", "report"],
 }

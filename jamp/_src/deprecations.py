@@ -11,21 +11,16 @@ what to write instead; ``CHANGELOG.md`` lists it under "Deprecated".
 
       __getattr__ = module_getattr("jamp", {"OldName": Rename("NewName", NewName, "0.2.0")})
 
-- A keyword argument: ``renamed_arguments`` wraps a function so that
-  ``fn(old=...)`` is passed on as ``fn(new=...)``::
-
-      @renamed_arguments(since="0.2.0", old="new")
-      def fn(x, *, new=None): ...
+- A keyword argument: the function accepts the old keyword itself, passes it
+  on as the new one, and warns with ``message``'s text (no keyword is renamed
+  at present).
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple, TypeVar, cast
-
-F = TypeVar("F", bound=Callable[..., object])
+from typing import Any, NamedTuple
 
 
 class Rename(NamedTuple):
@@ -100,39 +95,3 @@ def module_getattr(module: str, renames: Mapping[str, Rename]) -> Callable[[str]
         return rename.obj
 
     return __getattr__
-
-
-def renamed_arguments(
-    *, since: str, removed_in: str | None = None, **renames: str
-) -> Callable[[F], F]:
-    """A decorator that accepts each old keyword argument of ``renames`` as its new name.
-
-    Args:
-      since: the jamp version that deprecated the old names.
-      removed_in: the version that removes them; by default the next minor.
-      **renames: ``old_name="new_name"``.
-
-    Returns:
-      The decorator. Passing both the old and the new name is a
-      ``TypeError``, naming both.
-    """
-
-    def decorate(fn: F) -> F:
-        @functools.wraps(fn)
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            for old, new in renames.items():
-                if old not in kwargs:
-                    continue
-                if new in kwargs:
-                    raise TypeError(
-                        f"`{fn.__qualname__}` got both `{old}` and `{new}`: `{old}` is the old "
-                        f"name of `{new}`; pass `{new}` only."
-                    )
-                text = message(f"`{fn.__qualname__}({old}=...)`", f"`{new}=`", since, removed_in)
-                warnings.warn(text, DeprecationWarning, stacklevel=2)
-                kwargs[new] = kwargs.pop(old)
-            return fn(*args, **kwargs)
-
-        return cast(F, wrapped)  # fn's signature, and the old names besides
-
-    return decorate

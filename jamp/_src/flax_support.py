@@ -29,23 +29,21 @@ from jamp._src import loss_scale as ls
 from jamp._src.types import PyTree
 from jamp._src.validate import MIN_SCALE, check_config, checked_floor
 
-_FIELDS = ("scale", "growth_tracker", "overflow_streak")
-
 
 def _to_state_dict(state: ls.LossScaleState) -> dict[str, PyTree]:
     from flax import serialization
 
-    return {f: serialization.to_state_dict(getattr(state, f)) for f in _FIELDS}
+    return {f: serialization.to_state_dict(getattr(state, f)) for f in ls.DATA_FIELDS}
 
 
 def _from_state_dict(target: ls.LossScaleState, state_dict: dict[str, PyTree]) -> ls.LossScaleState:
     from flax import serialization
 
-    missing = [f for f in _FIELDS if f not in state_dict]
+    missing = [f for f in ls.DATA_FIELDS if f not in state_dict]
     if missing:
         raise ValueError(
             f"Expected the state dict of a jamp.LossScaleState at "
-            f"{serialization.current_path()} to have the keys {list(_FIELDS)}, missing "
+            f"{serialization.current_path()} to have the keys {list(ls.DATA_FIELDS)}, missing "
             f"{missing}."
         )
     # Validated as every restored state is (loss_scale.restore): a NaN or

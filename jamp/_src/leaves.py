@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import TypeGuard
+from typing import Any, TypeGuard
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.tree_util import KeyPath
 from jax.typing import ArrayLike, DTypeLike
 
 from jamp._src.types import Filter, PyTree
@@ -195,3 +196,10 @@ def combine(chosen: PyTree, rest: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         lambda a, b: b if a is None else a, chosen, rest, is_leaf=lambda x: x is None
     )
+
+
+def find_nodes(tree: PyTree, kind: type | tuple[type, ...]) -> list[tuple[KeyPath, Any]]:
+    """Every node of ``tree`` that is a ``kind`` (a state class), with its path, in
+    ``tree_flatten`` order; a node of ``kind`` is not searched further."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
+    return [(path, x) for path, x in flat if isinstance(x, kind)]

@@ -10,16 +10,16 @@ configuration, so the state found there is a static snapshot of the scale.
 from __future__ import annotations
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import KeyPath
 
 from jamp._src.float8 import Float8State, check_values
-from jamp._src.loss_scale import STATIC, LossScaleState, placed_like, restore
+from jamp._src.leaves import find_nodes
+from jamp._src.loss_scale import DATA_FIELDS, STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState
 from jamp._src.optimizer.master import MasterWeightsState
-from jamp._src.types import OptState, PyTree
+from jamp._src.types import OptState, PyTree, is_tracer
 from jamp._src.validate import check_bool_scalar, checked_counter, checked_scale
 from jamp._src.value_and_grad import ScaledValueAndGrad
 
@@ -35,14 +35,6 @@ def _unwrapped(tree: PyTree) -> PyTree:
     return jax.tree_util.tree_map(
         _unwrap, tree, is_leaf=lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
     )
-
-
-def _find_in(tree: PyTree, kind: type) -> list[tuple[KeyPath, PyTree]]:
-    leaves, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: isinstance(x, kind))
-    return [(path, leaf) for path, leaf in leaves if isinstance(leaf, kind)]
-
-
-_FIELDS = ("scale", "growth_tracker", "overflow_streak")
 
 
 def _flattened(tree: PyTree) -> dict[KeyPath, dict[str, object]]:
@@ -77,9 +69,7 @@ def _field(path: KeyPath, key: str, value: object, kind: str, arg: str = "opt_st
     ``"flag"`` (a bool). A traced value (``nnx.state`` under ``jit``) is checked by its
     dtype and shape only."""
     name = f"{arg}{jax.tree_util.keystr((*path, jax.tree_util.DictKey(key)))}"
-    if isinstance(value, jax.core.Tracer) or (
-        isinstance(value, jax.Array) and not value.is_fully_addressable
-    ):
+    if is_tracer(value) or (isinstance(value, jax.Array) and not value.is_fully_addressable):
         dtype, shape = np.dtype(value.dtype), tuple(value.shape)
         want = {"scale": np.floating, "count": np.integer, "flag": np.bool_}[kind]
         if shape != () or not np.issubdtype(dtype, want):
@@ -113,7 +103,7 @@ def _find_flattened(tree: PyTree) -> list[tuple[KeyPath, dict[str, object]]]:
     return [
         (path, fields)
         for path, fields in _flattened(tree).items()
-        if all(f in fields for f in _FIELDS)
+        if all(f in fields for f in DATA_FIELDS)
     ]
 
 
@@ -122,10 +112,10 @@ def _find(tree: PyTree, kind: type) -> list[tuple[KeyPath, PyTree]]:
     TrainState, nnx.Optimizer), those in its ``opt_state``, else those in the
     whole object (a TrainState with a ``loss_scale`` field of its own)."""
     if hasattr(tree, "opt_state") and not isinstance(tree, tuple):
-        found = _find_in(tree.opt_state, kind)
+        found = find_nodes(tree.opt_state, kind)
         if found:
             return found
-    return _find_in(tree, kind)
+    return find_nodes(tree, kind)
 
 
 def holds_loss_scale(tree: PyTree) -> bool:
@@ -235,7 +225,7 @@ def check_restored(tree: PyTree) -> PyTree:
             return x
         where = prefix(path)
         skipped = checked_counter(f"{where}skipped_steps", x.skipped_steps)
-        if isinstance(x.last_finite, jax.core.Tracer):
+        if is_tracer(x.last_finite):
             raise TypeError(
                 f"Expected `{where}last_finite` to be a concrete bool, got a traced value "
                 "instead; call jamp.check_restored outside `jit`."
@@ -323,7 +313,7 @@ def _loss_scale_metrics(state: PyTree) -> dict[str, jax.Array]:
     for path, fields in flat.items():  # nnx.state(optimizer): loss_scaling's fields
         inner_path = (*path, jax.tree_util.DictKey("loss_scale"))
         inner = flat.get(inner_path, {})
-        if all(f in inner for f in _FIELDS) and {"last_finite", "skipped_steps"} <= set(fields):
+        if all(f in inner for f in DATA_FIELDS) and {"last_finite", "skipped_steps"} <= set(fields):
             snapshot = _snapshot(inner_path, inner, "state")
             last, skipped = fields["last_finite"], fields["skipped_steps"]
             return {

@@ -12,14 +12,13 @@ import dataclasses
 from typing import TypedDict, TypeVar
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
-from jamp._src.leaves import map_floating, scale_leaf, unscale_leaf
+from jamp._src.leaves import find_nodes, map_floating, scale_leaf, unscale_leaf
 from jamp._src.torch_rounding import mul_as_torch
-from jamp._src.types import Filter, PyTree
+from jamp._src.types import Filter, PyTree, is_tracer
 from jamp._src.validate import (
     INT32_MAX,
     MAX_SCALE,
@@ -31,6 +30,8 @@ from jamp._src.validate import (
     check_filter,
 )
 
+# The state's leaves, in their pytree order (what a checkpoint holds, by these names).
+DATA_FIELDS = ("scale", "growth_tracker", "overflow_streak")
 # The static configuration: metadata of the pytree, arguments of check_config.
 CONFIG_FIELDS = (
     "growth_factor",
@@ -90,7 +91,7 @@ class LossScaleState:
 
 jax.tree_util.register_dataclass(
     LossScaleState,
-    data_fields=["scale", "growth_tracker", "overflow_streak"],
+    data_fields=list(DATA_FIELDS),
     meta_fields=["kind", *CONFIG_FIELDS],
 )
 
@@ -177,7 +178,7 @@ def restore(
       A new [`LossScaleState`][jamp.LossScaleState].
     """
     check_state(target, "restore")
-    names = {f: f"{where}{f}" for f in ("scale", "growth_tracker", "overflow_streak")}
+    names = {f: f"{where}{f}" for f in DATA_FIELDS}
     for name, value in (("growth_tracker", growth_tracker), ("overflow_streak", overflow_streak)):
         if value is None:  # check_config reads None as "not given"
             raise TypeError(
@@ -216,7 +217,7 @@ def placed_like(value: jax.Array, restored: object) -> jax.Array:
     mixing committed arrays (Orbax's) with uncommitted ones (new ones) would
     compile the step once more.
     """
-    if not isinstance(restored, jax.Array) or isinstance(restored, jax.core.Tracer):
+    if not isinstance(restored, jax.Array) or is_tracer(restored):
         return value
     if not restored.is_fully_addressable:
         return value
@@ -239,8 +240,7 @@ def fresh(state: LossScaleState) -> LossScaleState:
 def _holds_state(tree: PyTree) -> bool:
     """Whether a loss-scale state is inside ``tree`` (or its ``opt_state``, for Flax objects)."""
     tree = getattr(tree, "opt_state", tree)
-    nodes = jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, LossScaleState))
-    return any(isinstance(x, LossScaleState) for x in nodes)
+    return bool(find_nodes(tree, LossScaleState))
 
 
 def check_state(state: object, fn: str) -> LossScaleState:

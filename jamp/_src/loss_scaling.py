@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import NamedTuple, cast
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -40,7 +39,7 @@ from jamp._src.skip import (
     same_or_zeros,
     select_or_keep,
 )
-from jamp._src.types import AxisName, OptState, Params, PyTree, Updates
+from jamp._src.types import AxisName, OptState, Params, PyTree, Updates, is_tracer
 from jamp._src.validate import (
     check_axis_name,
     check_count,
@@ -308,7 +307,7 @@ def _check_schedule(schedule: Callable[[ArrayLike], ArrayLike]) -> None:
         raise TypeError(
             f"{want}, got {name}, which returned {what} given the step count 0 instead{hint}."
         )
-    if not isinstance(k, jax.core.Tracer) and not float(cast(float, k)) >= 1:
+    if not is_tracer(k) and not float(cast(float, k)) >= 1:
         raise ValueError(
             f"{want}, got {name}, which returned {float(cast(float, k))!r} micro-steps given "
             "the step count 0 instead."

@@ -8,9 +8,10 @@ arrays can be (a tree of arrays is not a type a checker can follow through
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeGuard
 
 import jax
+import jax.core
 
 PyTree: TypeAlias = Any
 """Any pytree: arrays and numbers in tuples, lists, dicts, dataclasses, modules."""
@@ -35,3 +36,9 @@ Filter: TypeAlias = Callable[[Any], Any] | None
 
 Scalar: TypeAlias = jax.Array
 """A 0-d device array: a flag, a counter, a scale."""
+
+
+def is_tracer(x: object) -> TypeGuard[jax.core.Tracer]:
+    """Whether ``x`` is being traced (under ``jit``, ``grad``, ``vmap``...): it has no value to
+    read, so a check of its value waits for the traced computation, or is left out."""
+    return isinstance(x, jax.core.Tracer)

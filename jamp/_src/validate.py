@@ -11,7 +11,8 @@ wrong value (out of range, another shape, another structure) a
 ``ValueError``, each naming the argument, showing the value and saying the
 fix. ``diagnosing`` is the one place that explains a failure inside the
 user's optimizer. Imports only jax, numpy and the ground floor's ``leaves``
-and ``types``.
+and ``types``. ``hide_from_tracebacks`` leaves the modules that refuse a
+misuse (this one, ``grad_scaler``'s) out of JAX's filtered tracebacks.
 """
 
 from __future__ import annotations
@@ -22,12 +23,29 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Final, NamedTuple, Protocol, cast
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
+from jax.typing import DTypeLike
 
 from jamp._src.leaves import is_integer, is_numeric_dtype, is_real_number, partition
-from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, Updates
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, Updates, is_tracer
+
+
+def hide_from_tracebacks(path: str) -> None:
+    """Leave the module at ``path`` out of the tracebacks JAX filters (an error raised while
+    a function is transformed), as JAX, Optax, Equinox and Flax leave theirs: a misuse that
+    a module of jamp's refuses is shown from the user's line that made it
+    (``JAX_TRACEBACK_FILTERING=off`` shows every frame). Nothing happens on a jax without
+    the (private) hook."""
+    try:
+        from jax._src import traceback_util
+
+        traceback_util.register_exclusion(path)
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the jax version
+        pass
+
+
+hide_from_tracebacks(__file__)
 
 # The default bounds keep 1/scale a *normal* float32 number, so unscaling never
 # multiplies by inf, 0, or a subnormal that a backend may flush to zero.
@@ -53,7 +71,7 @@ class Config(NamedTuple):
 
 
 def _refuse_tracer(name: str, value: object, what: str, action: str) -> None:
-    if isinstance(value, jax.core.Tracer):
+    if is_tracer(value):
         raise TypeError(
             f"Expected `{name}` to be a concrete {what}, got a traced value instead; {action} "
             "outside `jit`."
@@ -473,6 +491,30 @@ def check_own_state(state: object, kind: type, name: str) -> None:
         )
 
 
+def check_counter(value: object, dtype: DTypeLike, name: str, why: str) -> None:
+    """A TypeError unless ``value`` is a scalar array of ``dtype``: a counter an optimizer
+    state keeps (``master_weights``, ``low_precision_state``; ``check_counters`` checks the
+    loss-scaling state's)."""
+    shape, got = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if shape != () or got != jnp.dtype(dtype):
+        shown = "None" if value is None else f"{type(value).__name__} {got} {shape}"
+        raise TypeError(
+            f"Expected `{name}` to be a {jnp.dtype(dtype)} scalar ({why}), got {shown} "
+            "instead: the state was not made by this transformation's init, or was changed. "
+            "Pass the state from `tx.init(params)`."
+        )
+
+
+def refuse_counter(value: object, name: str, why: str) -> None:
+    """A TypeError unless ``value`` is None (a counter the configuration does not keep)."""
+    if value is not None:
+        raise TypeError(
+            f"Expected `{name}` to be None ({why}), got {type(value).__name__} instead: the "
+            "state was made by a transformation of another configuration. Pass the state "
+            "from `tx.init(params)` of this one."
+        )
+
+
 def check_counters(skipped_steps: object, last_finite: object, fix: str) -> None:
     """A clear error for ``state.skipped_steps`` and ``state.last_finite`` that no update
     made (a checkpoint restored without validation): an integer scalar (when concrete, in
@@ -499,7 +541,7 @@ def check_counters(skipped_steps: object, last_finite: object, fix: str) -> None
                 f"Expected `state.{name}` to be {kind} scalar, got an array of shape {shape} "
                 f"instead; {fix}."
             )
-    concrete = not isinstance(skipped_steps, jax.core.Tracer)
+    concrete = not is_tracer(skipped_steps)
     if concrete and getattr(skipped_steps, "is_fully_addressable", True):
         v = int(np.asarray(skipped_steps))
         if not 0 <= v <= INT32_MAX:

@@ -13,7 +13,6 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple, TypeVar
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -23,7 +22,7 @@ from jamp._src.finite.check import unscaled_and_finite
 from jamp._src.leaves import combine, is_inexact_array, partition
 from jamp._src.loss_scale import LossScaleState, backoff, scale_tree, update_state
 from jamp._src.skip import optimizer_step
-from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, is_tracer
 from jamp._src.validate import (
     check_axis_name,
     check_bool_scalar,
@@ -377,7 +376,7 @@ def _check_differentiable(args: tuple, argnums: int | Sequence[int]) -> None:
             if (
                 isinstance(leaf, (float, complex))
                 or is_inexact_array(leaf)
-                or (isinstance(leaf, jax.core.Tracer) and jnp.issubdtype(leaf.dtype, jnp.inexact))
+                or (is_tracer(leaf) and jnp.issubdtype(leaf.dtype, jnp.inexact))
             ):
                 continue
             dtype = getattr(leaf, "dtype", None)

@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import traceback
 
 import _golden
 import jax
@@ -854,3 +855,21 @@ def test_a_complex_new_scale_under_jit_is_refused_not_truncated():
         jax.jit(lambda s: scaler.update(scaler.init(), new_scale=s))(jnp.bool_(True))
     state = jax.jit(lambda s: scaler.update(scaler.init(), new_scale=s))(jnp.int32(4))
     assert float(state.scale) == 4.0
+
+
+@pytest.mark.parametrize("mode", ["quiet_remove_frames", "remove_frames"])
+def test_a_misuse_refused_under_jit_is_shown_from_the_users_line(mode):
+    """GradScaler's and validate's frames leave JAX's filtered traceback (as JAX's own do)."""
+    scaler = jamp.GradScaler()
+
+    def train_step(state):
+        return scaler.update(state)  # no step recorded an inf check: refused
+
+    before = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", mode)
+    try:
+        with pytest.raises(RuntimeError, match="No inf checks") as info:
+            jax.jit(train_step)(scaler.init())
+    finally:
+        jax.config.update("jax_traceback_filtering", before)
+    assert traceback.extract_tb(info.value.__traceback__)[-1].name == "train_step"

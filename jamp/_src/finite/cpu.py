@@ -60,11 +60,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jamp._src.finite.default import exact, replicated, sum32
+from jamp._src.finite.default import SMALL, exact, replicated, sum32
 from jamp._src.leaves import unscale_leaf
 from jamp._src.types import Scalar
 
-SMALL = 2**14
 ROWS_MIN_COLS = 32
 ROWS_MAX_COLS = 2**23
 _GATHERED = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.complex64)

@@ -1,2 +1,2 @@
-"""``jamp.GradScaler``: which step recorded each inf check (``records``) and the scaler
-itself (``scaler``)."""
+"""``jamp.GradScaler``: which step recorded each inf check (``records``), the state and the
+misuse machinery (``state``), and the PyTorch API (``scaler``)."""

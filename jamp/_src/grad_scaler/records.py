@@ -29,10 +29,12 @@ import dataclasses
 import weakref
 
 import jax
-import jax.core
 import jax.extend.core
 
-from jamp._src.types import Params
+from jamp._src.types import Params, is_tracer
+from jamp._src.validate import hide_from_tracebacks
+
+hide_from_tracebacks(__file__)  # a misuse it refuses shows the user's line
 
 _LOOP = (
     "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`, then "
@@ -57,7 +59,7 @@ def _arrays(tree: Params) -> list[jax.Array]:
     return [
         leaf
         for leaf in jax.tree_util.tree_leaves(tree)
-        if isinstance(leaf, (jax.Array, jax.core.Tracer))
+        if (isinstance(leaf, jax.Array) or is_tracer(leaf))
     ]
 
 

@@ -15,20 +15,19 @@ line by line, and its misuses fail as they do in PyTorch::
     scaler.update()                state = scaler.update(state)
 
 The stage is static pytree metadata and every misuse is refused while the
-step is traced, so the bookkeeping compiles to nothing.
+step is traced, so the bookkeeping compiles to nothing. This module is the
+PyTorch API; the state, its stages and consumption, and the sentences a
+misuse raises are ``state``'s.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import math
-from collections.abc import Callable, Iterable, Mapping
-from typing import Any, ParamSpec, TypeVar, overload
+from collections.abc import Callable, Mapping
+from typing import overload
 
 import jax
-import jax.core
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -36,13 +35,32 @@ from jax.typing import ArrayLike
 
 from jamp._src import loss_scale as ls
 from jamp._src.finite.check import check_unscaled, unscaled_and_finite
-from jamp._src.grad_scaler.records import check_step, record, trace_state
+from jamp._src.grad_scaler.records import check_step, record
+from jamp._src.grad_scaler.state import (
+    CALLS,
+    NO_INF_CHECKS,
+    STEPPED,
+    UNSCALED,
+    UNSCALED_TWICE,
+    GradScalerState,
+    any_found,
+    as_grad_scaler_state,
+    check_not_consumed,
+    check_scaler_state,
+    checked_by_of,
+    consume,
+    found_infs_of,
+    ready,
+    refuse_found_inf,
+    stage_of,
+    takes_state,
+    with_checks,
+)
 from jamp._src.leaves import is_real_number
-from jamp._src.lookup import holds_loss_scale
 from jamp._src.loss_scale import StateT
 from jamp._src.loss_scaling import loss_scaling
 from jamp._src.skip import optimizer_step
-from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree
+from jamp._src.types import AxisName, Filter, Grads, OptState, Params, PyTree, is_tracer
 from jamp._src.validate import (
     Config,
     check_axis_name,
@@ -51,39 +69,19 @@ from jamp._src.validate import (
     check_not_swapped,
     check_skip,
     check_step_arguments,
+    hide_from_tracebacks,
     refuse_axis_name,
 )
 
-P = ParamSpec("P")
-R = TypeVar("R")
+hide_from_tracebacks(__file__)  # a misuse it refuses shows the user's line
 
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-
-
-def _check_state(state: object, method: str) -> ls.LossScaleState:
-    """``state`` if it is a loss-scale state, else a TypeError that says where one comes from."""
-    if isinstance(state, ls.LossScaleState):
-        return state
-    if holds_loss_scale(state):
-        hint = (
-            "; this looks like a jamp.loss_scaling optimizer state: its loss-scale state is "
-            "jamp.get_loss_scale(opt_state)"
-        )
-    else:
-        hint = (
-            "; every GradScaler method takes the scaler's state first (PyTorch keeps it inside "
-            f"the scaler): `scaler.{method}(state, ...)`"
-        )
-    raise TypeError(
-        f"`GradScaler.{method}` expected `state` to be the scaler's GradScalerState (from "
-        f"scaler.init() or scaler.load_state_dict), got {type(state).__name__} instead{hint}."
-    )
 
 
 def _python_scalar(value: object) -> object:
     """A 0-d NumPy/JAX array (a dict restored by Orbax or ``np.load``) as a Python number."""
     if isinstance(value, (np.ndarray, np.generic, jax.Array)) and np.ndim(value) == 0:
-        if isinstance(value, jax.core.Tracer):
+        if is_tracer(value):
             return value
         arr = np.asarray(value)
         if arr.dtype.kind in "iu":
@@ -91,329 +89,6 @@ def _python_scalar(value: object) -> object:
         if arr.dtype.kind == "f":
             return float(arr)
     return value
-
-
-# ---------------------------------------------------------------- the state
-
-READY = "ready"  # nothing recorded since the last update: the start of an iteration
-UNSCALED = "unscaled"  # the last inf check is unscale's; its gradients await step
-STEPPED = "stepped"  # the last inf check is step's
-STAGES = (READY, UNSCALED, STEPPED)
-
-
-@dataclasses.dataclass(frozen=True)
-class GradScalerState(ls.LossScaleState):
-    """The state of a [`jamp.GradScaler`][]: a loss-scale state that knows its stage.
-
-    A [`jamp.LossScaleState`][] (``jamp.scale``, ``jamp.get_loss_scale``,
-    ``jamp.metrics`` and checkpoints take it as one), plus what
-    ``torch.amp.GradScaler`` keeps per optimizer between ``scale`` and
-    ``update``:
-
-    Dynamic leaves, besides the loss-scale state's:
-      found_infs: a tuple of boolean scalars, one per inf check recorded
-        since the last update (by [`GradScaler.unscale`][jamp.GradScaler.unscale] or
-        [`GradScaler.step`][jamp.GradScaler.step], one per optimizer);
-        [`GradScaler.update`][jamp.GradScaler.update] backs off once if any is set, and
-        empties it.
-
-    Static metadata, besides the loss-scale state's:
-      stage: ``"ready"`` (nothing recorded: the start of an iteration),
-        ``"unscaled"`` (the last check is [`GradScaler.unscale`][jamp.GradScaler.unscale]'s, and
-        [`GradScaler.step`][jamp.GradScaler.step] will take its gradients as unscaled) or
-        ``"stepped"``.
-      checked_by: one entry per check in ``found_infs``: which optimizer
-        step recorded it (its transformation, the structure of its
-        parameters and the arrays it returned), or ``None`` for a check of
-        [`GradScaler.unscale`][jamp.GradScaler.unscale] that no step has taken yet. It tells a
-        second step of the same optimizer (refused, as torch refuses it)
-        from the next optimizer's step.
-
-    The stage is static, so the checks that refuse a misuse run while the
-    step is traced and cost nothing when it runs. After ``update`` the state
-    is ``"ready"`` again with no ``found_infs``: a jitted iteration returns a
-    state of the structure it took, and ``lax.scan`` can carry it.
-
-    A state passed to [`GradScaler.unscale`][jamp.GradScaler.unscale],
-    [`GradScaler.step`][jamp.GradScaler.step] or
-    [`GradScaler.update`][jamp.GradScaler.update] is *consumed*: the method
-    returns the state to go on with, and given the old one again, any of them
-    raises a ``RuntimeError`` in torch's words (it would unscale twice, or
-    lose an inf check). The mark is ``consumed_by``, the one field a method
-    sets on the object it took: it is no leaf and not compared, so it never
-    reaches a computation, and every new state object starts unconsumed. To
-    reuse a consumed state on purpose (to replay a step), clone it:
-    ``jax.tree_util.tree_map(lambda x: x, state)`` is a new, usable object
-    with the same values. One exception: a state consumed while traced and
-    returned out of that trace (a jitted iteration that returns the state
-    ``step`` took, not the one it returned, with no ``update``: every call
-    would start from the same state, the scale frozen) carries the mark as
-    pytree metadata, so the next call retraces and its ``step`` refuses it;
-    a clone taken inside the consuming trace is unconsumed, and outside it
-    ``dataclasses.replace(state)`` copies one on purpose. A state captured
-    from outside the function being traced (a global, while the method's
-    other arguments are traced) is not marked: the next trace would see the
-    mark. A plain [`jamp.LossScaleState`][] given to these
-    methods carries no stage and is never consumed: each method takes it as
-    a ready state, so start from [`GradScaler.init`][jamp.GradScaler.init]
-    to have its reuse refused.
-
-    Attributes:
-      consumed_by: ``None``, or the method (``"unscale"``, ``"step"`` or
-        ``"update"``) that took this state object and returned its successor.
-    """
-
-    found_infs: tuple = ()
-    stage: str = dataclasses.field(default=READY, metadata=dict(static=True))
-    checked_by: tuple = dataclasses.field(default=(), metadata=dict(static=True))
-    # Not a pytree field (init=False), not compared: within the trace that consumed it (or
-    # eagerly), a flatten / unflatten, or dataclasses.replace, makes an unconsumed object.
-    consumed_by: str | None = dataclasses.field(default=None, init=False, compare=False, repr=False)
-    # The trace a method consumed this (traced) state in: a state consumed there and
-    # returned out of it stays consumed (``_Stale``).
-    _consumed_in: object = dataclasses.field(default=None, init=False, compare=False, repr=False)
-
-    def __getstate__(self) -> dict:
-        """Pickled without the consuming trace (a weak reference): a stale state comes back
-        consumed, as an eagerly consumed one is."""
-        return {**self.__dict__, "_consumed_in": None}
-
-
-_LOSS_SCALE_FIELDS = [f.name for f in dataclasses.fields(ls.LossScaleState)]
-_DATA_FIELDS = (
-    *(f.name for f in dataclasses.fields(ls.LossScaleState) if not f.metadata.get("static")),
-    "found_infs",
-)
-_META_FIELDS = (
-    *(f.name for f in dataclasses.fields(ls.LossScaleState) if f.metadata.get("static")),
-    "stage",
-    "checked_by",
-)
-_KEYS = tuple(jax.tree_util.GetAttrKey(name) for name in _DATA_FIELDS)
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class _Stale:
-    """The pytree metadata of a state consumed while traced: it leaves that trace marked.
-
-    A jitted iteration that returns the state ``step`` took (not the one it returned,
-    with no ``update``) would start every call from the same ready state, the scale
-    frozen; nothing else in the state tells it from a fresh one. Carried as metadata,
-    the mark changes the state's tree structure, so the next call retraces and its
-    ``step`` refuses the state. Unflattened in the trace that consumed it (a clone
-    taken there on purpose, ``jax.tree_util.tree_map(lambda x: x, state)``) the state
-    is a new, unconsumed object, as an eager clone is. Equal for one method whatever
-    the trace, so a pytree holding a stale state still hashes and compares.
-    """
-
-    method: str
-    trace: object  # get_opaque_trace_state() of the consuming trace (a weak reference)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Stale) and self.method == other.method
-
-    def __hash__(self) -> int:
-        return hash((_Stale, self.method))
-
-    def __repr__(self) -> str:
-        return f"consumed by scaler.{self.method}: pass on the state it returned"
-
-
-def _flatten(state: GradScalerState) -> tuple[tuple, tuple]:
-    stale = None
-    if state.consumed_by is not None and state._consumed_in is not None:
-        stale = _Stale(state.consumed_by, state._consumed_in)
-    children = tuple(getattr(state, name) for name in _DATA_FIELDS)
-    return children, (*(getattr(state, name) for name in _META_FIELDS), stale)
-
-
-def _flatten_with_keys(state: GradScalerState) -> tuple[tuple, tuple]:
-    children, aux = _flatten(state)
-    return tuple(zip(_KEYS, children, strict=True)), aux
-
-
-def _unflatten(aux: tuple, children: Iterable[Any]) -> GradScalerState:  # leaves: any
-    *meta, stale = aux
-    state = GradScalerState(
-        **dict(zip(_DATA_FIELDS, children, strict=True)),
-        **dict(zip(_META_FIELDS, meta, strict=True)),
-    )
-    if stale is not None and stale.trace != trace_state():  # out of the consuming trace
-        object.__setattr__(state, "consumed_by", stale.method)
-        object.__setattr__(state, "_consumed_in", stale.trace)
-    return state
-
-
-jax.tree_util.register_pytree_with_keys(
-    GradScalerState, _flatten_with_keys, _unflatten, flatten_func=_flatten
-)
-
-
-def _stage(state: ls.LossScaleState) -> str:
-    return state.stage if isinstance(state, GradScalerState) else READY
-
-
-def _found_infs(state: ls.LossScaleState) -> tuple:
-    return state.found_infs if isinstance(state, GradScalerState) else ()
-
-
-def _checked_by(state: ls.LossScaleState) -> tuple:
-    """One record (or ``None``) per recorded check."""
-    found_infs = _found_infs(state)
-    records = state.checked_by[: len(found_infs)] if isinstance(state, GradScalerState) else ()
-    return (*records, *[None] * (len(found_infs) - len(records)))
-
-
-def _as_grad_scaler_state(state: ls.LossScaleState) -> GradScalerState:
-    if isinstance(state, GradScalerState):
-        return state
-    return GradScalerState(**{name: getattr(state, name) for name in _LOSS_SCALE_FIELDS})
-
-
-def _with_checks(
-    state: ls.LossScaleState, found_infs: tuple, stage: str, checked_by: tuple
-) -> GradScalerState:
-    """``state`` at ``stage`` (unscaled or stepped) with ``found_infs``."""
-    return dataclasses.replace(
-        _as_grad_scaler_state(state), found_infs=found_infs, stage=stage, checked_by=checked_by
-    )
-
-
-def _ready(state: StateT) -> StateT:
-    """``state`` ready for the next iteration; a plain loss-scale state stays one."""
-    if not isinstance(state, GradScalerState):
-        return state
-    return dataclasses.replace(state, found_infs=(), stage=READY, checked_by=())
-
-
-def _any(flags: tuple) -> jax.Array:
-    out = flags[0]
-    for flag in flags[1:]:
-        out = out | flag
-    return out
-
-
-# What a PyTorch user writes, and what torch says when it goes wrong. torch's
-# own sentences come first, then what to write instead.
-_LOOP = (
-    "grads, state = scaler.unscale(state, grads)` (optional, e.g. to clip), then "
-    "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`, then "
-    "`state = scaler.update(state)"
-)
-_NO_INF_CHECKS = "No inf checks were recorded prior to update."
-_UNSCALED_TWICE = "unscale_() has already been called on this optimizer since the last update()."
-_AFTER_UPDATE = "update() has already been called with this state."
-_SENTENCES = {
-    ("unscale", "unscale"): _UNSCALED_TWICE,
-    ("unscale", "step"): (
-        "unscale_() has already been called since the last update(), so `grads` are unscaled "
-        "already and `step` would unscale them a second time."
-    ),
-    ("unscale", "update"): _NO_INF_CHECKS,
-    ("step", "step"): "step() has already been called since the last update().",
-    ("step", "unscale"): "unscale_() is being called after step().",
-    ("step", "update"): _NO_INF_CHECKS,
-}
-_CALLS = {
-    "unscale": "grads, state = scaler.unscale(state, grads)",
-    "step": "params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)",
-    "update": "state = scaler.update(state)",
-}
-
-_CLONE = "jax.tree_util.tree_map(lambda x: x, state)"
-
-
-def _is_tracer(x: object) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _consume(state: ls.LossScaleState, method: str, others: PyTree = ()) -> None:
-    """Mark ``state`` consumed by ``method``, which took it and returned its successor
-    (``GradScalerState.consumed_by``).
-
-    torch keeps its stage in the scaler, so reusing the scaler after
-    ``unscale_`` is safe; here the old state object still exists, and passing
-    it on instead of the one returned would unscale twice or lose a check.
-    Nothing of this reaches the computation. A state captured from outside
-    the function being traced (concrete, among traced ``others``) is not
-    marked: the next trace would see the mark. A plain loss-scale state has
-    no stage and is never consumed.
-    """
-    if not isinstance(state, GradScalerState):
-        return
-    if _is_tracer(state.scale):  # consumed in this trace: it leaves it marked (``_Stale``)
-        object.__setattr__(state, "consumed_by", method)
-        object.__setattr__(state, "_consumed_in", trace_state())
-    elif not any(map(_is_tracer, jax.tree_util.tree_leaves(others))):
-        object.__setattr__(state, "consumed_by", method)
-
-
-def _check_not_consumed(state: ls.LossScaleState, method: str) -> None:
-    """A RuntimeError, in torch's words, if a method already took ``state`` and replaced it."""
-    if not isinstance(state, GradScalerState) or state.consumed_by is None:
-        return
-    used = state.consumed_by
-    sentence = _SENTENCES.get((used, method), _AFTER_UPDATE)
-    if state._consumed_in is not None and state._consumed_in != trace_state():
-        raise RuntimeError(
-            f"{sentence} This state was already passed to `scaler.{used}` in another trace: an "
-            f"earlier call of a jitted function took it and returned it, instead of the state "
-            f"the iteration ends with. Every call would start from that same state, and the "
-            f"scale would never change. Inside the jitted function write `{_LOOP}`, and return "
-            f"that state. To reuse this state on purpose, copy it: `state = "
-            f"dataclasses.replace(state)` is a new, unconsumed object with the same values."
-        )
-    raise RuntimeError(
-        f"{sentence} This state was already passed to `scaler.{used}`, which returned the one "
-        f"to use from then on: write `{_CALLS[used]}` and pass that state on. An iteration is "
-        f"`{_LOOP}`. To reuse this state on purpose (to replay a step), clone it first: "
-        f"`state = {_CLONE}` is a new, unconsumed object with the same values."
-    )
-
-
-def _refuse_found_inf(method: str) -> TypeError:
-    if method == "step":
-        return TypeError(
-            "`GradScaler.step` takes no `found_inf`: `scaler.unscale` records its check in the "
-            "state it returns, and `step` given that state neither unscales again nor needs the "
-            "flag. Write `grads, state = scaler.unscale(state, grads)`, then "
-            "`params, opt_state, state = scaler.step(state, tx, grads, opt_state, params)`."
-        )
-    return TypeError(
-        "`GradScaler.update` takes no `found_inf`: like PyTorch's `scaler.update()`, it reads "
-        "the inf checks that `scaler.step` and `scaler.unscale` recorded in the state they "
-        "return. Write `params, opt_state, state = scaler.step(state, tx, grads, opt_state, "
-        "params)`, then `state = scaler.update(state)`; the flag is `scaler.found_inf(state)`. "
-        "To update a loss-scale state with a flag of your own, use "
-        "`jamp.update(state, jnp.logical_not(found_inf))`."
-    )
-
-
-def _takes_state(call: str) -> Callable[[Callable[P, R]], Callable[P, R]]:
-    """A GradScaler method that says, when called the PyTorch way, to pass the state first."""
-
-    def decorate(method: Callable[P, R]) -> Callable[P, R]:
-        signature = inspect.signature(method)
-        name = getattr(method, "__name__", "")
-
-        @functools.wraps(method)
-        def checked(*args: P.args, **kwargs: P.kwargs) -> R:  # args[0] is the scaler
-            if "found_inf" in kwargs and name in ("step", "update"):
-                raise _refuse_found_inf(name)
-            try:
-                signature.bind(*args, **kwargs)
-            except TypeError as e:
-                raise TypeError(
-                    f"`GradScaler.{name}`: {e}. Every GradScaler method takes the "
-                    "scaler's state first (PyTorch keeps it inside the scaler; jamp passes it in "
-                    f"and returns it): write `{call}`, with `state = scaler.init()` before the "
-                    "loop."
-                ) from None
-            return method(*args, **kwargs)
-
-        return checked
-
-    return decorate
 
 
 @dataclasses.dataclass(frozen=True)
@@ -512,34 +187,34 @@ class GradScaler:
 
         When disabled, its scale is 1 (``no_loss_scale()``'s).
         """
-        return _as_grad_scaler_state(self._loss_scale())
+        return as_grad_scaler_state(self._loss_scale())
 
     def is_enabled(self) -> bool:
         return self.enabled
 
-    @_takes_state("scaler.get_scale(state)")
+    @takes_state("scaler.get_scale(state)")
     def get_scale(self, state: ls.LossScaleState) -> jax.Array:
         """The scale, a float32 device array (1.0 when disabled). No host sync."""
-        return _check_state(state, "get_scale").scale
+        return check_scaler_state(state, "get_scale").scale
 
-    @_takes_state("scaler.get_growth_tracker(state)")
+    @takes_state("scaler.get_growth_tracker(state)")
     def get_growth_tracker(self, state: ls.LossScaleState) -> jax.Array:
-        return _check_state(state, "get_growth_tracker").growth_tracker
+        return check_scaler_state(state, "get_growth_tracker").growth_tracker
 
-    @_takes_state("scaler.get_growth_factor(state)")
+    @takes_state("scaler.get_growth_factor(state)")
     def get_growth_factor(self, state: ls.LossScaleState) -> float:
-        return _check_state(state, "get_growth_factor").growth_factor
+        return check_scaler_state(state, "get_growth_factor").growth_factor
 
-    @_takes_state("scaler.get_backoff_factor(state)")
+    @takes_state("scaler.get_backoff_factor(state)")
     def get_backoff_factor(self, state: ls.LossScaleState) -> float:
-        return _check_state(state, "get_backoff_factor").backoff_factor
+        return check_scaler_state(state, "get_backoff_factor").backoff_factor
 
-    @_takes_state("scaler.get_growth_interval(state)")
+    @takes_state("scaler.get_growth_interval(state)")
     def get_growth_interval(self, state: ls.LossScaleState) -> int:
-        return _check_state(state, "get_growth_interval").growth_interval
+        return check_scaler_state(state, "get_growth_interval").growth_interval
 
     def _reconfigure(self, state: StateT, method: str, **changes: object) -> StateT:
-        _check_state(state, method)
+        check_scaler_state(state, method)
         if not state.is_dynamic:
             return state
         checked = check_config(**{**ls.config_of(state), **changes})
@@ -556,16 +231,16 @@ class GradScaler:
             growth_interval=checked.growth_interval,
         )
 
-    @_takes_state("state = scaler.set_growth_factor(state, new_factor)")
+    @takes_state("state = scaler.set_growth_factor(state, new_factor)")
     def set_growth_factor(self, state: StateT, new_factor: float) -> StateT:
         """A state with a new growth factor (static: changing it recompiles)."""
         return self._reconfigure(state, "set_growth_factor", growth_factor=new_factor)
 
-    @_takes_state("state = scaler.set_backoff_factor(state, new_factor)")
+    @takes_state("state = scaler.set_backoff_factor(state, new_factor)")
     def set_backoff_factor(self, state: StateT, new_factor: float) -> StateT:
         return self._reconfigure(state, "set_backoff_factor", backoff_factor=new_factor)
 
-    @_takes_state("state = scaler.set_growth_interval(state, new_interval)")
+    @takes_state("state = scaler.set_growth_interval(state, new_interval)")
     def set_growth_interval(self, state: StateT, new_interval: int) -> StateT:
         """A state with a new growth interval (static: changing it recompiles).
 
@@ -578,10 +253,10 @@ class GradScaler:
 
     # ------------------------------------------------------------ the loop
 
-    @_takes_state("scaler.scale(state, loss)")
+    @takes_state("scaler.scale(state, loss)")
     def scale(self, state: ls.LossScaleState, outputs: PyTree) -> PyTree:
         """``outputs`` times the scale: a loss, or any pytree (list, tuple, dict)."""
-        return ls.scale_tree(_check_state(state, "scale"), outputs)
+        return ls.scale_tree(check_scaler_state(state, "scale"), outputs)
 
     @overload
     def unscale(self, state: GradScalerState, grads: Grads) -> tuple[Grads, GradScalerState]: ...
@@ -589,7 +264,7 @@ class GradScaler:
     def unscale(
         self, state: ls.LossScaleState, grads: Grads
     ) -> tuple[Grads, ls.LossScaleState]: ...
-    @_takes_state(_CALLS["unscale"])
+    @takes_state(CALLS["unscale"])
     def unscale(self, state: ls.LossScaleState, grads: Grads) -> tuple[Grads, ls.LossScaleState]:
         """``(unscaled_grads, state)``: torch's ``unscale_(optimizer)``; clip after this.
 
@@ -605,21 +280,21 @@ class GradScaler:
             been called on this optimizer since the last update()"), or was
             already passed to ``unscale``, ``step`` or ``update``.
         """
-        state = _check_state(state, "unscale")
+        state = check_scaler_state(state, "unscale")
         if not self.enabled:
             return grads, state
-        _check_not_consumed(state, "unscale")
-        if _stage(state) == UNSCALED:
+        check_not_consumed(state, "unscale")
+        if stage_of(state) == UNSCALED:
             raise RuntimeError(
-                f"{_UNSCALED_TWICE} `scaler.unscale` returned gradients that are unscaled already, "
+                f"{UNSCALED_TWICE} `scaler.unscale` returned gradients that are unscaled already, "
                 "and the state says so: `scaler.step` takes them as they are. With several "
                 "optimizers, step each one's gradients before unscaling the next one's: "
-                f"`{_CALLS['unscale']}`, then `{_CALLS['step']}`, for each optimizer in turn."
+                f"`{CALLS['unscale']}`, then `{CALLS['step']}`, for each optimizer in turn."
             )
         unscaled, finite = unscaled_and_finite(state, grads, self.axis_name)
-        _consume(state, "unscale", grads)
-        found_infs = (*_found_infs(state), jnp.logical_not(finite))
-        return unscaled, _with_checks(state, found_infs, UNSCALED, (*_checked_by(state), None))
+        consume(state, "unscale", grads)
+        found_infs = (*found_infs_of(state), jnp.logical_not(finite))
+        return unscaled, with_checks(state, found_infs, UNSCALED, (*checked_by_of(state), None))
 
     @overload
     def step(
@@ -645,7 +320,7 @@ class GradScaler:
         filter: Filter = None,
         **extra_args: object,
     ) -> tuple[Params, OptState, ls.LossScaleState]: ...
-    @_takes_state(_CALLS["step"])
+    @takes_state(CALLS["step"])
     def step(
         self,
         state: ls.LossScaleState,
@@ -692,7 +367,7 @@ class GradScaler:
           TypeError: ``tx`` is not an Optax transformation, ``params`` and
             ``opt_state`` are swapped, or ``found_inf=`` was passed.
         """
-        state = _check_state(state, "step")
+        state = check_scaler_state(state, "step")
         refuse_axis_name(extra_args, "`GradScaler.step`", "`tx`", "jamp.GradScaler")
         check_not_swapped(grads, opt_state, params)
         check_step_arguments(tx, grads, opt_state, params, filter=filter, fn="GradScaler.step")
@@ -714,10 +389,10 @@ class GradScaler:
         if not self.enabled:
             params, opt_state = step(None, lambda: grads)
             return params, opt_state, state
-        _check_not_consumed(state, "step")
-        found_infs, checked_by = _found_infs(state), _checked_by(state)
+        check_not_consumed(state, "step")
+        found_infs, checked_by = found_infs_of(state), checked_by_of(state)
         check_step(checked_by, tx, params)
-        if _stage(state) == UNSCALED:  # grads unscaled by scaler.unscale, its check recorded
+        if stage_of(state) == UNSCALED:  # grads unscaled by scaler.unscale, its check recorded
             found_infs, found_inf = found_infs[:-1], found_infs[-1]
             checked_by = checked_by[:-1]
             finite = jnp.logical_not(found_inf)
@@ -733,12 +408,12 @@ class GradScaler:
         new_params, new_opt_state = step(finite, unscaled)
         if found_inf is None:
             found_inf = jnp.logical_not(finite)
-        _consume(state, "step", grads)
+        consume(state, "step", grads)
         checked_by = (*checked_by, record(tx, params, new_params))
-        new_state = _with_checks(state, (*found_infs, found_inf), STEPPED, checked_by)
+        new_state = with_checks(state, (*found_infs, found_inf), STEPPED, checked_by)
         return new_params, new_opt_state, new_state
 
-    @_takes_state(_CALLS["update"])
+    @takes_state(CALLS["update"])
     def update(self, state: StateT, new_scale: ArrayLike | None = None) -> StateT:
         """The state for the next iteration: ``scaler.update()``.
 
@@ -766,7 +441,7 @@ class GradScaler:
           TypeError: a ``found_inf`` flag was passed (``step`` records it), or
             a ``new_scale`` that is no number (a list, a state).
         """
-        _check_state(state, "update")
+        check_scaler_state(state, "update")
         if not self.enabled:
             return state
         if isinstance(new_scale, ls.LossScaleState):  # the state step returned, as a flag
@@ -775,22 +450,22 @@ class GradScaler:
                 f"{type(new_scale).__name__} instead: `update` takes the state once, and "
                 "`new_scale` only to set the scale (`scaler.update(state, new_scale=1024.0)`). "
                 "The third value `scaler.step` returns is the state, not a found_inf flag: "
-                f"{_refuse_found_inf('update')}"
+                f"{refuse_found_inf('update')}"
             )
         flags = new_scale if isinstance(new_scale, (list, tuple)) else [new_scale]
         if flags and all(
             isinstance(f, (bool, np.bool_)) or getattr(f, "dtype", None) == np.bool_ for f in flags
         ):
-            raise _refuse_found_inf("update")
+            raise refuse_found_inf("update")
         if isinstance(new_scale, (list, tuple, dict)):
             raise TypeError(
                 "Expected `new_scale` to be a Python float or a scalar array, got "
                 f"{type(new_scale).__name__} {new_scale!r:.40} instead; `update` reads the inf "
                 "checks from the state, so it takes no list of found_inf flags either."
             )
-        _check_not_consumed(state, "update")
+        check_not_consumed(state, "update")
         if new_scale is not None:
-            if isinstance(new_scale, jax.core.Tracer):
+            if is_tracer(new_scale):
                 dtype = np.dtype(new_scale.dtype)
                 if dtype not in (np.float32, np.float64) and not np.issubdtype(dtype, np.integer):
                     raise TypeError(
@@ -813,20 +488,20 @@ class GradScaler:
                 value = jnp.asarray(checked.scale, jnp.float32)
             new = dataclasses.replace(state, scale=value)
         else:
-            found_infs = _found_infs(state)
+            found_infs = found_infs_of(state)
             if not found_infs:
                 raise RuntimeError(
-                    f"{_NO_INF_CHECKS} `scaler.update(state)` acts on the inf checks that "
+                    f"{NO_INF_CHECKS} `scaler.update(state)` acts on the inf checks that "
                     "`scaler.step` (or `scaler.unscale`) recorded in the state it returned: write "
-                    f"`{_CALLS['step']}`, then `{_CALLS['update']}`, once per iteration. To set "
+                    f"`{CALLS['step']}`, then `{CALLS['update']}`, once per iteration. To set "
                     "the scale without a step, pass `new_scale`."
                 )
-            new = ls.update_state(state, jnp.logical_not(_any(found_infs)))
-        if _found_infs(state):  # a ready state (new_scale only) can be reused harmlessly
-            _consume(state, "update", _found_infs(state))
-        return _ready(new)
+            new = ls.update_state(state, jnp.logical_not(any_found(found_infs)))
+        if found_infs_of(state):  # a ready state (new_scale only) can be reused harmlessly
+            consume(state, "update", found_infs_of(state))
+        return ready(new)
 
-    @_takes_state("scaler.found_inf(state)")
+    @takes_state("scaler.found_inf(state)")
     def found_inf(self, state: ls.LossScaleState) -> jax.Array:
         """Whether an inf/NaN was found since the last update (not in PyTorch): a skipped step.
 
@@ -836,8 +511,8 @@ class GradScaler:
         on. Read it before ``update``, which clears them; ``False`` when nothing
         is recorded. A device array: no sync.
         """
-        found_infs = _found_infs(_check_state(state, "found_inf"))
-        return _any(found_infs) if found_infs else jnp.asarray(False)
+        found_infs = found_infs_of(check_scaler_state(state, "found_inf"))
+        return any_found(found_infs) if found_infs else jnp.asarray(False)
 
     def as_optax(
         self, inner: optax.GradientTransformation
@@ -851,14 +526,14 @@ class GradScaler:
 
     # ------------------------------------------------------------ checkpoints
 
-    @_takes_state("scaler.state_dict(state)")
+    @takes_state("scaler.state_dict(state)")
     def state_dict(self, state: ls.LossScaleState) -> dict[str, float | int]:
         """PyTorch's state dict: ``scale``, ``growth_factor``, ``backoff_factor``,
         ``growth_interval``, ``_growth_tracker`` (``{}`` when disabled).
 
         Reads two scalars from the device (a sync): call it when checkpointing.
         """
-        _check_state(state, "state_dict")
+        check_scaler_state(state, "state_dict")
         if not self.enabled:
             return {}
         return {
@@ -922,4 +597,4 @@ class GradScaler:
                 **{k: f"state_dict['{k}']" for k in _TORCH_KEYS[1:4]},
             },
         )
-        return _as_grad_scaler_state(ls.from_config(ls.DYNAMIC, config))
+        return as_grad_scaler_state(ls.from_config(ls.DYNAMIC, config))

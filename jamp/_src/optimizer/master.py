@@ -17,9 +17,8 @@ from typing import NamedTuple, cast
 import jax
 import jax.numpy as jnp
 import optax
-from jax.typing import DTypeLike
 
-from jamp._src.leaves import is_integer
+from jamp._src.leaves import find_nodes, is_integer
 from jamp._src.loss_scaling import ScaledOptimizerState, checked_inner
 from jamp._src.optimizer.rounding import (
     PARAMETERS,
@@ -34,12 +33,14 @@ from jamp._src.optimizer.rounding import (
 )
 from jamp._src.types import OptState, Params, PyTree, Updates
 from jamp._src.validate import (
+    check_counter,
     check_gradients,
     check_own_state,
     check_params,
     check_state_matches,
     check_updates,
     diagnosing,
+    refuse_counter,
 )
 
 ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
@@ -141,33 +142,9 @@ def _check_parameters(params: Params, rounding: str) -> None:
         )
 
 
-def check_counter(value: object, dtype: DTypeLike, name: str, why: str) -> None:
-    """A TypeError unless ``value`` is a scalar array of ``dtype`` (a state's counter)."""
-    shape, got = getattr(value, "shape", None), getattr(value, "dtype", None)
-    if shape != () or got != jnp.dtype(dtype):
-        shown = "None" if value is None else f"{type(value).__name__} {got} {shape}"
-        raise TypeError(
-            f"Expected `{name}` to be a {jnp.dtype(dtype)} scalar ({why}), got {shown} "
-            "instead: the state was not made by this transformation's init, or was changed. "
-            "Pass the state from `tx.init(params)`."
-        )
-
-
-def refuse_counter(value: object, name: str, why: str) -> None:
-    """A TypeError unless ``value`` is None (a counter the configuration does not keep)."""
-    if value is not None:
-        raise TypeError(
-            f"Expected `{name}` to be None ({why}), got {type(value).__name__} instead: the "
-            "state was made by a transformation of another configuration. Pass the state "
-            "from `tx.init(params)` of this one."
-        )
-
-
 def _refuse_loss_scaling_inside(state: OptState) -> None:
     """A ValueError if ``inner``'s state holds a ``jamp.loss_scaling`` state."""
-    kind = ScaledOptimizerState
-    leaves = jax.tree_util.tree_leaves(state, is_leaf=lambda x: isinstance(x, kind))
-    if any(isinstance(x, kind) for x in leaves):
+    if find_nodes(state, ScaledOptimizerState):
         raise ValueError(
             "`jamp.master_weights` expected `inner` to be the optimizer of the float32 master, "
             "got one holding a jamp.loss_scaling state: inside master_weights a skipped step "
@@ -504,11 +481,7 @@ def master_params(params: Params, opt_state: OptState) -> Params:
       >>> params["w"], jamp.optimizer.master_params(params, state)["w"]
       (Array([1, 1], dtype=bfloat16), Array([0.99975586, 0.99975586], dtype=float32))
     """
-    found = [
-        x
-        for x in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, MasterWeightsState))
-        if isinstance(x, MasterWeightsState)
-    ]
+    found = [x for _, x in find_nodes(opt_state, MasterWeightsState)]
     if len(found) != 1:
         raise ValueError(
             "`jamp.optimizer.master_params` expected `opt_state` to hold one "

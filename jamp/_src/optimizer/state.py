@@ -13,10 +13,8 @@ import optax
 from jamp._src.loss_scaling import checked_inner
 from jamp._src.optimizer.master import (
     NARROW,
-    check_counter,
     check_rounding,
     check_seed,
-    refuse_counter,
 )
 from jamp._src.optimizer.quantize import (
     MIN_SIZE,
@@ -27,7 +25,13 @@ from jamp._src.optimizer.quantize import (
 )
 from jamp._src.optimizer.rounding import MOMENTS, random_bits, round_to, step_key
 from jamp._src.types import OptState, Params, Updates
-from jamp._src.validate import check_own_state, check_state_matches, diagnosing
+from jamp._src.validate import (
+    check_counter,
+    check_own_state,
+    check_state_matches,
+    diagnosing,
+    refuse_counter,
+)
 
 # The fields of Optax's states that hold squares (positive, spanning many decades): their
 # 8-bit and float8 codes never round a positive value to zero.
