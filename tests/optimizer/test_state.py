@@ -350,3 +350,25 @@ def test_bad_state_is_refused_while_traced_too():
     other = tx.init({"w": jnp.ones((3,))})
     with pytest.raises(ValueError, match=r"`state.stored_state`.*different shapes"):
         jax.jit(tx.update)(params, other, params)
+
+
+@pytest.mark.parametrize("promotion", ["strict", "standard"])
+def test_over_bfloat16_parameters_the_inner_computes_as_unwrapped(promotion):
+    # The stored trace is widened to the dtype the inner's own init gives it (bfloat16
+    # here), not to float32: the updates keep the parameters' dtype and equal optax's
+    # own, bit for bit (a bfloat16 trace stored as bfloat16 is stored exactly). Widened to
+    # float32, strict promotion refused the bfloat16 gradient inside optax, and standard
+    # promotion made float32 updates.
+    params = {"w": jnp.linspace(-1.0, 1.0, 64, dtype=jnp.bfloat16)}
+    grads = {"w": jnp.linspace(0.5, -0.25, 64, dtype=jnp.bfloat16)}
+    plain = optax.sgd(0.1, momentum=0.9)
+    wrapped = jamp.low_precision_state(plain, {"trace": jnp.bfloat16}, rounding="nearest")
+    with jax.numpy_dtype_promotion(promotion):
+        s_plain, s_wrapped = plain.init(params), wrapped.init(params)
+        for _ in range(3):
+            u_plain, s_plain = jax.jit(plain.update)(grads, s_plain, params)
+            u_wrapped, s_wrapped = jax.jit(wrapped.update)(grads, s_wrapped, params)
+            assert u_wrapped["w"].dtype == jnp.bfloat16
+            np.testing.assert_array_equal(
+                np.asarray(u_wrapped["w"], np.float32), np.asarray(u_plain["w"], np.float32)
+            )

@@ -1,5 +1,5 @@
 """``low_precision_state``: any Optax optimizer's floating state, stored narrower between
-steps and widened to float32 before the optimizer runs."""
+steps and widened before the optimizer runs to the dtypes its own ``init`` gives."""
 
 from __future__ import annotations
 
@@ -165,8 +165,10 @@ def low_precision_state(
 ) -> optax.GradientTransformationExtraArgs:
     """Store an optimizer's floating state narrower between steps.
 
-    Before ``inner`` runs, each chosen field is widened to float32; after, it is
-    stored again as ``dtypes`` says. Fields are chosen by name (adam's ``mu`` and
+    Before ``inner`` runs, each chosen field is widened to the dtype ``inner``'s own
+    ``init`` gives it (float32 over float32 parameters; over bfloat16 parameters the
+    bfloat16 ``inner`` keeps unwrapped, so the updates keep the parameters' dtype);
+    after, it is stored again as ``dtypes`` says. Fields are chosen by name (adam's ``mu`` and
     ``nu``, momentum's ``trace``, adafactor's ``v_row``), wherever they sit in the
     state, so this wraps any Optax optimizer. Between steps the state takes exactly
     the bytes its dtypes say (``docs/optimizer-memory.md`` measures them). A name
@@ -250,12 +252,16 @@ def low_precision_state(
 
         return jax.tree_util.tree_map_with_path(leaf, state)
 
-    def widen(state: OptState, params: frozenset) -> OptState:
+    def widen(state: OptState, params: frozenset, own: dict) -> OptState:
+        """The stored state in the dtypes ``inner``'s own ``init`` gives (``own``, by
+        path): float32 over float32 parameters, and over bfloat16 ones the bfloat16
+        ``inner`` itself keeps, so ``inner`` computes as it would unwrapped."""
+
         def leaf(path: jax.tree_util.KeyPath, x: object) -> object:
             if isinstance(x, BlockQuantized):
-                return dequantize(x)
+                return dequantize(x).astype(own.get(path, jnp.float32))
             if _field(path, chosen, params) is not None and getattr(x, "dtype", None) in NARROW:
-                return cast(jax.Array, x).astype(jnp.float32)
+                return cast(jax.Array, x).astype(own.get(path, jnp.float32))
             return x
 
         return jax.tree_util.tree_map_with_path(
@@ -289,9 +295,14 @@ def low_precision_state(
         init = lambda p: init_fn(p).stored_state  # noqa: E731
         check_state_matches(stored, init, like, name, fn, strict=False)
         paths = _param_paths(updates)
+        own = {
+            path: x.dtype
+            for path, x in jax.tree_util.tree_leaves_with_path(jax.eval_shape(inner.init, like))
+            if hasattr(x, "dtype")
+        }
         with diagnosing(fn, stored, name, init, like, updates, params):
             new_updates, new_state = inner.update(
-                updates, widen(stored, paths), params, **extra_args
+                updates, widen(stored, paths, own), params, **extra_args
             )
         # The key comes from the new count: one small kernel makes both.
         count = state.storage_count
