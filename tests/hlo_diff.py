@@ -1,8 +1,8 @@
 """Compare two dumps of the suite's GPU programs (``JAMP_DUMP_GPU_HLO``, tests/conftest.py).
 
 ``python -m tests.hlo_diff OLD NEW`` compares the two sets of distinct programs, each
-without its metadata (source files and lines, op names: they move when code moves) and its
-module's name line. Programs are matched by content, not by test name, so renamed tests and
+without its metadata (source files and lines, op names, stack frames: they move when code
+moves). Programs are matched by content, not by test name, so renamed tests and
 a compile shared by several tests compare too. It prints the programs found on one side
 only, with the tests that compiled them, and exits 1 if there is any.
 """
@@ -15,10 +15,23 @@ import sys
 _METADATA = re.compile(r",?\s*metadata=\{[^}]*\}")
 
 
+_FINGERPRINT = re.compile(r'fingerprint_before_lhs="[0-9a-f]*",?')
+# The tables of source files, functions, locations and stack frames that open the text.
+_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
 def canonical(text: str) -> str:
-    """The program without its metadata and its module's name line (which carries a hash)."""
-    text = _METADATA.sub("", text)
-    return "\n".join(line for line in text.splitlines() if not line.startswith("HloModule"))
+    """The program without its source tables, its instructions' metadata and its module
+    fingerprint (which hashes them)."""
+    out, in_table = [], False
+    for line in _FINGERPRINT.sub("", _METADATA.sub("", text)).splitlines():
+        if line in _TABLES:
+            in_table = True
+        elif line.startswith(("%", "ENTRY")):
+            in_table = False
+        if not in_table:
+            out.append(line)
+    return "\n".join(out)
 
 
 def programs(folder: str) -> dict[str, list[str]]:
