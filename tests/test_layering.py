@@ -52,6 +52,7 @@ PACKAGES = {
     "grad_scaler": ["records", "scaler"],
     "optimizer": ["rounding", "quantize", "master", "state"],
     "numerics": ["program", "locate", "report"],
+    "float8": ["recipe", "products", "telemetry"],
 }
 THIRD_PARTY = {GROUND: {"jax", "numpy"}, CHECKS: {"jax", "numpy"}}
 STDLIB_OK = {
