@@ -5,6 +5,8 @@ Engine's delayed scaling over several steps, and against flax.linen.fp8_ops
 on the same inputs and history.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -41,6 +43,22 @@ def test_quantize_is_a_saturating_round_to_nearest_and_keeps_non_finite_values()
         # a finite value the scale takes past float32 is not finite either
         huge = products.quantize(jnp.asarray([3e38, -1.0], F32), F32(1e10), dtype)
         assert np.isnan(np.asarray(huge, F32)[0]) and np.asarray(huge, F32)[1] == -big
+
+
+def test_quantize_runs_under_its_named_scope():
+    """jamp.debug's precision_report finds a quantisation, its scale and its scaled tensor by
+    the scope (numerics/report.py); a scope is metadata, so the program is the same."""
+    from jamp._src.autocast.values import MARKER
+
+    x, s = jnp.ones((2, 3), jnp.bfloat16), jnp.float32(2.0)
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        jaxpr = jax.make_jaxpr(functools.partial(products.quantize, dtype=dtype))(x, s)
+        prims = [e.primitive.name for e in jaxpr.eqns]
+        assert prims == ["convert_element_type", "mul", "clamp", "sub", "add"] + prims[-1:]
+        assert prims[-1] == "convert_element_type"
+        assert {str(e.source_info.name_stack) for e in jaxpr.eqns} == {products.SCOPE_QUANTIZE}
+    # autocast runs a name stack holding its marker as a disabled region
+    assert MARKER not in products.SCOPE_QUANTIZE
 
 
 def test_current_scale_maps_amax_to_the_largest_finite_value():

@@ -73,6 +73,12 @@ _SMALLEST_AMAX = ROW_MAX * np.float32(2.0**-126)
 # Quantisation
 # ---------------------------------------------------------------------------
 
+# The named scope (``jax.named_scope``) each quantisation's operations run under: the
+# multiply by the scale, the clip and the cast to float8. ``jamp.debug``'s
+# ``precision_report`` finds a quantisation, its scale and its scaled tensor by it. A
+# scope changes the operations' metadata only (their name stack), never the program.
+SCOPE_QUANTIZE = "jamp_float8_quantize"
+
 
 def amax(x: jax.Array) -> jax.Array:
     """The largest magnitude of ``x`` as a float32 scalar (NaN if ``x`` holds a NaN)."""
@@ -99,10 +105,13 @@ def quantize(x: jax.Array, scale: jax.Array, dtype: DTypeLike) -> jax.Array:
     write the predicate of a weight in a pass of its own when it quantised the weight into
     the transposed layout its GEMM reads: 20 MiB more per 1024x4096 weight and step
     (``tests/test_gpu_compile.py``).
+
+    The operations run under the named scope ``SCOPE_QUANTIZE``.
     """
     big = np.float32(jnp.finfo(dtype).max)
-    y = x.astype(F32) * scale
-    return (lax.clamp(-big, y, big) + (y - y)).astype(dtype)
+    with jax.named_scope(SCOPE_QUANTIZE):
+        y = x.astype(F32) * scale
+        return (lax.clamp(-big, y, big) + (y - y)).astype(dtype)
 
 
 def usable(scale: jax.Array, x_amax: jax.Array, row: int, recipe: DelayedScaling) -> jax.Array:
