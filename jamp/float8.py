@@ -15,7 +15,8 @@ logger). See ``docs/float8.md``.
 
 from jamp._src.autocast.api import float8_init as init
 from jamp._src.autocast.api import telemetry_init
-from jamp._src.float8 import DelayedScaling, Float8State, Telemetry, telemetry_metrics
+from jamp._src.float8.recipe import DelayedScaling, Float8State
+from jamp._src.float8.telemetry import Telemetry, telemetry_metrics
 
 __all__ = [
     "DelayedScaling",

@@ -5,7 +5,7 @@ finite check and the report, the StableHLO and the jaxpr of float8 products, and
 jaxpr of a GradScaler step. An honest refactor may change them: update them
 deliberately, with the reason (benchmarks/FINDINGS.md records why each shape was
 chosen). They are not behaviour; the behaviour is tested in finite/ (test_finite.py,
-test_finite_cpu.py, test_finite_default.py, test_report.py), test_float8.py,
+test_finite_cpu.py, test_finite_default.py, test_report.py), float8/test_float8.py,
 autocast/test_autocast_float8.py and grad_scaler/test_grad_scaler.py.
 """
 
@@ -18,14 +18,15 @@ import numpy as np
 import optax
 import pytest
 from _autocast_helpers import randn
+from _float8_helpers import MM, operands, spec
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
-from test_float8 import MM, operands, spec
 
 import jamp
-from jamp._src import float8
 from jamp._src.finite import default as finite_default
 from jamp._src.finite.check import check_unscaled
+from jamp._src.float8 import products
+from jamp._src.float8.recipe import init_state
 
 # ---------------------------------------------------------------- the finite check
 
@@ -270,14 +271,14 @@ def test_the_stablehlo_is_the_pattern_xla_gpu_rewrites_into_a_float8_gemm(platfo
 def test_delayed_scaling_quantises_without_waiting_for_the_operands_amax():
     """With unmeasured="one" the operand's quantisation does not depend on its own amax, so
     XLA can compute the amax in the pass that quantises (with "current" it must wait for
-    it). The values: test_float8.py."""
+    it). The values: float8/test_float8.py."""
     e4m3 = np.dtype(jnp.float8_e4m3fn)
     lhs, rhs = operands(MM, 9)
 
     def waits_for_amax(recipe):
         """Whether a float8 convert of the forward pass depends on a reduce_max."""
-        fresh = float8.init_state(recipe)
-        f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+        fresh = init_state(recipe)
+        f = lambda a, b, h, c: products.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
         jaxpr = jax.make_jaxpr(f)(lhs, rhs, *fresh).jaxpr.eqns[0].params["call_jaxpr"].jaxpr
         from_max = set()
         for e in jaxpr.eqns:

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.tree_util import KeyPath
 
-from jamp._src.float8 import Float8State, check_values
+from jamp._src.float8.recipe import Float8State, check_values
 from jamp._src.leaves import find_nodes
 from jamp._src.loss_scale import DATA_FIELDS, STATIC, LossScaleState, placed_like, restore
 from jamp._src.loss_scaling import ScaledOptimizerState

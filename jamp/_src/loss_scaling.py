@@ -20,7 +20,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jamp._src.finite.check import check_unscaled
 from jamp._src.finite.report import log_counts
-from jamp._src.float8 import refuse_in
+from jamp._src.float8.telemetry import refuse_in
 from jamp._src.leaves import is_real_number
 from jamp._src.loss_scale import (
     LossScaleState,

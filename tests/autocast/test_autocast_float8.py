@@ -16,9 +16,9 @@ import optax
 import pytest
 from _autocast_helpers import BF16, F16, F32, eqns_named, randn, rel_err
 from _bad_input import assert_clear_error
+from _float8_helpers import numpy_recipe
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
-from test_float8 import numpy_recipe
 
 import jamp
 
@@ -458,10 +458,10 @@ def test_the_traced_check_leaves_a_real_training_loop_bit_for_bit(recipe, monkey
     recipe makes, fresh (scale 1, or 0 with unmeasured="current"), measured, after a zero
     batch and after an overflow: every step's parameters, float8 state and optimizer
     state are the bits they were without it."""
-    from jamp._src import float8
+    from jamp._src.float8 import products
 
     checked = _train(recipe, 12)
-    monkeypatch.setattr(float8, "traced_check", lambda *args: None)
+    monkeypatch.setattr(products, "traced_check", lambda *args: None)
     unchecked = _train(recipe, 12)
     for t, (a, b) in enumerate(zip(checked, unchecked, strict=True)):
         for x, z in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
@@ -478,7 +478,7 @@ def test_under_jit_a_corrupted_float8_state_makes_loss_scaling_skip_the_step(rec
     the parameters are kept, as on an overflow (eagerly, and in check_restored, it is
     refused: test_every_state_the_recipe_makes_is_valid_and_a_corrupted_restore_is_refused).
     """
-    from jamp._src import float8
+    from jamp._src.float8 import products
 
     checked = _train(recipe, 8, corrupt_at=7)
     before, (params, f8, opt_state) = checked[6], checked[7]
@@ -486,7 +486,7 @@ def test_under_jit_a_corrupted_float8_state_makes_loss_scaling_skip_the_step(rec
     for x, z in zip(jax.tree.leaves(before[0]), jax.tree.leaves(params), strict=True):
         assert np.asarray(x).tobytes() == np.asarray(z).tobytes()
     assert f8[next(iter(f8))].scale[0] == np.float32(1e30)  # kept, as a skipped step keeps it
-    monkeypatch.setattr(float8, "traced_check", lambda *args: None)
+    monkeypatch.setattr(products, "traced_check", lambda *args: None)
     _, _, applied = _train(recipe, 8, corrupt_at=7)[7]
     assert bool(applied.last_finite)  # what it did before: the step applied
 

@@ -213,7 +213,7 @@ def _delayed_float8_step(history: int, checked: bool) -> tuple[int, object]:
     (At d 64, 2x256 XLA:GPU fuses the loss gradient's quantisation and amax differently
     with the check, a reshuffle of small passes (+0.76 MB) that no larger step shows.)"""
     from benchmarks import models
-    from jamp._src import float8
+    from jamp._src.float8 import products
 
     d, x = 128, jax.ShapeDtypeStruct((4, T, 128), jnp.float32)
     params = jax.eval_shape(lambda: models.gpt_params(d, 1))
@@ -228,7 +228,7 @@ def _delayed_float8_step(history: int, checked: bool) -> tuple[int, object]:
 
     with pytest.MonkeyPatch.context() as mp, jax.numpy_rank_promotion("allow"):
         if not checked:
-            mp.setattr(float8, "traced_check", lambda *args: None)
+            mp.setattr(products, "traced_check", lambda *args: None)
         return len(f8), xla_gpu.analyse(xla_gpu.compile_for(step, params, f8, x, x))
 
 

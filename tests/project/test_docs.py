@@ -47,7 +47,8 @@ MODULES = sorted(
 WITH_EXAMPLES = {
     "jamp._src.autocast.api",
     "jamp._src.finite.check",
-    "jamp._src.float8",
+    "jamp._src.float8.recipe",
+    "jamp._src.float8.telemetry",
     "jamp._src.flax_support",
     "jamp._src.grad_scaler.scaler",
     "jamp._src.lookup",

@@ -52,7 +52,8 @@ from jamp._src.autocast.values import (
     cast,
     is_float,
 )
-from jamp._src.float8 import DelayedScaling, Float8State, Telemetry
+from jamp._src.float8.recipe import DelayedScaling, Float8State
+from jamp._src.float8.telemetry import Telemetry
 from jamp._src.jaxprs import ClosedJaxpr
 from jamp._src.policy import Policy, check_dtype, parse_policy
 from jamp._src.types import PyTree

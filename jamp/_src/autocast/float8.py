@@ -2,7 +2,7 @@
 
 In float8 mode every eligible ``dot_general`` (floating operands of float16,
 bfloat16 or float32; none in a disabled region) runs as a float8 product
-(``jamp/_src/float8.py``); everything else follows the half-precision rules
+(``jamp/_src/float8/``); everything else follows the half-precision rules
 of ``autocast.rules`` with the autocast dtype (bfloat16 unless a policy says
 float16), which is also the dtype of the products' outputs. Convolutions stay
 in that dtype: XLA has no float8 convolution that jamp can rely on.
@@ -44,20 +44,9 @@ from jamp._src.autocast.flow import kept_preferred_type
 from jamp._src.autocast.interpreter import HIGHER_ORDER, scan_with
 from jamp._src.autocast.rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
 from jamp._src.autocast.values import MARKER, Context, Evaluated, Info, JaxprLike, Rule, Value, aval
-from jamp._src.float8 import (
-    E4M3,
-    F32,
-    DelayedScaling,
-    Float8State,
-    Spec,
-    Telemetry,
-    check_values,
-    current_dot,
-    current_dot_telemetry,
-    delayed_dot,
-    delayed_dot_telemetry,
-    init_state,
-)
+from jamp._src.float8.products import Spec, current_dot, delayed_dot
+from jamp._src.float8.recipe import E4M3, F32, DelayedScaling, Float8State, check_values, init_state
+from jamp._src.float8.telemetry import Telemetry, current_dot_telemetry, delayed_dot_telemetry
 from jamp._src.jaxprs import ClosedJaxpr
 
 # Sub-computations the products inside of which get a state (as the interpreter evaluates

@@ -97,7 +97,7 @@ each float32 consumer to save one rounding.
                   dtype (bfloat16, or the policy's float16), so the rest of
                   the program runs as under ``autocast(fun, bfloat16)``; the
                   gradient of the output is quantised to ``float8_e5m2``
-                  (``jamp/_src/float8.py``, ``autocast.float8.py``).
+                  (``jamp/_src/float8/``, ``autocast.float8.py``).
                   Convolutions and ``ragged_dot_general`` stay ``lower``.
 ================  ==========================================================
 

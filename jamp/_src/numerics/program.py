@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +24,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.values import shard_map_like
+from jamp._src.float8.products import SCOPE_QUANTIZE
 from jamp._src.jaxprs import CALLS, ClosedJaxpr, shaped
 
 # Operations that only group others: inlined (the calls of jamp's jaxpr vocabulary, and
@@ -56,7 +58,9 @@ class Op:
 
     ``ins`` and ``outs`` are value ids (ints) or, for a literal input, ``("lit",
     value)``; ``line`` is the user's source line; ``path`` the module path of the name
-    stack (``CNN/Dense_0``); ``backward`` whether it is in the backward pass."""
+    stack (``CNN/Dense_0``); ``backward`` whether it is in the backward pass;
+    ``quantize`` whether it is one of a float8 quantisation's operations (its name stack
+    holds ``SCOPE_QUANTIZE``)."""
 
     index: int
     primitive: jex_core.Primitive
@@ -68,6 +72,7 @@ class Op:
     line: str
     path: str
     backward: bool
+    quantize: bool = False
 
     @property
     def name(self) -> str:
@@ -103,7 +108,7 @@ def _module_path(name_stack: str) -> str:
     for part in name_stack.split("/"):
         while "(" in part and part.endswith(")"):
             part = part[part.index("(") + 1 : -1]
-        if part and part not in ("jamp_autocast", "jamp_autocast_disabled"):
+        if part and part not in ("jamp_autocast", "jamp_autocast_disabled", SCOPE_QUANTIZE):
             parts.append(part)
     out: list[str] = []
     for part in parts:  # a nested scope repeats its parent's path: keep one
@@ -158,6 +163,7 @@ def flatten(closed: ClosedJaxpr) -> Program:
                 line=_user_line(eqn.source_info),
                 path=_module_path(here),
                 backward="transpose(" in here,
+                quantize=SCOPE_QUANTIZE in re.split(r"[/()]", here),
             )
             ops.append(op)
             for i in outs:

@@ -153,34 +153,40 @@ class PrecisionReport:
         return "\n".join(lines)
 
 
+def _quantisation(program: Program, cast: Op) -> list[Op]:
+    """The operations of the float8 quantisation that ``cast`` ends: those of its name
+    scope (``Op.quantize``, ``SCOPE_QUANTIZE``) that ``cast`` depends on."""
+    found: dict[int, Op] = {}
+    stack = [a for a in cast.ins if isinstance(a, int)]
+    while stack:
+        prod = program.producer.get(stack.pop())
+        if prod is None or not prod.quantize or prod.index in found:
+            continue
+        found[prod.index] = prod
+        stack.extend(a for a in prod.ins if isinstance(a, int))
+    return [found[i] for i in sorted(found)]
+
+
 def _float8_scales(program: Program) -> dict[int, tuple[int, int]]:
-    """For each quantisation to float8 (a ``convert_element_type``), the value ids of the
-    scalar scale its input was multiplied by and of that product, before the clip
-    (``float8.quantize``'s pattern: a multiply, a clamp, a select, the cast)."""
+    """For each quantisation to float8 (``float8.products.quantize``: the cast to float8
+    that ends the operations of its named scope, ``SCOPE_QUANTIZE``), the value ids of
+    the scalar scale its input was multiplied by and of that product, before the clip."""
     out: dict[int, tuple[int, int]] = {}
     for op in program.ops:
-        if op.name != "convert_element_type" or np.dtype(op.params["new_dtype"]) not in FLOAT8:
+        if not op.quantize or op.name != "convert_element_type":
             continue
-        a = op.ins[0]
-        for _ in range(4):  # through the select and the clamp to the multiply
-            prod = program.producer.get(a) if isinstance(a, int) else None
-            if prod is None:
-                break
-            if prod.name == "mul":
-                for i, aval in zip(prod.ins, prod.in_avals, strict=True):
-                    src = program.producer.get(i) if isinstance(i, int) else None
-                    if aval.shape == () and isinstance(i, int):
-                        out[op.index] = (i, prod.outs[0])
-                    elif src is not None and src.name == "broadcast_in_dim":
-                        if src.in_avals[0].shape == () and isinstance(src.ins[0], int):
-                            out[op.index] = (src.ins[0], prod.outs[0])
-                break
-            shaped = [
-                i
-                for i, v in zip(prod.ins, prod.in_avals, strict=True)
-                if v.shape and isinstance(i, int) and jnp.issubdtype(v.dtype, jnp.floating)
-            ]
-            a = shaped[0] if shaped else None
+        if np.dtype(op.params["new_dtype"]) not in FLOAT8:
+            continue
+        for prod in _quantisation(program, op):
+            if prod.name != "mul":
+                continue
+            for i, aval in zip(prod.ins, prod.in_avals, strict=True):
+                src = program.producer.get(i) if isinstance(i, int) else None
+                if aval.shape == () and isinstance(i, int):
+                    out[op.index] = (i, prod.outs[0])
+                elif src is not None and src.name == "broadcast_in_dim":
+                    if src.in_avals[0].shape == () and isinstance(src.ins[0], int):
+                        out[op.index] = (src.ins[0], prod.outs[0])
     return out
 
 

@@ -23,8 +23,7 @@ from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 import jamp
-from jamp._src import float8
-from jamp._src.float8 import kept_max, traced_check
+from jamp._src.float8.recipe import ROW_MAX, kept_max, traced_check
 
 F32, BF16 = np.dtype(np.float32), np.dtype(jnp.bfloat16)
 E4M3, E5M2 = np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2)
@@ -55,7 +54,7 @@ def loss(w, x):
 def measured_state(amaxes):
     """A delayed-scaling state whose history recorded ``amaxes`` (x, w, gradient) once."""
     history = jnp.zeros((3, 2), jnp.float32).at[:, 0].set(jnp.asarray(amaxes, jnp.float32))
-    return {KEY: jamp.float8.Float8State(history, jnp.asarray(float8.ROW_MAX / amaxes))}
+    return {KEY: jamp.float8.Float8State(history, jnp.asarray(ROW_MAX / amaxes))}
 
 
 # --------------------------------------------------------------------------- the figures
@@ -144,14 +143,14 @@ def test_the_counts_are_those_of_float8_rounding(dtype, recipe):
     w = tensor((32, 8), [464 * 16, 464 * 16 * 1.01])
     ct = tensor((16, 8), [2.0**-17 / 64, 61440 / 64, 61440 / 64 * 0.99], -40, 4)
     f = jamp.autocast(lambda w, x: x @ w, "float8", recipe=recipe, telemetry=True)
-    lead = [] if recipe is None else [measured_state(float8.ROW_MAX / scales)]
+    lead = [] if recipe is None else [measured_state(ROW_MAX / scales)]
     zeros = jamp.float8.telemetry_init(f, w, x)
     out, vjp = jax.vjp(lambda t: f(*lead, t, w, x), zeros)
     t = vjp(ct.astype(out.dtype))[0][KEY]
     for row, (tensor_, dtype8) in enumerate(((x, E4M3), (w, E4M3), (ct.astype(BF16), E5M2))):
         want_amax = np.max(np.abs(np.asarray(tensor_, np.float32)))
         assert float(t.amax[row]) == want_amax
-        want_scale = float8.ROW_MAX[row] / want_amax if recipe is None else scales[row]
+        want_scale = ROW_MAX[row] / want_amax if recipe is None else scales[row]
         assert float(t.scale[row]) == pytest.approx(want_scale, rel=1e-6)
         underflow, saturated = rows_by_hand(tensor_, t.scale[row], dtype8)
         assert (float(t.underflow[row]), float(t.saturated[row])) == (underflow, saturated)
@@ -503,7 +502,7 @@ def _by_hand_delayed(x_dtype, w_dtype):
     def fwd(x, w, history, scale):
         a_x, a_w = _amax(x), _amax(w)
         s_x, s_w = _usable(scale[0]), _usable(scale[1])
-        # The corrupted-state check is not telemetry: jamp's own (tests/test_float8.py).
+        # The corrupted-state check is not telemetry: jamp's own (tests/float8/test_float8.py).
         kept = kept_max(history)
         checked = traced_check(history, scale, jamp.float8.DelayedScaling(4), kept)
         out, res = _forward(x, w, s_x, s_w, checked)
@@ -517,7 +516,7 @@ def _by_hand_delayed(x_dtype, w_dtype):
         history = jnp.roll(history, -1, axis=-1).at[..., 0].set(amaxes)
         top = jnp.maximum(amaxes, kept)
         positive = top > 0
-        new = (float8.ROW_MAX / jnp.where(positive, top, np.float32(1.0))) / np.float32(1.0)
+        new = (ROW_MAX / jnp.where(positive, top, np.float32(1.0))) / np.float32(1.0)
         keep = positive & jnp.isfinite(top) & jnp.isfinite(new)
         return d_x, d_w, history, jnp.where(keep, new, scale)
 

@@ -1,9 +1,11 @@
-"""jamp/_src/float8.py: quantisation, the float8 products' custom_vjps, TE's delayed recipe.
+"""jamp/_src/float8/: quantisation, the float8 products' custom_vjps, TE's delayed recipe.
 
 The recipe is checked bit-exactly against a NumPy model of Transformer
 Engine's delayed scaling over several steps, and against flax.linen.fp8_ops
 on the same inputs and history.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -12,25 +14,18 @@ import numpy as np
 import pytest
 from _autocast_helpers import eqns_named, rel_err
 from _bad_input import assert_clear_error
+from _float8_helpers import DNS, MM, ROW_MAX, numpy_recipe, operands, rng, spec
 from flax.linen import fp8_ops
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from jax import lax
 
 import jamp
-from jamp._src import float8
+from jamp._src.float8 import products
+from jamp._src.float8.recipe import Float8State, check_values, init_state, next_state, traced_check
 
 F32 = np.float32
-MM = (((1,), (0,)), ((), ()))  # x @ w
 E4M3 = np.dtype(jnp.float8_e4m3fn)
-
-
-def spec(dn=MM, out=jnp.float32, lhs=jnp.float32, rhs=jnp.float32, recipe=None):
-    return float8.Spec(dn, np.dtype(out), np.dtype(lhs), np.dtype(rhs), None, recipe)
-
-
-def rng(seed):
-    return np.random.default_rng(seed)
 
 
 # --------------------------------------------------------------------------- quantisation
@@ -39,54 +34,51 @@ def rng(seed):
 def test_quantize_is_a_saturating_round_to_nearest_and_keeps_non_finite_values():
     x = np.array([0.0, 1e-3, -0.3, 2.5, 447.9, 460.0, -1e6, np.inf, -np.inf, np.nan], F32)
     for dtype, big in ((jnp.float8_e4m3fn, 448.0), (jnp.float8_e5m2, 57344.0)):
-        got = np.asarray(float8.quantize(jnp.asarray(x), F32(1.0), dtype))
+        got = np.asarray(products.quantize(jnp.asarray(x), F32(1.0), dtype))
         want = np.clip(x, -big, big).astype(np.dtype(dtype))
         finite = np.isfinite(x)
         assert got[finite].tobytes() == want[finite].tobytes()  # bit-exact, as ml_dtypes rounds
         # inf and NaN become NaN (float8_e5m2's infinities too): one pass, no select
         assert np.isnan(got[~finite].astype(F32)).all()
         # a finite value the scale takes past float32 is not finite either
-        huge = float8.quantize(jnp.asarray([3e38, -1.0], F32), F32(1e10), dtype)
+        huge = products.quantize(jnp.asarray([3e38, -1.0], F32), F32(1e10), dtype)
         assert np.isnan(np.asarray(huge, F32)[0]) and np.asarray(huge, F32)[1] == -big
+
+
+def test_quantize_runs_under_its_named_scope():
+    """jamp.debug's precision_report finds a quantisation, its scale and its scaled tensor by
+    the scope (numerics/report.py); a scope is metadata, so the program is the same."""
+    from jamp._src.autocast.values import MARKER
+
+    x, s = jnp.ones((2, 3), jnp.bfloat16), jnp.float32(2.0)
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        jaxpr = jax.make_jaxpr(functools.partial(products.quantize, dtype=dtype))(x, s)
+        prims = [e.primitive.name for e in jaxpr.eqns]
+        assert prims == ["convert_element_type", "mul", "clamp", "sub", "add"] + prims[-1:]
+        assert prims[-1] == "convert_element_type"
+        assert {str(e.source_info.name_stack) for e in jaxpr.eqns} == {products.SCOPE_QUANTIZE}
+    # autocast runs a name stack holding its marker as a disabled region
+    assert MARKER not in products.SCOPE_QUANTIZE
 
 
 def test_current_scale_maps_amax_to_the_largest_finite_value():
     for amax, row, want in ((2.0, 0, 224.0), (1e-6, 0, 448e6), (1.0, 2, 57344.0)):
-        assert float(float8.current_scale(jnp.float32(amax), row)) == pytest.approx(want)
-    assert float(float8.current_scale(jnp.float32(0.0), 0)) == 2.0**126  # 1/scale is normal
-    assert float(float8.current_scale(jnp.float32(np.inf), 0)) == 0.0  # x * 0: inf -> NaN
-    assert np.isnan(float(float8.current_scale(jnp.float32(np.nan), 0)))
+        assert float(products.current_scale(jnp.float32(amax), row)) == pytest.approx(want)
+    assert float(products.current_scale(jnp.float32(0.0), 0)) == 2.0**126  # 1/scale is normal
+    assert float(products.current_scale(jnp.float32(np.inf), 0)) == 0.0  # x * 0: inf -> NaN
+    assert np.isnan(float(products.current_scale(jnp.float32(np.nan), 0)))
 
 
 def test_tiny_values_keep_their_precision():
     x = jnp.asarray(rng(0).standard_normal(1000) * 1e-6, jnp.float32)
-    s = float8.current_scale(float8.amax(x), 0)
-    back = float8.quantize(x, s, jnp.float8_e4m3fn).astype(jnp.float32) / s
+    s = products.current_scale(products.amax(x), 0)
+    back = products.quantize(x, s, jnp.float8_e4m3fn).astype(jnp.float32) / s
     assert rel_err(back, x) < 0.04  # 3 mantissa bits: about 2**-5 relative per element
     # Without a scale, float8_e4m3fn flushes them all (smallest subnormal 2**-9).
     assert not np.any(np.asarray(x.astype(jnp.float8_e4m3fn), F32))
 
 
 # --------------------------------------------------------------------------- the products
-
-DNS = [
-    MM,  # x @ w
-    (((1,), (1,)), ((), ())),  # x @ w.T
-    (((2,), (1,)), ((0,), (0,))),  # batched
-    (((0, 2), (2, 0)), ((1,), (1,))),  # two contracting axes, a batch axis in the middle
-]
-
-
-def operands(dn, seed):
-    (lc, rc), (lb, rb) = dn
-    shapes = {
-        MM: ((3, 4), (4, 5)),
-        DNS[1]: ((3, 4), (5, 4)),
-        DNS[2]: ((2, 3, 4), (2, 4, 5)),
-        DNS[3]: ((4, 2, 3), (3, 2, 4)),
-    }[dn]
-    r = rng(seed)
-    return tuple(jnp.asarray(r.standard_normal(s), jnp.float32) for s in shapes)
 
 
 @pytest.mark.parametrize("dn", DNS, ids=["mm", "mm_t", "batched", "two_contracting"])
@@ -100,7 +92,7 @@ def test_current_dot_and_its_gradients_match_float32(dn):
 
     @jax.jit
     def products_and_gradients(lhs, rhs, ct):
-        out, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec(dn)), lhs, rhs)
+        out, vjp = jax.vjp(lambda a, b: products.current_dot(a, b, spec(dn)), lhs, rhs)
         want, want_vjp = jax.vjp(plain, lhs, rhs)
         return out, want, vjp(ct), want_vjp(ct)
 
@@ -114,7 +106,7 @@ def test_current_dot_and_its_gradients_match_float32(dn):
 
 def test_the_forward_and_backward_jaxprs_hold_e4m3_and_e5m2_operands():
     lhs, rhs = operands(MM, 3)
-    f = lambda a, b: jnp.sum(float8.current_dot(a, b, spec()))  # noqa: E731
+    f = lambda a, b: jnp.sum(products.current_dot(a, b, spec()))  # noqa: E731
     fwd = jax.make_jaxpr(f)(lhs, rhs)
     bwd = jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(lhs, rhs)
 
@@ -140,27 +132,14 @@ def test_the_forward_and_backward_jaxprs_hold_e4m3_and_e5m2_operands():
 def test_non_finite_operands_give_non_finite_products_and_gradients():
     lhs, rhs = operands(MM, 4)
     lhs = lhs.at[0, 0].set(jnp.inf)
-    out, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), lhs, rhs)
+    out, vjp = jax.vjp(lambda a, b: products.current_dot(a, b, spec()), lhs, rhs)
     assert not np.isfinite(np.asarray(out)).all()
-    out, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), *operands(MM, 5))
+    out, vjp = jax.vjp(lambda a, b: products.current_dot(a, b, spec()), *operands(MM, 5))
     d_lhs, d_rhs = vjp(jnp.full(out.shape, jnp.inf))  # an overflowed gradient stays one
     assert not np.isfinite(np.asarray(d_lhs)).all() and not np.isfinite(np.asarray(d_rhs)).all()
 
 
 # --------------------------------------------------------------------------- delayed scaling
-
-ROW_MAX = np.array([448.0, 448.0, 57344.0], F32)
-
-
-def numpy_recipe(history, scale, amaxes, recipe):
-    """Transformer Engine's DelayedScaling, in NumPy float32: roll the amaxes in, rescale."""
-    history = np.roll(history, -1, axis=-1)
-    history[..., 0] = amaxes
-    amax = history.max(-1) if recipe.amax_compute_algo == "max" else history[..., 0]
-    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
-        new = (ROW_MAX / amax) / F32(2.0**recipe.margin)
-    keep = (amax > 0) & np.isfinite(amax) & np.isfinite(new)
-    return history, np.where(keep, new, scale).astype(F32)
 
 
 def numpy_quantize(x, scale, dtype):
@@ -196,17 +175,17 @@ RECIPES = [
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=["max", "most_recent_margin", "h1"])
 def test_delayed_state_evolves_bit_exactly_as_the_numpy_model_of_the_recipe(recipe):
-    state = float8.init_state(recipe, scale=1.0)  # TE's start, so every step uses the state
+    state = init_state(recipe, scale=1.0)  # TE's start, so every step uses the state
     history, scale = np.zeros((3, recipe.amax_history_len), F32), np.ones(3, F32)
     s = spec(recipe=recipe)
 
     @jax.jit
     def step(state, lhs, rhs, ct):
         def f(a, b, hist, scale):
-            return float8.delayed_dot(a, b, hist, scale, s)
+            return products.delayed_dot(a, b, hist, scale, s)
 
         out, vjp = jax.vjp(f, lhs, rhs, *state)
-        return out, float8.Float8State(*vjp(ct)[2:])
+        return out, Float8State(*vjp(ct)[2:])
 
     for t, (lhs, rhs, ct) in enumerate(steps(7)):
         out, state = step(state, lhs, rhs, ct)
@@ -228,7 +207,7 @@ def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
     histories agree bit for bit, the scales are reciprocals, the products agree."""
     recipe = jamp.float8.DelayedScaling(amax_history_len=5)
     h = recipe.amax_history_len
-    state = float8.init_state(recipe, scale=1.0)  # Flax's start
+    state = init_state(recipe, scale=1.0)  # Flax's start
     meta = dict(
         lhs_scale=jnp.ones(1), rhs_scale=jnp.ones(1), grad_scale=jnp.ones(1),
         lhs_amax_history=jnp.zeros(h), rhs_amax_history=jnp.zeros(h),
@@ -239,11 +218,11 @@ def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
     @jax.jit
     def ours(state, lhs, rhs, ct):
         def f(a, b, hist, scale):
-            return float8.delayed_dot(a, b, hist, scale, s)
+            return products.delayed_dot(a, b, hist, scale, s)
 
         out, vjp = jax.vjp(f, lhs, rhs, *state)
         d_l, d_r, *new = vjp(ct)
-        return out, (d_l, d_r), float8.Float8State(*new)
+        return out, (d_l, d_r), Float8State(*new)
 
     @jax.jit
     def theirs(meta, lhs, rhs, ct):
@@ -271,7 +250,7 @@ def test_delayed_scaling_matches_flax_fp8_ops_on_the_same_inputs_and_history():
 
 
 def _delayed(recipe, state, lhs, rhs, ct):
-    f = lambda a, b, h, c: float8.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
+    f = lambda a, b, h, c: products.delayed_dot(a, b, h, c, spec(recipe=recipe))  # noqa: E731
     out, vjp = jax.vjp(f, lhs, rhs, *state)
     return out, vjp(ct)
 
@@ -282,17 +261,17 @@ def test_unmeasured_current_a_fresh_state_quantises_with_the_current_scales():
     lhs, rhs = operands(MM, 8)
     lhs = lhs * 1e-6  # TE's start (scale 1) would flush it: float8_e4m3fn's smallest is 2**-9
     ct = jnp.ones((3, 5))
-    fresh = float8.init_state(recipe)
+    fresh = init_state(recipe)
     np.testing.assert_array_equal(fresh.scale, np.zeros(3))
     out, (d_l, d_r, hist, scale) = _delayed(recipe, fresh, lhs, rhs, ct)
-    want, vjp = jax.vjp(lambda a, b: float8.current_dot(a, b, spec()), lhs, rhs)
+    want, vjp = jax.vjp(lambda a, b: products.current_dot(a, b, spec()), lhs, rhs)
     assert np.asarray(out).tobytes() == np.asarray(want).tobytes()
     for a, b in zip((d_l, d_r), vjp(ct), strict=True):
         assert np.asarray(a).tobytes() == np.asarray(b).tobytes()
     np.testing.assert_array_equal(scale, ROW_MAX / np.asarray(hist)[:, 0])
-    assert rel_err(_delayed(recipe, float8.Float8State(hist, scale), lhs, rhs, ct)[0], want) < 1e-6
+    assert rel_err(_delayed(recipe, Float8State(hist, scale), lhs, rhs, ct)[0], want) < 1e-6
     te = jamp.float8.DelayedScaling(amax_history_len=2)  # unmeasured="one": TE's start flushes it
-    assert not np.any(np.asarray(_delayed(te, float8.init_state(te), lhs, rhs, ct)[0]))
+    assert not np.any(np.asarray(_delayed(te, init_state(te), lhs, rhs, ct)[0]))
 
 
 def test_unmeasured_one_quantises_a_zero_state_with_scale_1():
@@ -301,9 +280,9 @@ def test_unmeasured_one_quantises_a_zero_state_with_scale_1():
     recipe = jamp.float8.DelayedScaling(amax_history_len=2)
     lhs, rhs = operands(MM, 9)
     ct = jnp.ones((3, 5))
-    fresh = float8.init_state(recipe)
+    fresh = init_state(recipe)
     np.testing.assert_array_equal(fresh.scale, np.ones(3))
-    zero = float8.Float8State(fresh.amax_history, jnp.zeros(3))
+    zero = Float8State(fresh.amax_history, jnp.zeros(3))
     assert (
         np.asarray(_delayed(recipe, zero, lhs, rhs, ct)[0]).tobytes()
         == np.asarray(_delayed(recipe, fresh, lhs, rhs, ct)[0]).tobytes()
@@ -323,9 +302,9 @@ def test_unmeasured_one_quantises_a_zero_state_with_scale_1():
 def test_next_state_is_the_numpy_recipe_for_any_amaxes(amaxes, old, recipe):
     h = recipe.amax_history_len
     history = np.linspace(0, 2, 3 * h, dtype=F32).reshape(3, h)
-    state = float8.Float8State(jnp.asarray(history), jnp.full(3, old, jnp.float32))
+    state = Float8State(jnp.asarray(history), jnp.full(3, old, jnp.float32))
     amaxes = np.array(amaxes, F32)
-    got = float8.next_state(state, jnp.asarray(amaxes), recipe)
+    got = next_state(state, jnp.asarray(amaxes), recipe)
     want_h, want_s = numpy_recipe(history, np.full(3, old, F32), amaxes, recipe)
     assert np.asarray(got.amax_history).tobytes() == want_h.tobytes()
     assert np.asarray(got.scale).tobytes() == want_s.tobytes()
@@ -342,20 +321,20 @@ def _step(recipe, checked=True):
     ``checked=False``, the product as it was before issue #35's traced check."""
 
     def f(a, b, hist, scale):
-        return float8.delayed_dot(a, b, hist, scale, spec(recipe=recipe))
+        return products.delayed_dot(a, b, hist, scale, spec(recipe=recipe))
 
     @jax.jit
     def step(state, lhs, rhs, ct):
         out, vjp = jax.vjp(f, lhs, rhs, *state)
         d_l, d_r, *new = vjp(ct)
-        return out, (d_l, d_r), float8.Float8State(*new)
+        return out, (d_l, d_r), Float8State(*new)
 
     if checked:
         return step
 
     def unchecked(*args):
         with pytest.MonkeyPatch.context() as mp:  # traced while patched: its own trace
-            mp.setattr(float8, "traced_check", lambda *args: None)
+            mp.setattr(products, "traced_check", lambda *args: None)
             return step(*args)
 
     return unchecked
@@ -367,7 +346,7 @@ def test_the_traced_check_leaves_every_state_of_the_recipe_bit_for_bit(recipe):
     recipe makes: fresh, measured over seven decades, after an all-zero operand (whose scale
     the recipe keeps: with a history of 1 its amaxes have all rolled out) and after an
     infinite gradient (a non-finite amax: the scale is kept for the history's length)."""
-    state = float8.init_state(recipe)
+    state = init_state(recipe)
     checked, unchecked = _step(recipe), _step(recipe, checked=False)
     for t, (lhs, rhs, ct) in enumerate(steps(7)):
         got, want = checked(state, lhs, rhs, ct), unchecked(state, lhs, rhs, ct)
@@ -376,13 +355,13 @@ def test_the_traced_check_leaves_every_state_of_the_recipe_bit_for_bit(recipe):
         if t != 4:  # the infinite gradient's step
             assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(got[:2])), t
         state = got[2]
-        assert float(float8.traced_check(*state, recipe)) == 1.0, t
+        assert float(traced_check(*state, recipe)) == 1.0, t
 
 
 def _measured(recipe):
     """A state after two real steps: every row measured (``steps``' third has a zero
     operand, whose row keeps its scale)."""
-    state, step = float8.init_state(recipe), _step(recipe)
+    state, step = init_state(recipe), _step(recipe)
     for lhs, rhs, ct in steps(2):
         state = step(state, lhs, rhs, ct)[2]
     return state
@@ -402,7 +381,7 @@ def test_under_jit_a_scale_its_history_does_not_give_makes_the_product_non_finit
     scale[row] = bad
     corrupted = state._replace(scale=jnp.asarray(scale))
     with pytest.raises(ValueError, match=r"scale"):
-        float8.check_values(corrupted, "the state", recipe)  # eagerly: refused
+        check_values(corrupted, "the state", recipe)  # eagerly: refused
     out, grads, _ = _step(recipe)(corrupted, lhs, rhs, ct)
     for x in (out, *grads):
         assert np.isnan(np.asarray(x)).all()
@@ -437,9 +416,9 @@ def test_a_scale_of_another_margin_or_algorithm_is_no_corruption():
     # A scale off by more than the tolerance of another backend's rounding is not.
     saved, recipe = _measured(pairs[0][0]), pairs[0][1]
     off = saved._replace(scale=saved.scale * np.float32(1.01))
-    assert np.isnan(float(float8.traced_check(*off, recipe)))
+    assert np.isnan(float(traced_check(*off, recipe)))
     ok = saved._replace(scale=saved.scale * np.float32(1 + 2.0**-10))
-    assert float(float8.traced_check(*ok, recipe)) == 1.0
+    assert float(traced_check(*ok, recipe)) == 1.0
 
 
 def test_a_row_never_measured_is_checked_for_its_value_only():
@@ -448,10 +427,10 @@ def test_a_row_never_measured_is_checked_for_its_value_only():
     history), which that history cannot vouch for: any finite scale >= 0 passes traced;
     eagerly (check_values) only 1 and 0 do."""
     recipe = jamp.float8.DelayedScaling(amax_history_len=4)
-    fresh = float8.init_state(recipe)
+    fresh = init_state(recipe)
     for value, ok in ((1.0, True), (0.0, True), (1e30, True), (-1.0, False), (np.nan, False)):
         state = fresh._replace(scale=jnp.full(3, value, jnp.float32))
-        assert (float(float8.traced_check(*state, recipe)) == 1.0) == ok, value
+        assert (float(traced_check(*state, recipe)) == 1.0) == ok, value
 
 
 BAD_INPUT = {
@@ -533,10 +512,10 @@ def test_bad_input_is_a_clear_error_raised_by_jamp_before_tracing(case):
 def test_the_largest_margin_and_history_still_give_usable_scales():
     assert jamp.float8.DelayedScaling(amax_history_len=2**16).amax_history_len == 2**16
     recipe = jamp.float8.DelayedScaling(amax_history_len=4, margin=14)
-    state = float8.init_state(recipe)
-    new = float8.next_state(state, jnp.array([10.0, 1.0, 1e-3], jnp.float32), recipe)
+    state = init_state(recipe)
+    new = next_state(state, jnp.array([10.0, 1.0, 1e-3], jnp.float32), recipe)
     scales = np.asarray(new.scale)
     assert np.all(np.isfinite(scales) & (scales > 0))
     # The largest value quantises to a normal float8_e4m3fn number (>= 2**-6), not to 0.
     assert float(10.0 * scales[0]) >= 2.0**-6
-    float8.check_values(new, "the state", recipe)
+    check_values(new, "the state", recipe)
