@@ -7,7 +7,7 @@ and a roofline time. Nothing is timed: the figures repeat exactly, and tests ass
 them (``tests/test_gpu_compile.py``). GEMMs keep XLA's default configurations (autotuning
 needs a device).
 
-Models (float32, ``optax.adamw(1e-3)``; ``models.py``): ``optimizer``, the optimizer step
+Models (float32, ``optax.adamw(1e-3)``; ``models``): ``optimizer``, the optimizer step
 alone, 24 leaves (12 x 1024x1024 weights, 12 x 1024 biases), the gradients an input;
 ``GPT``, 4 Flax pre-LayerNorm blocks (causal self-attention, gelu MLP), d 512, 8 heads,
 batch 16x512, MSE; ``ResNet``, a Flax ResNet with BatchNorm (its ``batch_stats`` kept on a
