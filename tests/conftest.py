@@ -75,14 +75,14 @@ def pytest_unconfigure(config):
 # carries them and a moved file keeps its tier (`pytest -m "not gpu_compile"`, `-m slow`):
 # - gpu_compile: the test uses the `gpu_compiler` fixture (XLA:GPU's deviceless compiler);
 # - project: under tests/project/ (docs, packaging, typing, examples, benchmark smoke);
-# - slow: the real-model accuracy gate, and the tests listed in SLOW (each about 5 s or
-#   more of one core on a quiet machine, measured with `--durations`).
+# - slow: the real-model accuracy gate, and the tests listed in SLOW (with `-n 0
+#   --durations` on the 2-core machine, loaded by other runs: 5 to 190 s each).
 # README's `pytest` runs all three tiers: the markers select, they deselect nothing.
 SLOW = (
     "tests/realmodels/",
-    "tests/project/test_typing.py",
-    "tests/project/test_docs_build.py",
-    "tests/project/test_examples.py",
+    "tests/project/test_typing.py::test_pyright",
+    "tests/project/test_docs_build.py::test_mkdocs_build_strict",
+    "tests/project/test_examples.py",  # most train an example for a few steps
     "tests/project/test_benchmarks.py::test_tiny_run",
 )
 
