@@ -118,8 +118,11 @@ def _compile_each_program_once():
     device client), so without this a program that two tests (or two files) lower alike
     is compiled twice. The key is the lowered module's text with its debug information
     (source locations and name stacks), so a hit is the same program with the same op
-    names, which some tests read. `xla_gpu.compile_lowered` stays the one compiler: a miss
-    goes through it, and the dump below sees every call, hit or miss.
+    names, which some tests read; the suite compiles for one target (the H200), which the
+    text does not name. Measured: the suite's 80 GPU compiles are 76 distinct programs (the
+    repeats were the availability probe, once per module). `xla_gpu.compile_lowered` stays
+    the one compiler: a miss goes through it, and the dump below sees every call, hit or
+    miss (a dump before and after this cache holds the same programs under the same names).
     """
     from benchmarks import xla_gpu
 
