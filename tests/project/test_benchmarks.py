@@ -300,8 +300,6 @@ CASES = {
     "float8-step-time": (_float8_step_time, ()),
     "optimizer-memory": (_optimizer_memory, STANDARD),  # optax's adamw
     "batchnorm": (_batchnorm, STANDARD),  # Flax's BatchNorm(dtype=bfloat16) promotes inside
-    # lm1b's source comes from a checkout of flax's examples/, which the suite does not
-    # have: the benchmark skips it and says why.
     "real-models": (_real_models, ()),
 }
 
@@ -350,6 +348,26 @@ def test_the_models_are_flax_imagenet_resnets():
         )  # fmt: skip
         names = [n for n in shapes["params"] if n.startswith(("_Basic", "_Bottleneck"))]
         assert len(names) == blocks and sum(stages) == blocks
+
+
+def test_every_section_starts_with_the_one_header():
+    """The command, the date, ``git describe`` and the machine, written by ``report.header``
+    alone: every experiment that writes a section calls it, and no other module writes a
+    ``- command:`` line."""
+    command, commit, machine, versions = report.header("python -m benchmarks x --tiny", 12.3)
+    assert re.fullmatch(r"- command: `python -m benchmarks x --tiny`; date 20\S+; 12 s", command)
+    assert re.fullmatch(r"- commit: `\S+`", commit) or commit == "- commit: `not a git checkout`"
+    assert machine.startswith("- machine: ") and "CPUs (`nproc`)" in machine
+    assert "JAX backend `cpu`" in machine and "load average" in machine
+    assert versions.startswith("- python ") and f"jax {jax.__version__}" in versions
+    writers = ("loss_scaling", "autocast_memory", "float8", "gpu_compile", "real_models",
+               "optimizer_memory", "batchnorm")  # fmt: skip
+    for path in sorted(pathlib.Path(ROOT, "benchmarks").rglob("*.py")):
+        text = path.read_text()
+        if path.stem in writers:
+            assert "header(" in text, path
+        if path.stem != "report":
+            assert '"- command:' not in text and 'f"- command:' not in text, path
 
 
 def test_the_loss_scaling_report_keeps_the_other_sections(tmp_path):
