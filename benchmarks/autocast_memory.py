@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
-import platform
 import time
 from collections.abc import Callable
 
@@ -21,7 +19,7 @@ import jax
 from benchmarks import models, steps, timing, xla_gpu
 from benchmarks.measure import compare
 from benchmarks.models import Model
-from benchmarks.report import by_dtype, emit, log, marked, mib, now, version
+from benchmarks.report import by_dtype, emit, header, log, marked, mib
 
 START, END = "<!-- autocast-memory:start -->", "<!-- autocast-memory:end -->"
 STEP_START, STEP_END = (
@@ -188,10 +186,7 @@ def section(
         START,
         "## Activation memory of mixed precision (`benchmarks/autocast_memory.py`)",
         "",
-        f"- command: `{cmd}`; date {now()}; {elapsed:.0f} s",
-        f"- jax {jax.__version__}, flax {version('flax')}, jmp {version('jmp')}, "
-        f"torch {version('torch')}; backend {jax.default_backend()}, {os.cpu_count()} CPUs; "
-        f"python {platform.python_version()}",
+        *header(cmd, elapsed, ("jax", "flax", "jmp", "torch")),
         "- residuals: bytes JAX saves for the backward pass (`saved_residuals` of the loss, "
         "arguments excluded); temp: XLA temp memory of the compiled `jax.value_and_grad` "
         "step; ratios are to float32; grad cosine: against float32's gradient (worst leaf in "
@@ -299,6 +294,7 @@ def _targets(model: str, rows: list[dict], ratios: dict[str, float]) -> list[tup
 
 def step_time(args, log) -> str:
     """Median training-step time of the GPT: float32, jamp.autocast, Flax dtype=."""
+    t0 = time.perf_counter()
     sizes, title = timing.gpt_step_config(args)
     model = models.gpt_stack(*sizes, seed=0)
     params, batch = model.params, model.batch
@@ -319,6 +315,12 @@ def step_time(args, log) -> str:
     med = timing.time_compiled(compiled, args.step_rounds, args.step_reps)
     L = [
         title,
+        "",
+        *header(
+            " ".join(["python -m benchmarks", *args.argv]),
+            time.perf_counter() - t0,
+            ("jax", "flax"),
+        ),  # fmt: skip
         "",
         f"`jax.value_and_grad` + SGD update, jitted; median step of {args.step_rounds} "
         f"interleaved rounds of {args.step_reps} steps, each waited for; XLA temp memory of "

@@ -25,7 +25,7 @@ from flax import linen as nn
 import jamp
 from benchmarks.measure import grad_cosines
 from benchmarks.models import BF16
-from benchmarks.report import emit, now, version
+from benchmarks.report import emit, header
 
 START, END = "<!-- batchnorm:start -->", "<!-- batchnorm:end -->"
 REPLICAS, PER_REPLICA = 8, 4
@@ -121,12 +121,12 @@ def measure(key: str, inits: int, size: int, filters: int, log: Callable, tiny=F
 
 def section(results: dict, args: argparse.Namespace, elapsed: float) -> str:
     L = [START, "## BatchNorm across replicas: autocast against Flax's dtype", "",
-         f"{now()}; `{' '.join(['python -m benchmarks', *args.argv])}`; jax "
-         f"{version('jax')}, flax {version('flax')}, {elapsed:.0f} s. Flax's imagenet ResNets "
-         f"(BatchNorm over `axis_name`), {REPLICAS} replicas of {PER_REPLICA} images "
-         f"{args.size}x{args.size} under `vmap`, {args.filters} filters at the stem: the "
-         "cosine of the whole parameter gradient to float32's at each initialisation, and "
-         "autocast's minus Flax's, paired (the standard error over initialisations).", "",
+         *header(" ".join(["python -m benchmarks", *args.argv]), elapsed, ("jax", "flax")), "",
+         f"Flax's imagenet ResNets (BatchNorm over `axis_name`), {REPLICAS} replicas of "
+         f"{PER_REPLICA} images {args.size}x{args.size} under `vmap`, {args.filters} filters "
+         "at the stem: the cosine of the whole parameter gradient to float32's at each "
+         "initialisation, and autocast's minus Flax's, paired (the standard error over "
+         "initialisations).", "",
          "| model | inits | autocast | Flax dtype=bfloat16 | difference | autocast closer |",
          "| --- | ---: | ---: | ---: | ---: | ---: |"]  # fmt: skip
     for key, rows in results.items():

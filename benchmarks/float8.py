@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import platform
 import re
 import time
 from collections.abc import Callable
@@ -26,7 +24,7 @@ import jamp
 from benchmarks import models, steps, timing
 from benchmarks.measure import finite, grad_cosines, rel_err
 from benchmarks.models import F32, normal
-from benchmarks.report import emit, log, marked, now
+from benchmarks.report import emit, header, log, marked
 
 START, END = "<!-- float8:start -->", "<!-- float8:end -->"
 STEP_START, STEP_END = "<!-- float8-step-time:start -->", "<!-- float8-step-time:end -->"
@@ -261,10 +259,9 @@ def section(args, errors: dict, curves: list, elapsed: float) -> str:
         START,
         "## Float8 with per-tensor scaling (`benchmarks/float8.py`)",
         "",
-        f"- command: `{cmd}`; date {now()}; {elapsed:.0f} s",
-        f"- jax {jax.__version__}; backend {jax.default_backend()}, {os.cpu_count()} CPUs; "
-        f"python {platform.python_version()}. On a CPU XLA upcasts float8 operands for its "
-        "dot, so these are numerics only; `--step-time` on a GPU measures speed.",
+        *header(cmd, elapsed),
+        "- on a CPU XLA upcasts float8 operands for its dot, so these are numerics only; "
+        "`--step-time` on a GPU measures speed.",
         "- output error: `|out - out32| / |out32|`; grad cosine: against float32's gradient "
         "(parameters and input), worst leaf in brackets. `benchmarks/README.md` defines every "
         f"variant; delayed scaling keeps an amax history of {HISTORY} steps.",
@@ -314,6 +311,7 @@ def gemm_calls(hlo: str) -> dict[str, int]:
 
 def step_time(args, log) -> str:
     """Median GPT training-step time: bfloat16 and the float8 variants, and their GEMMs."""
+    t0 = time.perf_counter()
     (d, heads, layers, b, t), title = timing.gpt_step_config(args)
     x, y = normal(0, b, t, d), normal(1, b, t, d)
     params = models.gpt_params(d, layers)
@@ -336,6 +334,8 @@ def step_time(args, log) -> str:
     med = timing.time_compiled(compiled, args.step_rounds, args.step_reps)
     L = [
         title,
+        "",
+        *header(" ".join(["python -m benchmarks", *args.argv]), time.perf_counter() - t0),
         "",
         f"`jax.value_and_grad` + SGD, jitted; median step of {args.step_rounds} interleaved "
         f"rounds of {args.step_reps} steps, each waited for. GEMMs in the compiled HLO: "

@@ -7,7 +7,7 @@ and a roofline time. Nothing is timed: the figures repeat exactly, and tests ass
 them (``tests/test_gpu_compile.py``). GEMMs keep XLA's default configurations (autotuning
 needs a device).
 
-Models (float32, ``optax.adamw(1e-3)``; ``models.py``): ``optimizer``, the optimizer step
+Models (float32, ``optax.adamw(1e-3)``; ``models``): ``optimizer``, the optimizer step
 alone, 24 leaves (12 x 1024x1024 weights, 12 x 1024 biases), the gradients an input;
 ``GPT``, 4 Flax pre-LayerNorm blocks (causal self-attention, gelu MLP), d 512, 8 heads,
 batch 16x512, MSE; ``ResNet``, a Flax ResNet with BatchNorm (its ``batch_stats`` kept on a
@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import platform
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +41,7 @@ import jax.numpy as jnp
 import jamp
 from benchmarks import models, steps, xla_gpu
 from benchmarks.models import Model
-from benchmarks.report import emit, marked, now, version
+from benchmarks.report import emit, header, marked
 
 START, END = "<!-- gpu-compile:start -->", "<!-- gpu-compile:end -->"
 # The floor of check-then-update on the optimizer step: one more read of the gradients
@@ -231,12 +230,10 @@ def section(args: argparse.Namespace, chosen: list[Model], results: dict, checks
         START,
         "## The GPU compile: what XLA:GPU makes of each step (`benchmarks/gpu_compile.py`)",
         "",
-        f"- command: `{cmd}`; date {now()}; {elapsed:.0f} s",
+        *header(cmd, elapsed, ("jax", "jaxlib", "optax", "flax", "jmp")),
         f"- **compiled for an {target.name} target, no device, autotuning off** (deviceless "
         f"ahead-of-time compilation with jax's CUDA plugin; GEMMs keep XLA's default "
         f"configurations): nothing here is timed, and every figure repeats exactly",
-        f"- jax {version('jax')}, jaxlib {version('jaxlib')}, optax {version('optax')}, "
-        f"flax {version('flax')}, jmp {version('jmp')}; python {platform.python_version()}",
         "- bytes: modelled HBM traffic, for each kernel the bytes of its operands plus its "
         "outputs (a `conditional` counts its costliest branch); kernels: launches per step "
         "(a conditional counts its thunk and its costliest branch's kernels); temp: XLA's temp "
@@ -298,7 +295,7 @@ def float8_section(args: argparse.Namespace, programs: dict, target: xla_gpu.Tar
     cmd = "python -m benchmarks gpu-compile --float8" + (" --tiny" if args.tiny else "")
     lines = [
         "## The GPU compile: float8 beside bfloat16 (`benchmarks/gpu_compile.py --float8`)", "",
-        f"- command: `{cmd}`; date {now()}; {elapsed:.0f} s; jax {version('jax')}",
+        *header(cmd, elapsed),
         "- compiled for an H200 target, no device, autotuning off, as the section above; "
         "`jamp.autocast(loss, bfloat16)` against `jamp.autocast(loss, \"float8\")` (the "
         "gradient GEMMs with float32 accumulation, `docs/float8.md`); parameters donated",

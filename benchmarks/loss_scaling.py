@@ -13,10 +13,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import datetime
 import functools
 import os
-import platform
 import re
 import statistics
 import time
@@ -27,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import models, steps, timing
-from benchmarks.report import fmt, replace_head, target_row, version
+from benchmarks.report import fmt, header, replace_head, target_row
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -228,28 +226,6 @@ def bench_torch(sizes, batch: int, rounds: int, per_round: int) -> dict | None:
 # ------------------------------------------------------------------ report
 
 
-def _machine() -> list[str]:
-    cpu = "unknown"
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    vers = [f"{m} {version(m)}" for m in ("jamp", "jax", "jaxlib", "optax", "flax", "jmp", "numpy")]
-    try:
-        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    except OSError:
-        load = "?"
-    return [
-        f"- machine: {os.cpu_count()} CPUs (`nproc`), {cpu}",
-        f"- load average at the end of the run: {load} (other processes share the cores)",
-        f"- python {platform.python_version()}; " + ", ".join(vers),
-    ]
-
-
 def where_ran(torch_ran: bool) -> str:
     """What ran where, read from JAX at the end of the run (never assumed)."""
     devices = jax.devices()
@@ -273,12 +249,10 @@ def where_ran(torch_ran: bool) -> str:
 
 def report(args, cfg, step_results, torch_res, finite_lines, elapsed, scorecard) -> str:
     """The markdown report; ``scorecard`` is the targets table's rows (:func:`targets`)."""
-    now = datetime.datetime.now().astimezone().isoformat(timespec="seconds")
+    packages = ("jamp", "jax", "jaxlib", "optax", "flax", "jmp", "numpy")
     L = [
         "# jamp benchmark results\n",
-        f"- command: `{' '.join(['python -m benchmarks', *args.argv])}`",
-        f"- date: {now}; wall time of the run {elapsed:.0f} s",
-        *_machine(),
+        *header(" ".join(["python -m benchmarks", *args.argv]), elapsed, packages),
         f"- settings: {args.mode}: {cfg['rounds']} rounds x {cfg['per_round']} steps per variant, "
         "variants interleaved (a fresh seeded shuffle of the order every round), state donated "
         "(`donate_argnums`) except in the MLP section marked **not** donated, every step "

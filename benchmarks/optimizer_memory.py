@@ -13,7 +13,6 @@ defines every recipe.
 from __future__ import annotations
 
 import argparse
-import os
 import pathlib
 import platform
 import sysconfig
@@ -29,7 +28,7 @@ import optax
 import jamp
 from benchmarks import models, xla_gpu
 from benchmarks.models import BF16, F32
-from benchmarks.report import emit, log, now, target_row, version
+from benchmarks.report import emit, header, log, target_row
 
 START, END = "<!-- optimizer-memory:start -->", "<!-- optimizer-memory:end -->"
 REF = "float32 master (reference)"
@@ -398,9 +397,7 @@ def section(args, mem, left_out, tasks, gpu, elapsed) -> str:
     cmd += f" --recipes {args.recipes}" if args.recipes else ""
     L = [START, "## Optimizer memory: bf16 parameters, low-precision optimizer state "
          "(`benchmarks/optimizer_memory.py`, issue #33)", "",
-         f"- command: `{cmd}`; date {now()}; {elapsed:.0f} s",
-         f"- jax {jax.__version__}, optax {version('optax')}, flax {version('flax')}; backend "
-         f"{jax.default_backend()}, {os.cpu_count()} CPUs; python {platform.python_version()}",
+         *header(cmd, elapsed, ("jax", "optax", "flax")),
          "- the recipes are defined in `benchmarks/README.md`"
          + (f"; left out: {left_out}" if left_out else ""), "",
          "### Bytes per parameter between steps (the GPT's parameters)", "",

@@ -11,19 +11,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import re
 import time
 from collections.abc import Callable
 
-import jax
 import numpy as np
 
 import jamp
 from benchmarks import models, steps
 from benchmarks.measure import compare, residual_groups
 from benchmarks.models import BF16, Model
-from benchmarks.report import by_dtype, emit, mib, now, version
+from benchmarks.report import by_dtype, emit, header, mib
 
 START, END = "<!-- real-models:start -->", "<!-- real-models:end -->"
 VARIANTS = ("float32", "jamp.autocast bfloat16", "Flax dtype=bfloat16")
@@ -123,10 +121,7 @@ def section(args, models: list[Model], results: dict, skipped: list, elapsed: fl
     cmd += f" --flax-examples {args.flax_examples}" if args.flax_examples else ""
     L = [START, "## Autocast on real models: saved residuals beside Flax's module dtype "
          "(`benchmarks/real_models.py`)", "",
-         f"- command: `{cmd}`; date {now()}; {elapsed:.0f} s",
-         f"- jax {jax.__version__}, flax {version('flax')}, transformers "
-         f"{version('transformers')}; backend {jax.default_backend()}, {os.cpu_count()} CPUs; "
-         f"python {platform.python_version()}",
+         *header(cmd, elapsed, ("jax", "flax", "transformers")),
          "- every variant from the same float32 parameters, batch and dropout key, a train "
          "step (dropout on) with a float32 cross-entropy; residuals: bytes saved for the "
          "backward pass (`saved_residuals`, arguments excluded); grad cosine to float32's "

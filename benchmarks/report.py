@@ -2,7 +2,9 @@
 
 Each experiment but ``loss-scaling`` writes one markdown section between its own
 markers: printed, written whole to ``--out`` and spliced into ``--results`` between
-the markers (:func:`emit`); progress goes to stderr (:func:`log`).
+the markers (:func:`emit`); progress goes to stderr (:func:`log`). Every section, and
+the loss-scaling report's head, starts with :func:`header`'s lines: the command, the
+date, ``git describe`` and the machine.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ import argparse
 import datetime
 import os
 import pathlib
+import platform
 import re
+import subprocess
 import sys
 
 
@@ -66,6 +70,50 @@ def version(mod: str) -> str:
 
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def describe() -> str:
+    """``git describe --always --dirty`` of the checkout the benchmarks run from (what
+    code a section measured), or why there is none (an unpacked sdist)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    try:
+        out = subprocess.run(["git", "-C", str(root), "describe", "--always", "--dirty"],
+                             capture_output=True, text=True, timeout=30, check=True)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return "not a git checkout"
+    return out.stdout.strip()
+
+
+def machine() -> str:
+    """The CPUs, their model, the JAX backend and the load: what a section ran on."""
+    import jax
+
+    cpu = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as fh:
+            cpu = next((line.split(":", 1)[1].strip() for line in fh
+                        if line.startswith("model name")), cpu)  # fmt: skip
+    except OSError:
+        pass
+    try:
+        load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    except OSError:
+        load = "?"
+    return (f"{os.cpu_count()} CPUs (`nproc`), {cpu}; JAX backend `{jax.default_backend()}`; "
+            f"load average at the end {load} (other processes share the cores)")  # fmt: skip
+
+
+def header(command: str, elapsed: float, packages: tuple[str, ...] = ("jax",)) -> list[str]:
+    """The lines every RESULTS.md section starts with, from its one writer: the command, the
+    date and the run's wall time, ``git describe``, the machine, and python and
+    ``packages``' versions."""
+    versions = ", ".join(f"{m} {version(m)}" for m in packages)
+    return [
+        f"- command: `{command}`; date {now()}; {elapsed:.0f} s",
+        f"- commit: `{describe()}`",
+        f"- machine: {machine()}",
+        f"- python {platform.python_version()}; {versions}",
+    ]
 
 
 def fmt(x: float, nd: int = 3) -> str:

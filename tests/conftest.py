@@ -70,6 +70,34 @@ def pytest_unconfigure(config):
         shutil.rmtree(own, ignore_errors=True)
 
 
+# ---------------------------------------------------------------- the tiers
+# Three markers, set here by where a test lives and what it uses, so that no test file
+# carries them and a moved file keeps its tier (`pytest -m "not gpu_compile"`, `-m slow`):
+# - gpu_compile: the test uses the `gpu_compiler` fixture (XLA:GPU's deviceless compiler);
+# - project: under tests/project/ (docs, packaging, typing, examples, benchmark smoke);
+# - slow: the real-model accuracy gate, and the tests listed in SLOW (with `-n 0
+#   --durations` on the 2-core machine, loaded by other runs: 5 to 190 s each).
+# README's `pytest` runs all three tiers: the markers select, they deselect nothing.
+SLOW = (
+    "tests/realmodels/",
+    "tests/project/test_typing.py::test_pyright",
+    "tests/project/test_docs_build.py::test_mkdocs_build_strict",
+    "tests/project/test_examples.py",  # most train an example for a few steps
+    "tests/project/test_benchmarks.py::test_tiny_run",
+)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        nodeid = item.nodeid.replace(os.sep, "/")
+        if "gpu_compiler" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.gpu_compile)
+        if nodeid.startswith("tests/project/"):
+            item.add_marker(pytest.mark.project)
+        if nodeid.startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def gpu_compiler():
     """Skip a module that needs XLA:GPU's deviceless compiler when it is missing, saying
@@ -81,6 +109,36 @@ def gpu_compiler():
         if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
             pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {reason}")
         pytest.skip(reason)
+
+
+def _compile_each_program_once():
+    """One compile per distinct GPU program in each worker, whichever file asks for it.
+
+    A deviceless GPU program cannot be loaded from the persistent compilation cache (no
+    device client), so without this a program that two tests (or two files) lower alike
+    is compiled twice. The key is the lowered module's text with its debug information
+    (source locations and name stacks), so a hit is the same program with the same op
+    names, which some tests read; the suite compiles for one target (the H200), which the
+    text does not name. Measured: the suite's 80 GPU compiles are 76 distinct programs (the
+    repeats were the availability probe, once per module). `xla_gpu.compile_lowered` stays
+    the one compiler: a miss goes through it, and the dump below sees every call, hit or
+    miss (a dump before and after this cache holds the same programs under the same names).
+    """
+    from benchmarks import xla_gpu
+
+    compile_lowered = xla_gpu.compile_lowered
+    compiled: dict[str, object] = {}
+
+    def cached(lowered):
+        key = lowered.as_text(debug_info=True)
+        if key not in compiled:
+            compiled[key] = compile_lowered(lowered)
+        return compiled[key]
+
+    xla_gpu.compile_lowered = cached
+
+
+_compile_each_program_once()
 
 
 if os.environ.get("JAMP_DUMP_GPU_HLO"):

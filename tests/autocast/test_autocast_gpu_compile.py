@@ -4,7 +4,7 @@ Each train step is compiled for a described H200 with no device
 (``benchmarks/xla_gpu.py``) and read from the compiled GPU program. The shapes
 are the smallest that keep the program's structure (causal attention whose
 rows are long enough for XLA's softmax fusions, a gelu MLP, a conv +
-GroupNorm CNN; ``benchmarks/models.py``); ``python -m benchmarks autocast-memory``
+GroupNorm CNN; ``benchmarks/models/``); ``python -m benchmarks autocast-memory``
 measures the full sizes.
 Skipped, with the reason, where jax's CUDA plugin is missing.
 """
