@@ -176,19 +176,11 @@ def test_inject_hyperparams_inside(name):
             np.testing.assert_array_equal(np.asarray(a, F32), np.asarray(b, F32))
 
 
-LOW_PRECISION_STATE_WIDENS = pytest.mark.xfail(
-    strict=True,
-    reason="low_precision_state widens the stored state to float32 before the inner runs, "
-    "so over bfloat16 parameters SGD's momentum meets bfloat16 gradients: strict promotion "
-    "refuses it, and standard promotion makes the updates float32 (plain SGD's are "
-    "bfloat16). Reported to the lead (issue #43, step 6); not weakened here.",
-)
 DTYPE_CASES = [
     pytest.param(
         name,
         dtype,
         id=f"{name}-{jnp.dtype(dtype).name}",
-        marks=LOW_PRECISION_STATE_WIDENS if (name, dtype) == ("low_precision_state", BF16) else (),
     )
     for name in NAMES
     for dtype in (BF16, F32)
