@@ -233,11 +233,11 @@ def section(
     return "\n".join(L)
 
 
-# Why a target is missed, when the measurement says so (see docs/autocast.md).
+# Why a target is missed, when the measurement says so (see docs/autocast-design.md, "Memory").
 WHY = {
     "gpu": (
         "group the kernels by op name (jax's name stack) against Flax's program "
-        "(docs/autocast.md): in the CNN, XLA splits each conv bias's gradient sum over "
+        "(docs/autocast-design.md): in the CNN, XLA splits each conv bias's gradient sum over "
         "N*H*W into 128 partial rows, written and read back in float32 (the float32 "
         "accumulation of issue #25 section 1), where Flax's bfloat16 sum writes them in "
         "bfloat16: 2 x 16 KiB of the 35 KiB difference"

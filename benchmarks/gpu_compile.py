@@ -298,7 +298,7 @@ def float8_section(args: argparse.Namespace, programs: dict, target: xla_gpu.Tar
         *header(cmd, elapsed),
         "- compiled for an H200 target, no device, autotuning off, as the section above; "
         "`jamp.autocast(loss, bfloat16)` against `jamp.autocast(loss, \"float8\")` (the "
-        "gradient GEMMs with float32 accumulation, `docs/float8.md`); parameters donated",
+        "gradient GEMMs with float32 accumulation, `docs/float8-design.md`); parameters donated",
         "- bound: the roofline's larger share, the GEMMs' FLOPs at the dense peak or every "
         "kernel's bytes at the bandwidth",
     ]  # fmt: skip

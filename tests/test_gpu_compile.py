@@ -301,7 +301,7 @@ def _float8_gemms(program):
 
 
 def _accumulation(path, algorithm, precisions):
-    """How XLA:GPU accumulates a float8 GEMM (docs/float8.md, "Accumulation"): "fast"
+    """How XLA:GPU accumulates a float8 GEMM (docs/float8-design.md, "Accumulation"): "fast"
     (partial sums not promoted to float32 as they go) or "float32".
 
     cuBLASLt (xla/stream_executor/cuda/cuda_blas_lt.cc, IsFastAccumEnabled): with no

@@ -225,7 +225,7 @@ def test_log_under_vmap_has_no_callback_outside_a_cond():
 @pytest.mark.parametrize("platform", ["cpu", "cuda"])
 def test_the_stablehlo_is_the_pattern_xla_gpu_rewrites_into_a_float8_gemm(platform):
     """float8 operands converted from float32, a float32 dot_general, a scalar multiply; the
-    gradient products chosen at lowering (docs/float8.md, "Accumulation"): on CUDA with
+    gradient products chosen at lowering (docs/float8-design.md, "Accumulation"): on CUDA with
     float32 accumulation and no imprecise accumulation, elsewhere DEFAULT."""
     f = jamp.autocast(lambda w, x: jnp.sum(jnp.tanh(x @ w)), "float8")
     w, x = randn(0, 16, 32), randn(1, 8, 16)

@@ -85,8 +85,8 @@ def test_forward_and_backward_jaxprs_hold_e4m3_and_e5m2_and_the_rest_runs_in_bfl
     assert jax.eval_shape(f, params, x).dtype == jnp.float32  # the dtype mlp returns
     bwd = jax.make_jaxpr(jax.grad(lambda p: jnp.sum(f(p, x))))(params)
     grads = [e for e in eqns_named(bwd, "dot_general") if jnp.dtype(e.invars[0].aval.dtype) == E5M2]
-    # 2 per product, each chosen at lowering (lax.platform_dependent, docs/float8.md): on CUDA
-    # GPUs float32 accumulation without fast accumulation, the product rounded to the
+    # 2 per product, each chosen at lowering (lax.platform_dependent, docs/float8-design.md): on
+    # CUDA GPUs float32 accumulation without fast accumulation, the product rounded to the
     # gradient's dtype (bfloat16 for the hidden layer's input, float32 for the weights);
     # elsewhere DEFAULT into float32.
     by_precision = sorted((str(e.params["precision"]), dot_dtypes_of(e)) for e in grads)

@@ -24,7 +24,7 @@ single training may lose on a leaf the bound says so, with what was measured.
 
 Before the fix the GRU's readout and scalar bias were 1.04x and 0.99x the plain cast's
 pooled (4.6x on one training), and on models trained 600 steps (9 seeds, the benchmark's
-figures in docs/autocast.md) every gradient lost to the plain cast's, by 1.2x (the readout,
+figures in docs/autocast-design.md) every gradient lost to the plain cast's, by 1.2x (the readout,
 weight_hh) to 5.3x (the scalar bias); ``nnx_scan_over_layers`` kept 0.814 of float32's residual
 bytes at a gradient error of 0.054 (now 0.653 and 0.030).
 """

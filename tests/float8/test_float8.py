@@ -119,7 +119,7 @@ def test_the_forward_and_backward_jaxprs_hold_e4m3_and_e5m2_operands():
 
     assert dots(fwd) == [(["float8_e4m3fn", "float8_e4m3fn"], "float32", "None")]
     # The gradient products (x weight, x input) are each chosen at lowering: on CUDA GPUs
-    # float32 accumulation without fast accumulation (docs/float8.md), elsewhere DEFAULT.
+    # float32 accumulation without fast accumulation (docs/float8-design.md), elsewhere DEFAULT.
     assert sorted(dots(bwd)) == [
         (["float8_e4m3fn", "float8_e4m3fn"], "float32", "None"),  # the forward product
         *[(["float8_e5m2", "float8_e4m3fn"], "float32", "ANY_F8_ANY_F8_F32")] * 2,

@@ -444,7 +444,7 @@ def _quantize(x, s, dtype):  # saturate; y - y is NaN for a non-finite y, else 0
 def _gradient_product(q_g, q, dims, dtype):
     """The float32 product of a gradient product: on CUDA GPUs with float32 accumulation
     and no fast accumulation, rounded to a bfloat16 gradient's dtype by the GEMM; elsewhere
-    DEFAULT (docs/float8.md, "Accumulation")."""
+    DEFAULT (docs/float8-design.md, "Accumulation")."""
     out = BF16 if dtype == BF16 else F32
 
     def cuda(a, b):
@@ -638,7 +638,7 @@ def mlp_step(recipe, telemetry):
 
 
 # Modelled bytes of the H200 compile (benchmarks/xla_gpu.py: operands plus outputs of
-# every kernel), telemetry off and on, measured with jax 0.10.2 (docs/float8.md), the
+# every kernel), telemetry off and on, measured with jax 0.10.2 (docs/float8-design.md), the
 # gradient products on cuBLASLt with float32 accumulation (issue #35): current scaling
 # 478,220,424 -> 516,153,720 (+7.93%), delayed scaling 444,669,103 -> 453,242,261
 # (+1.93%), unmeasured="current" 482,417,889 -> 524,627,584 (+8.75%). Telemetry off, XLA

@@ -157,7 +157,7 @@ def test_batchnorm_over_replicas_subtracts_its_mean_in_float32(over):
     are ``pmean``s across the replicas. autocast lost them as statistics at the collective
     (a value of no category) and ran ``x - mean`` in bfloat16, whose cancellation put the
     ResNet18's gradients further from float32's than Flax's ``dtype=bfloat16`` on every one
-    of 24 initialisations (issue #35; docs/autocast.md has the figures). Eight replicas of
+    of 24 initialisations (issue #35; docs/autocast-design.md has the figures). Eight replicas of
     eight images, under ``vmap`` (as ``pmap``) and ``shard_map`` over the eight devices."""
     x = _randn(0, 8, 8, 8, 8, 3)
     labels = jnp.asarray(_rng(1).integers(0, 10, (8, 8)), jnp.int32)

@@ -139,7 +139,7 @@ class Spec(NamedTuple):
     recipe: DelayedScaling | None = None
 
 
-# How the float8 GEMMs accumulate (docs/float8.md, "Accumulation"). The two gradient
+# How the float8 GEMMs accumulate (docs/float8-design.md, "Accumulation"). The two gradient
 # products (dgrad, wgrad) ask for float32 accumulation without fast accumulation on CUDA
 # GPUs: the ``ANY_F8_ANY_F8_F32`` algorithm, which XLA:GPU runs as a cuBLASLt float8 GEMM
 # with CUBLASLT_MATMUL_DESC_FAST_ACCUM off (its Triton GEMM emitter refuses the algorithm,
