@@ -13,7 +13,7 @@ dtypes and its saved residuals. See ``docs/debugging-precision.md`` and
 ``docs/observability.md``.
 """
 
-from jamp._src.autocast.api import AutocastReport, autocast_report
+from jamp._src.autocast.report import AutocastReport, autocast_report
 from jamp._src.finite.report import NonfiniteCount, log_nonfinite, nonfinite_report
 from jamp._src.numerics.locate import NonfiniteSite, locate_nonfinite, locate_when_skipped
 from jamp._src.numerics.report import PrecisionReport, precision_report

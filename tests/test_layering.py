@@ -31,6 +31,7 @@ FLOORS = {
     "float8": GROUND,
     "deprecations": GROUND,
     "jaxprs": GROUND,
+    "dtypes": GROUND,
     # the checks and the shared skip machinery
     "finite": CHECKS,
     "skip": CHECKS,
@@ -48,7 +49,10 @@ FLOORS = {
 # Inside a package, the order its modules may import each other in (each only earlier ones).
 PACKAGES = {
     "finite": ["default", "cpu", "check", "report"],
-    "autocast": ["rules", "values", "sums", "residuals", "flow", "interpreter", "float8", "api"],
+    "autocast": [
+        "rules", "values", "sums", "residuals", "flow", "plan", "handlers", "higher_order",
+        "interpreter", "float8", "transform", "float8_api", "report", "api",
+    ],  # fmt: skip
     "grad_scaler": ["records", "scaler"],
     "optimizer": ["rounding", "quantize", "master", "state"],
     "numerics": ["program", "locate", "report"],
@@ -64,6 +68,7 @@ STDLIB_OK = {
     "logging",
     "math",
     "numbers",
+    "os",
     "sys",
     "types",
     "typing",

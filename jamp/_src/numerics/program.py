@@ -13,7 +13,6 @@ operation each. Evaluating the list under ``jax.jit`` is one compiled program.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,31 +22,9 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.values import shard_map_like
-from jamp._src.jaxprs import CALLS, ClosedJaxpr, shaped
-
-# Operations that only group others: inlined (the calls of jamp's jaxpr vocabulary, and
-# the rematerialised and older custom_vjp forms).
-_INLINE = {**CALLS, "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
-# Operations that move or relabel values without computing: their error is their input's.
-MOVES = frozenset(
-    {
-        "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
-        "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "copy", "copy_p",
-        "rev", "select_n", "stop_gradient", "optimization_barrier", "sharding_constraint",
-        "device_put", "gather", "iota",
-    }
-)  # fmt: skip
-LOW = frozenset(
-    np.dtype(d)
-    for d in (
-        jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
-        jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz,
-    )
-)  # fmt: skip
-FLOAT8 = frozenset(d for d in LOW if d.itemsize == 1)
-_LIBRARIES = tuple(
-    os.sep + name + os.sep for name in ("jax", "jaxlib", "flax", "optax", "equinox", "jamp")
-)
+from jamp._src.dtypes import FLOAT8_ANY as FLOAT8  # noqa: F401 - report's float8 casts
+from jamp._src.dtypes import LOW
+from jamp._src.jaxprs import MOVES, ClosedJaxpr, bind, body_of, module_path, shaped, user_line
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,34 +62,6 @@ class Program:
     producer: dict[int, Op]
 
 
-def _user_line(source_info: Any) -> str:
-    """``file:line (function)`` of the innermost frame outside jax and the libraries."""
-    tb = getattr(source_info, "traceback", None)
-    frames = list(getattr(tb, "frames", ()) or ())
-    for frame in frames:
-        name = frame.file_name
-        if not any(lib in name for lib in _LIBRARIES) and "<frozen" not in name:
-            return f"{os.path.basename(name)}:{frame.line_num} ({frame.function_name})"
-    return "?"
-
-
-def _module_path(name_stack: str) -> str:
-    """The name stack without its transformation wrappers and repeats:
-    ``transpose(jvp(jamp_autocast))/CNN/Dense_0/CNN/Dense_0`` is ``CNN/Dense_0``."""
-    parts = []
-    for part in name_stack.split("/"):
-        while "(" in part and part.endswith(")"):
-            part = part[part.index("(") + 1 : -1]
-        if part and part not in ("jamp_autocast", "jamp_autocast_disabled"):
-            parts.append(part)
-    out: list[str] = []
-    for part in parts:  # a nested scope repeats its parent's path: keep one
-        if out and part in out:
-            continue
-        out.append(part)
-    return "/".join(out)
-
-
 def flatten(closed: ClosedJaxpr) -> Program:
     """``closed`` as one list of operations, grouping calls inlined."""
     ops: list[Op] = []
@@ -128,8 +77,7 @@ def flatten(closed: ClosedJaxpr) -> Program:
     def walk(jaxpr: jex_core.Jaxpr, env: dict, stack: str) -> None:
         for eqn in jaxpr.eqns:
             here = "/".join(s for s in (stack, str(eqn.source_info.name_stack)) if s)
-            key = _INLINE.get(eqn.primitive.name)
-            sub = eqn.params.get(key) if key else None
+            sub = body_of(eqn)  # a call or a remat: inlined
             if sub is not None:
                 inner = sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ())
                 sub_env: dict = {}
@@ -155,8 +103,8 @@ def flatten(closed: ClosedJaxpr) -> Program:
                 outs=tuple(outs),
                 in_avals=tuple(a.aval for a in eqn.invars),
                 out_avals=tuple(v.aval for v in eqn.outvars),
-                line=_user_line(eqn.source_info),
-                path=_module_path(here),
+                line=user_line(eqn.source_info),
+                path=module_path(here),
                 backward="transpose(" in here,
             )
             ops.append(op)
@@ -209,11 +157,6 @@ Observe = Callable[
 ]
 
 
-def bind(op: Op, args: Sequence[Any], params: dict[str, Any]) -> list[Any]:
-    out = op.primitive.bind(*args, **op.primitive.get_bind_params(params))
-    return list(out) if op.primitive.multiple_results else [out]
-
-
 def _widened_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` traced anew from its widened evaluation, on widened inputs."""
     program = flatten(closed)
@@ -252,14 +195,14 @@ def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
         for key, value in params.items():
             params[key] = _widened_param(value)
         try:
-            return [wide_value(o) for o in bind(op, ins, params)]
+            return [wide_value(o) for o in bind(op.primitive, ins, params)]
         except (TypeError, ValueError):
             pass
     narrow = [
         x.astype(aval.dtype) if getattr(x, "dtype", None) != getattr(aval, "dtype", None) else x
         for x, aval in zip(ins, op.in_avals, strict=True)
     ]
-    return [wide_value(o) for o in bind(op, narrow, op.params)]
+    return [wide_value(o) for o in bind(op.primitive, narrow, op.params)]
 
 
 def _read(env: dict[int, Any], a: Any, widen: bool) -> Any:
@@ -302,7 +245,7 @@ def evaluate(
         wide[i] = wide_value(a)
     for op in program.ops:
         ins = [_read(env, a, False) for a in op.ins]
-        outs = bind(op, ins, op.params)
+        outs = bind(op.primitive, ins, op.params)
         env.update(zip(op.outs, outs, strict=True))
         wide_ins = wide_outs = None
         if paired:
