@@ -147,7 +147,7 @@ def autocast(
     ``autocast`` is a function transformation, the JAX analogue of
     ``torch.autocast``. It traces ``fun`` to a jaxpr and evaluates it with an
     interpreter that applies one table of rules (``RULES`` in
-    ``jamp/_src/autocast/api.py``, explained in ``docs/autocast.md``):
+    ``jamp/_src/autocast/rules.py``, explained in ``docs/autocast.md``):
 
     * ``dot_general`` and ``conv_general_dilated`` (every matmul, einsum,
       Dense and Conv layer) run in ``dtype``, output included (a

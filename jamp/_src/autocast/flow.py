@@ -1,10 +1,13 @@
-"""autocast's dtype flow: the dtype a ``promote`` primitive runs in and what its outputs are.
+"""autocast's promote flow: the dtype a ``promote`` primitive runs in, what its outputs are,
+and the float32 computation of a half value (its ``Lift``).
 
 ``promote_target`` chooses the dtype from the inputs' categories (a low
 activation, a constant, a statistic, a broadcast operand: ``categories``)
 and the constants' spans (``constants_allow``); ``out_infos`` says what each
 output is to its consumers (its kind, whether it is a low activation, its
-span). The interpreter (``autocast.interpreter``) calls them per equation.
+span). ``lift_of`` says how a half output is computed in float32 for its float32
+consumers, ``lifts_of`` and ``lifted_carry`` where that computation is used. The rule
+handlers (``autocast.handlers``) call them per equation.
 """
 
 from __future__ import annotations

@@ -10,9 +10,10 @@ The pre-passes, each a walk over the jaxpr's equations:
 - ``sigmoid_logits``: the logits of such a sigmoid, computed in float32 from their matmul;
 - ``picked``: the values a consumer passes on as they are (a label's logit), which get no
   float32 computation (``Lift``);
-- ``autocast.residuals.find_softmax`` and ``mask_broadcasts``: the softmaxes (with their
-  dropout and the matmul that reads them) and the broadcast masks of ``select_n``, which
-  get their own backward passes.
+- ``mask_broadcasts``: the broadcast that made a ``select_n``'s mask (its backward pass
+  keeps the small mask: ``autocast.residuals.select_keeping_mask``);
+- ``autocast.residuals.find_softmax``: the softmaxes, with their dropout and the matmul
+  that reads them, which get their own backward passes.
 
 Each equation then gets an ``Action`` (what its handler needs of these), and each softmax
 its group.
@@ -28,7 +29,7 @@ import jax.core
 from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
-from jamp._src.autocast.residuals import Group, find_softmax, mask_broadcasts
+from jamp._src.autocast.residuals import Group, find_softmax
 from jamp._src.autocast.rules import ARITHMETIC, BOUNDED, FLOAT32, rule_of
 from jamp._src.jaxprs import MARKER, RELAYOUTS, call_body
 
@@ -199,4 +200,27 @@ def picked(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
         else:
             continue
         out.update(v for v in ins if isinstance(v, jex_core.Var))
+    return out
+
+
+def mask_broadcasts(jaxpr: jex_core.Jaxpr) -> dict[int, jex_core.JaxprEqn]:
+    """``{k: b}``: the ``select_n`` equations ``k`` whose mask is the output of the
+    ``broadcast_in_dim`` equation ``b`` of a smaller value, used by ``k`` alone
+    (``jnp.where(causal_mask, scores, fill)``)."""
+    made: dict[jax.core.Atom, jex_core.JaxprEqn] = {}
+    uses: dict[jax.core.Atom, int] = {}
+    for eqn in jaxpr.eqns:
+        for v in eqn.invars:
+            if not isinstance(v, jex_core.Literal):
+                uses[v] = uses.get(v, 0) + 1
+    out = {}
+    for k, eqn in enumerate(jaxpr.eqns):
+        if eqn.primitive.name == "broadcast_in_dim" and not isinstance(
+            eqn.invars[0], jex_core.Literal
+        ):
+            made[eqn.outvars[0]] = eqn
+        if eqn.primitive.name == "select_n":
+            b = made.get(eqn.invars[0])
+            if b is not None and uses[eqn.invars[0]] == 1 and eqn.invars[0] not in jaxpr.outvars:
+                out[k] = b
     return out

@@ -381,7 +381,7 @@ def group_jaxpr(jaxpr: jex_core.Jaxpr, group: Group, from_x: bool = False) -> je
     info = jaxpr.debug_info
     info = info and info._replace(arg_names=("z",), result_paths=("softmax",))
     start = group.x if from_x else group.z
-    # a group is evaluated from a traced value (interpreter: ``_upcast``): a variable, and
+    # a group is evaluated from a traced value (``handlers.half_activation``): a variable, and
     # ``from_x`` only where the group has a shift, so an ``x``
     start = static_cast(jex_core.Var, start)
     return jex_core.Jaxpr([], [start], [group.y], eqns, debug_info=info)
@@ -441,29 +441,6 @@ def recomputed(
     return jax.checkpoint(
         upcast_then, policy=jax.checkpoint_policies.nothing_saveable, prevent_cse=False
     )(*xs, *(wides or ()))
-
-
-def mask_broadcasts(jaxpr: jex_core.Jaxpr) -> dict[int, jex_core.JaxprEqn]:
-    """``{k: b}``: the ``select_n`` equations ``k`` whose mask is the output of the
-    ``broadcast_in_dim`` equation ``b`` of a smaller value, used by ``k`` alone
-    (``jnp.where(causal_mask, scores, fill)``)."""
-    made: dict[jax.core.Atom, jex_core.JaxprEqn] = {}
-    uses: dict[jax.core.Atom, int] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
-                uses[v] = uses.get(v, 0) + 1
-    out = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name == "broadcast_in_dim" and not isinstance(
-            eqn.invars[0], jex_core.Literal
-        ):
-            made[eqn.outvars[0]] = eqn
-        if eqn.primitive.name == "select_n":
-            b = made.get(eqn.invars[0])
-            if b is not None and uses[eqn.invars[0]] == 1 and eqn.invars[0] not in jaxpr.outvars:
-                out[k] = b
-    return out
 
 
 def select_keeping_mask(

@@ -134,7 +134,7 @@ AS_TRACED = "as traced"
 # ---------------------------------------------------------------------------
 # The table: primitive names grouped by rule, each group with the torch ops it
 # mirrors. Sub-computations are handled structurally (see
-# autocast.interpreter.HIGHER_ORDER); they are not in the table.
+# autocast.higher_order.HIGHER_ORDER); they are not in the table.
 # ---------------------------------------------------------------------------
 
 # fmt: off

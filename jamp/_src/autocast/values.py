@@ -34,7 +34,7 @@ except ImportError:  # pragma: no cover - depends on the jax version
     _source_info_util = None
 
 
-# Where a value comes from (see autocast.interpreter). Ordered: an output has the
+# Where a value comes from (see autocast/README.md). Ordered: an output has the
 # smallest kind of its inputs.
 TRACED = 0  # depends on the function's arguments: activations, parameters
 CONST = 1  # known when the function is traced: a concrete constant, or computed from those
@@ -57,7 +57,8 @@ def aval(v: jax.core.Atom) -> jax.core.ShapedArray:
 
 
 class Info(NamedTuple):
-    """What the interpreter knows about a value besides the value itself."""
+    """What the interpreter knows about a value besides the value itself (its lattice with
+    ``Lift``: ``autocast/README.md``)."""
 
     kind: int = TRACED
     low: bool = False  # derived from low-precision activations only (not params, constants)
