@@ -9,8 +9,8 @@ now defaults to on). Every walker of jaxprs in jamp (autocast's interpreter,
 shares this vocabulary:
 
 - the call-like primitives and where each keeps its body (``CALLS``, ``REMATS``:
-  ``BODIES``, ``body_of``), and a search for the jaxprs any parameter holds
-  (``jaxprs_in``);
+  ``BODIES``, ``body_of``), and every jaxpr any parameter holds, mapped
+  (``map_jaxprs``);
 - ``bind``, one primitive bound again on new operands;
 - the name scopes autocast marks its regions with (``SCOPE_AUTOCAST``,
   ``SCOPE_DISABLED``, ``MARKER``), a primitive's user line and module path
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 from typing import cast as static_cast
 
@@ -80,14 +80,21 @@ def body_of(eqn: jex_core.JaxprEqn) -> jex_core.Jaxpr | ClosedJaxpr | None:
     return eqn.params.get(key) if key else None
 
 
-def jaxprs_in(params: dict[str, Any]) -> list[jex_core.Jaxpr | ClosedJaxpr]:
-    """Every jaxpr an equation's ``params`` hold, directly or in a tuple or list (a loop's
-    body, a conditional's branches, a reduction's computation), in parameter order."""
-    out: list[jex_core.Jaxpr | ClosedJaxpr] = []
-    for value in params.values():
-        for v in value if isinstance(value, (tuple, list)) else (value,):
-            if isinstance(v, (ClosedJaxpr, jex_core.Jaxpr)):
-                out.append(v)
+def map_jaxprs(params: dict[str, Any], fun: Callable[[ClosedJaxpr], ClosedJaxpr]) -> dict[str, Any]:
+    """An equation's ``params`` with every jaxpr they hold replaced by ``fun`` of it, in
+    parameter order: one held directly (a loop's body, a scatter's update, a reduction's
+    computation; an open one closed, then opened again) or a tuple of closed ones (a
+    conditional's branches). Any other parameter as it is."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
+            out[key] = tuple(fun(v) for v in value)
+        elif isinstance(value, ClosedJaxpr):
+            out[key] = fun(value)
+        elif isinstance(value, jex_core.Jaxpr):
+            out[key] = fun(ClosedJaxpr(value, ())).jaxpr
+        else:
+            out[key] = value
     return out
 
 

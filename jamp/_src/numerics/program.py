@@ -24,7 +24,16 @@ from jax.extend import core as jex_core
 from jamp._src.autocast.values import shard_map_like
 from jamp._src.dtypes import FLOAT8_ANY as FLOAT8  # noqa: F401 - report's float8 casts
 from jamp._src.dtypes import LOW
-from jamp._src.jaxprs import MOVES, ClosedJaxpr, bind, body_of, module_path, shaped, user_line
+from jamp._src.jaxprs import (
+    MOVES,
+    ClosedJaxpr,
+    bind,
+    body_of,
+    map_jaxprs,
+    module_path,
+    shaped,
+    user_line,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,18 +173,6 @@ def _widened_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
     return jax.make_jaxpr(lambda *xs: evaluate_wide(program, xs))(*shapes)
 
 
-def _widened_param(value: Any) -> Any:
-    """A parameter holding a sub-program (a loop's body, a scatter's update, a reduction's
-    computation) traced anew on widened values; any other parameter as it is."""
-    if isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
-        return tuple(_widened_jaxpr(v) for v in value)
-    if isinstance(value, ClosedJaxpr):
-        return _widened_jaxpr(value)
-    if isinstance(value, jex_core.Jaxpr):
-        return _widened_jaxpr(ClosedJaxpr(value, ())).jaxpr
-    return value
-
-
 def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
     """One operation on widened values: a conversion to a narrower float is the
     identity, a loop, a conditional or a scatter runs its widened sub-programs; an
@@ -192,8 +189,8 @@ def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
         return [wide_value(o) for o in fn(*ins)]
     params = _widened_params(op)
     if params is not None:
-        for key, value in params.items():
-            params[key] = _widened_param(value)
+        # a sub-program (a loop's body, a scatter's update) traced anew on widened values
+        params = map_jaxprs(params, _widened_jaxpr)
         try:
             return [wide_value(o) for o in bind(op.primitive, ins, params)]
         except (TypeError, ValueError):
