@@ -387,7 +387,7 @@ def _broadcast(s: Step, c: Casting, vals: list[Value]) -> Evaluated:
     p = s.eqn.params
     shape, dims = tuple(p["shape"]), tuple(p["broadcast_dimensions"])
     with source(s.eqn):
-        outs = [summed_in_float32(vals[0], shape, dims, vals[0].dtype)]
+        outs: list[Value] = [summed_in_float32(vals[0], shape, dims, vals[0].dtype)]
     record(s.ctx, s.eqn, s.rule, vals, outs)
     return outs, out_infos(s.eqn, s.invals, s.infos, outs, c.low, c.held)
 

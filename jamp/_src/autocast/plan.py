@@ -56,7 +56,7 @@ class Plan:
 
     actions: dict[int, Action]
     softmaxes: dict[int, Group]
-    fused: dict[int, Group]
+    fused: dict[int | None, Group]  # by the matmul (set wherever the group has a p)
     shifts: dict[int, Group]
 
     def action(self, k: int) -> Action:
