@@ -45,10 +45,9 @@ from jamp._src.autocast.higher_order import HIGHER_ORDER, scan_with
 from jamp._src.autocast.interpreter import eval_closed
 from jamp._src.autocast.rules import FLOAT8, FLOAT8_PRIMITIVES
 from jamp._src.autocast.values import Context, Evaluated, Info, JaxprLike, Rule, Value, aval
-from jamp._src.dtypes import ELIGIBLE
+from jamp._src.dtypes import E4M3, ELIGIBLE
+from jamp._src.dtypes import FLOAT32 as F32
 from jamp._src.float8 import (
-    E4M3,
-    F32,
     DelayedScaling,
     Float8State,
     Spec,
