@@ -12,7 +12,7 @@ finite inputs (``locate_when_skipped`` does it inside a step, on skipped steps o
 dtypes and its saved residuals. See ``docs/debugging-precision.md``.
 """
 
-from jamp._src.autocast.api import AutocastReport, autocast_report
+from jamp._src.autocast.report import AutocastReport, autocast_report
 from jamp._src.finite.report import NonfiniteCount, log_nonfinite, nonfinite_report
 from jamp._src.numerics.locate import NonfiniteSite, locate_nonfinite, locate_when_skipped
 from jamp._src.numerics.report import PrecisionReport, precision_report

@@ -5,13 +5,30 @@ The primitives' parameters change between jax releases: jax 0.12 describes a
 carry, stacked) where jax 0.10 gave counts (``num_consts``, ``num_carry``), and
 jax 0.12 wraps ``jax.nn.softmax`` in a ``custom_jvp`` (``jax_softmax_custom_jvp``
 now defaults to on). Every walker of jaxprs in jamp (autocast's interpreter,
-``jamp.debug``'s flattened program, float8's sites) reads them through here.
+``jamp.debug``'s flattened program, float8's sites) reads them through here, and
+shares this vocabulary:
+
+- the call-like primitives and where each keeps its body (``CALLS``, ``REMATS``:
+  ``BODIES``, ``body_of``), and every jaxpr any parameter holds, mapped
+  (``map_jaxprs``);
+- ``bind``, one primitive bound again on new operands;
+- the name scopes autocast marks its regions with (``SCOPE_AUTOCAST``,
+  ``SCOPE_DISABLED``, ``MARKER``) and float8's quantisation scope
+  (``SCOPE_QUANTIZE``), a primitive's user line and module path
+  (``user_line``, ``module_path``);
+- the primitives that only move data (``MOVES``, ``RELAYOUTS``).
+
+The primitive names are those jax 0.10.2 to 0.12.1 trace; a few older names
+(``remat``, ``checkpoint``, ``core_call``) are kept, as they cost nothing. No
+supported jax traces ``custom_vjp_call_jaxpr`` (it was ``custom_vjp_call``'s
+older form, with its body in ``fun_jaxpr``): no walker lists it.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias
 from typing import cast as static_cast
 
@@ -49,6 +66,100 @@ CALLS = {
     "custom_jvp_call": "call_jaxpr",
     "custom_vjp_call": "call_jaxpr",
 }
+# The calls whose body has a custom derivative (``jax.custom_jvp``, ``jax.custom_vjp``).
+CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call"})
+# jax.checkpoint (``remat2`` in every supported jax; older names kept) and its body.
+REMATS = {"remat": "jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
+# Every primitive whose body takes its operands in order: the calls and the rematerialised.
+BODIES = {**CALLS, **REMATS}
+
+
+def body_of(eqn: jex_core.JaxprEqn) -> jex_core.Jaxpr | ClosedJaxpr | None:
+    """The body of a call-like equation (``BODIES``), as its parameter holds it; else
+    ``None``."""
+    key = BODIES.get(eqn.primitive.name)
+    return eqn.params.get(key) if key else None
+
+
+def map_jaxprs(params: dict[str, Any], fun: Callable[[ClosedJaxpr], ClosedJaxpr]) -> dict[str, Any]:
+    """An equation's ``params`` with every jaxpr they hold replaced by ``fun`` of it, in
+    parameter order: one held directly (a loop's body, a scatter's update, a reduction's
+    computation; an open one closed, then opened again) or a tuple of closed ones (a
+    conditional's branches). Any other parameter as it is."""
+    out: dict[str, Any] = {}
+    for key, value in params.items():
+        if isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
+            out[key] = tuple(fun(v) for v in value)
+        elif isinstance(value, ClosedJaxpr):
+            out[key] = fun(value)
+        elif isinstance(value, jex_core.Jaxpr):
+            out[key] = fun(ClosedJaxpr(value, ())).jaxpr
+        else:
+            out[key] = value
+    return out
+
+
+def bind(primitive: jex_core.Primitive, vals: Sequence[Any], params: dict[str, Any]) -> list[Any]:
+    """``primitive`` bound on ``vals`` with an equation's ``params`` (as
+    ``jax.core.eval_jaxpr`` does): its outputs, as a list."""
+    out = primitive.bind(*vals, **primitive.get_bind_params(dict(params)))
+    return list(out) if primitive.multiple_results else [out]
+
+
+# The name scopes of autocast: the function it evaluates, and the regions it leaves as
+# traced (``autocast(f, enabled=False)``); ``MARKER`` is a substring of both.
+SCOPE_AUTOCAST = "jamp_autocast"
+SCOPE_DISABLED = "jamp_autocast_disabled"
+MARKER = "jamp_autocast"
+# The scope each float8 quantisation's operations run under (the multiply by the scale,
+# the clip and the cast): ``jamp.debug``'s report finds a quantisation by it. It must not
+# hold ``MARKER``, which would make it a disabled region of autocast.
+SCOPE_QUANTIZE = "jamp_float8_quantize"
+_SCOPES = (SCOPE_AUTOCAST, SCOPE_DISABLED, SCOPE_QUANTIZE)
+
+_LIBRARIES = tuple(
+    os.sep + name + os.sep for name in ("jax", "jaxlib", "flax", "optax", "equinox", "jamp")
+)
+
+
+def user_line(source_info: Any) -> str:
+    """``file:line (function)`` of the innermost frame outside jax and the libraries."""
+    tb = getattr(source_info, "traceback", None)
+    frames = list(getattr(tb, "frames", ()) or ())
+    for frame in frames:
+        name = frame.file_name
+        if not any(lib in name for lib in _LIBRARIES) and "<frozen" not in name:
+            return f"{os.path.basename(name)}:{frame.line_num} ({frame.function_name})"
+    return "?"
+
+
+def module_path(name_stack: str) -> str:
+    """The name stack without its transformation wrappers, jamp's scopes and repeats:
+    ``transpose(jvp(jamp_autocast))/CNN/Dense_0/CNN/Dense_0`` is ``CNN/Dense_0``."""
+    parts = []
+    for part in name_stack.split("/"):
+        while "(" in part and part.endswith(")"):
+            part = part[part.index("(") + 1 : -1]
+        if part and part not in _SCOPES:
+            parts.append(part)
+    out: list[str] = []
+    for part in parts:  # a nested scope repeats its parent's path: keep one
+        if out and part in out:
+            continue
+        out.append(part)
+    return "/".join(out)
+
+
+# Primitives that only change an array's layout, its values untouched.
+RELAYOUTS = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
+# Primitives that move or relabel values without computing: their error is their input's.
+MOVES = RELAYOUTS | frozenset(
+    {
+        "broadcast_in_dim", "slice", "dynamic_slice", "dynamic_update_slice", "concatenate",
+        "pad", "rev", "select_n", "stop_gradient", "optimization_barrier",
+        "sharding_constraint", "device_put", "gather", "iota",
+    }
+)  # fmt: skip
 
 
 def call_body(eqn: jex_core.JaxprEqn) -> jex_core.Jaxpr | None:

@@ -26,32 +26,17 @@ dtype (``"fp8"``) or an unsupported floating dtype (``"float8_e5m2"``) raises
 from __future__ import annotations
 
 import dataclasses
-import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jamp._src.dtypes import NAMES, check_dtype, describe, half_dtype, named
 from jamp._src.types import PyTree
 
 __all__ = ["Policy", "get_policy", "half_dtype", "parse_dtype"]
-
-# Short and long names accepted wherever a dtype is expected. "half" is
-# resolved at call time (it depends on the default backend).
-_DTYPE_NAMES: dict[str, DTypeLike | None] = {
-    "bf16": jnp.bfloat16,
-    "bfloat16": jnp.bfloat16,
-    "f16": jnp.float16,
-    "float16": jnp.float16,
-    "f32": jnp.float32,
-    "float32": jnp.float32,
-    "full": jnp.float32,
-    "f64": jnp.float64,
-    "float64": jnp.float64,
-    "half": None,  # float16, or bfloat16 on TPU
-}
 
 _KEYS = {
     "p": "param_dtype",
@@ -67,104 +52,6 @@ _NAMED_POLICIES = {
     "mixed_float16": "p=f32,c=f16,o=f32",
     "mixed_bfloat16": "p=f32,c=bf16,o=f32",
 }
-
-
-def half_dtype() -> np.dtype:
-    """The 16-bit floating dtype of the default backend.
-
-    Returns:
-      ``bfloat16`` on TPU, ``float16`` everywhere else (as jmp's ``half``).
-
-    Examples:
-      >>> import jax.numpy as jnp, jamp
-      >>> jamp.compat.half_dtype() in (jnp.float16, jnp.bfloat16)
-      True
-    """
-    return np.dtype(jnp.bfloat16 if jax.default_backend() == "tpu" else jnp.float16)
-
-
-def _describe(value: object) -> str:
-    if isinstance(value, str):
-        return f"{value!r:.80}"
-    return f"{value!r:.80} (type {type(value).__name__})"
-
-
-# The dtypes a policy may hold. float8 and narrower formats need per-tensor
-# scaling that a policy does not do, so they are rejected rather than silently
-# used; jamp.autocast(fun, "float8") does it for matrix products.
-_SUPPORTED = tuple(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64))
-_SUPPORTED_NAMES = ", ".join(d.name for d in _SUPPORTED)
-
-
-def _named(text: str) -> np.dtype | None:
-    """The dtype a string names, or None.
-
-    The short names above, or a dtype's full name (``"int32"``,
-    ``"float8_e5m2"``); NumPy's codes and aliases (``"f4"``, ``"p"``) are not
-    names.
-    """
-    key = text.strip().lower()
-    if key in _DTYPE_NAMES:
-        found = _DTYPE_NAMES[key]
-        return half_dtype() if found is None else np.dtype(found)
-    try:
-        with warnings.catch_warnings():  # NumPy deprecates some one-letter aliases
-            warnings.simplefilter("ignore")
-            dtype = np.dtype(key)
-    except Exception:  # NumPy parses some strings as code: "," is a SyntaxError
-        return None
-    return dtype if dtype.name == key else None
-
-
-def check_dtype(value: Any, what: str) -> np.dtype:
-    """parse_dtype with ``what`` (e.g. "`dtype`") naming the argument in messages.
-
-    One rule for every entry point: a value that is not a dtype at all, or a
-    non-floating dtype (given as an object or by name, e.g. ``'int32'``), is a
-    ``TypeError``; a string naming no dtype (``'fp8'``) or a floating dtype
-    jamp does not support (``float8_e4m3fn``) is a ``ValueError``.
-    """
-    dtype = None
-    if isinstance(value, str):
-        dtype = _named(value)
-        if dtype is None:
-            raise ValueError(
-                f"Expected a dtype name for {what}, one of {sorted(_DTYPE_NAMES)} (or a dtype "
-                f"such as jnp.bfloat16), got {value!r:.80} instead."
-            )
-    elif isinstance(value, (np.ndarray, np.generic, jax.Array)):
-        # np.dtype reads an array's `dtype` attribute: an array is not a dtype.
-        raise TypeError(
-            f"Expected a floating dtype for {what} (such as jnp.bfloat16), got an array of "
-            f"dtype {np.dtype(value.dtype).name} and shape {np.shape(value)} instead; pass "
-            "its dtype, `x.dtype`, if that is what you mean."
-        )
-    elif not (isinstance(value, bool) or value is None):
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                dtype = np.dtype(value)
-        except Exception:  # a dict or a list is parsed as a structured dtype
-            dtype = None
-    if dtype is None:
-        raise TypeError(
-            f"Expected a floating dtype for {what} (such as jnp.bfloat16, jnp.float16, "
-            f"jnp.float32, or one of {sorted(_DTYPE_NAMES)}), got {_describe(value)} instead."
-        )
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(
-            f"Expected a floating dtype for {what} (such as jnp.bfloat16, jnp.float16 or "
-            f"jnp.float32), got {dtype.name} instead. Integer, boolean and complex dtypes "
-            "cannot be used for mixed precision."
-        )
-    if dtype not in _SUPPORTED:
-        raise ValueError(
-            f"Expected one of {_SUPPORTED_NAMES} for {what}, got {dtype.name} instead. "
-            "Narrower floating formats such as float8 need per-tensor scaling, which jamp's "
-            "policies do not do; for float8 matrix products, jamp.autocast(fun, 'float8') "
-            "scales per tensor."
-        )
-    return dtype
 
 
 def parse_dtype(value: DTypeLike, argname: str = "dtype") -> np.dtype:
@@ -322,11 +209,11 @@ def parse_policy(spec: str | Policy, argname: str) -> Policy:
     if not isinstance(spec, str):
         raise TypeError(
             "Expected a policy string such as 'p=f32,c=bf16,o=f32' or a jamp.Policy for "
-            f"`{argname}`, got {_describe(spec)} instead."
+            f"`{argname}`, got {describe(spec)} instead."
         )
     text = spec.replace(" ", "").lower()
     text = _NAMED_POLICIES.get(text, text)
-    valid_dtypes = sorted(_DTYPE_NAMES)
+    valid_dtypes = sorted(NAMES)
     valid_policies = sorted(_NAMED_POLICIES)
 
     def dtype_of(name: str, what: str) -> np.dtype:
@@ -338,7 +225,7 @@ def parse_policy(spec: str | Policy, argname: str) -> Policy:
             f"one of {valid_policies}, or a dtype name in {valid_dtypes}, got {spec!r} instead."
         )
     if "=" not in text and "," not in text:
-        if _named(text) is None:
+        if named(text) is None:
             raise ValueError(
                 f"Expected a policy string for `{argname}` such as 'p=f32,c=bf16,o=f32', a named "
                 f"policy in {valid_policies} or a dtype name in {valid_dtypes}, got {spec!r:.80} "

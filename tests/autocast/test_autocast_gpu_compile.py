@@ -128,7 +128,7 @@ def _block_programs(make):
     """A dropout block ``make(dtype)`` (float32 parameters) trained one SGD step, under
     jamp.autocast and built with dtype=bfloat16, same inputs and dropout key, compiled for
     the H200: ``({name: Program}, {name: residual bytes})``."""
-    from jamp._src.autocast.api import _residuals
+    from jamp._src.autocast.report import _residuals
 
     x = jax.ShapeDtypeStruct((B, T, D), jnp.float32)  # shapes only: nothing runs
     params = jax.eval_shape(lambda: make(None).init(jax.random.key(0), jnp.zeros(x.shape)))

@@ -44,7 +44,7 @@ from flax import nnx
 from jax import lax
 
 import jamp
-from jamp._src.autocast.api import _residuals
+from jamp._src.autocast.report import _residuals
 
 pytestmark = pytest.mark.standard_promotion  # Adam trains the models (optax's bias correction)
 

@@ -48,7 +48,7 @@ def test_quantize_is_a_saturating_round_to_nearest_and_keeps_non_finite_values()
 def test_quantize_runs_under_its_named_scope():
     """jamp.debug's precision_report finds a quantisation, its scale and its scaled tensor by
     the scope (numerics/report.py); a scope is metadata, so the program is the same."""
-    from jamp._src.autocast.values import MARKER
+    from jamp._src.jaxprs import MARKER, SCOPE_QUANTIZE
 
     x, s = jnp.ones((2, 3), jnp.bfloat16), jnp.float32(2.0)
     for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
@@ -56,9 +56,9 @@ def test_quantize_runs_under_its_named_scope():
         prims = [e.primitive.name for e in jaxpr.eqns]
         assert prims == ["convert_element_type", "mul", "clamp", "sub", "add"] + prims[-1:]
         assert prims[-1] == "convert_element_type"
-        assert {str(e.source_info.name_stack) for e in jaxpr.eqns} == {products.SCOPE_QUANTIZE}
+        assert {str(e.source_info.name_stack) for e in jaxpr.eqns} == {SCOPE_QUANTIZE}
     # autocast runs a name stack holding its marker as a disabled region
-    assert MARKER not in products.SCOPE_QUANTIZE
+    assert MARKER not in SCOPE_QUANTIZE
 
 
 def test_current_scale_maps_amax_to_the_largest_finite_value():

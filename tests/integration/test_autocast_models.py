@@ -30,7 +30,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import jamp
-from jamp._src.autocast.api import _residuals
+from jamp._src.autocast.report import _residuals
 
 BF16 = jnp.bfloat16
 

@@ -46,6 +46,9 @@ MODULES = sorted(
 # The modules whose docstrings must carry examples: those defining public functions.
 WITH_EXAMPLES = {
     "jamp._src.autocast.api",
+    "jamp._src.autocast.float8_api",
+    "jamp._src.autocast.report",
+    "jamp._src.dtypes",
     "jamp._src.finite.check",
     "jamp._src.float8.recipe",
     "jamp._src.float8.telemetry",

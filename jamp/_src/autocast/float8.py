@@ -40,19 +40,22 @@ import jax.numpy as jnp
 import numpy as np
 from jax.extend import core as jex_core
 
-from jamp._src.autocast.flow import kept_preferred_type
-from jamp._src.autocast.interpreter import HIGHER_ORDER, scan_with
-from jamp._src.autocast.rules import ELIGIBLE, FLOAT8, FLOAT8_PRIMITIVES
-from jamp._src.autocast.values import MARKER, Context, Evaluated, Info, JaxprLike, Rule, Value, aval
+from jamp._src.autocast.handlers import kept_preferred_type
+from jamp._src.autocast.higher_order import HIGHER_ORDER, scan_with
+from jamp._src.autocast.interpreter import eval_closed
+from jamp._src.autocast.rules import FLOAT8, FLOAT8_PRIMITIVES
+from jamp._src.autocast.values import Context, Evaluated, Info, JaxprLike, Rule, Value, aval
+from jamp._src.dtypes import E4M3, ELIGIBLE
+from jamp._src.dtypes import FLOAT32 as F32
 from jamp._src.float8.products import Spec, current_dot, delayed_dot
-from jamp._src.float8.recipe import E4M3, F32, DelayedScaling, Float8State, check_values, init_state
+from jamp._src.float8.recipe import DelayedScaling, Float8State, check_values, init_state
 from jamp._src.float8.telemetry import Telemetry, current_dot_telemetry, delayed_dot_telemetry
-from jamp._src.jaxprs import ClosedJaxpr
+from jamp._src.jaxprs import BODIES, CUSTOM_RULES, MARKER, ClosedJaxpr, body_of
 
 # Sub-computations the products inside of which get a state (as the interpreter evaluates
 # them: with the same context); inside every other one but scan (while, cond, custom
 # rules, any added later) products use current scaling.
-_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call", "remat", "remat2", "checkpoint"})
+_CALLS = frozenset(BODIES) - CUSTOM_RULES
 _CURRENT_ONLY = frozenset(HIGHER_ORDER) - _CALLS - {"scan"}
 
 
@@ -148,8 +151,7 @@ def sites(closed: JaxprLike) -> list[Site]:
                 label = ".".join(here).replace("/", ".") or "dot_general"
                 found.append(Site(f"{len(found)}:{label}", (*path, id(eqn)), stack))
             elif name in _CALLS:
-                params = eqn.params
-                sub = params["jaxpr"] if "jaxpr" in params else params["call_jaxpr"]
+                sub = static_cast(JaxprLike, body_of(eqn))
                 call = eqn.params.get("name")
                 inner = (*here, call) if isinstance(call, str) and call else here
                 walk(_jaxpr(sub), (*path, id(eqn)), stack, inner)
@@ -303,7 +305,7 @@ class SiteRule:
     ) -> Evaluated:
         if ctx.recorder is not None:
             ctx.recorder.add(eqn.primitive.name, "recurse", "-")
-        return HIGHER_ORDER[eqn.primitive.name](eqn, invals, infos, ctx)
+        return HIGHER_ORDER[eqn.primitive.name](eqn, invals, infos, ctx, eval_closed)
 
     def _scan(
         self,
@@ -326,7 +328,7 @@ class SiteRule:
 
         if ctx.recorder is not None:
             ctx.recorder.add("scan", "recurse", "-")
-        return scan_with(eqn, invals, infos, ctx, extra, body_ctx)
+        return scan_with(eqn, invals, infos, ctx, eval_closed, extra, body_ctx)
 
 
 def _telemetry(fields: Sequence[Value]) -> Telemetry:

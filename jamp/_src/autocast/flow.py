@@ -1,10 +1,13 @@
-"""autocast's dtype flow: the dtype a ``promote`` primitive runs in and what its outputs are.
+"""autocast's promote flow: the dtype a ``promote`` primitive runs in, what its outputs are,
+and the float32 computation of a half value (its ``Lift``).
 
 ``promote_target`` chooses the dtype from the inputs' categories (a low
 activation, a constant, a statistic, a broadcast operand: ``categories``)
 and the constants' spans (``constants_allow``); ``out_infos`` says what each
 output is to its consumers (its kind, whether it is a low activation, its
-span). The interpreter (``autocast.interpreter``) calls them per equation.
+span). ``lift_of`` says how a half output is computed in float32 for its float32
+consumers, ``lifts_of`` and ``lifted_carry`` where that computation is used. The rule
+handlers (``autocast.handlers``) call them per equation.
 """
 
 from __future__ import annotations
@@ -23,7 +26,6 @@ from jamp._src.autocast.rules import (
     ARITHMETIC,
     BOUNDED,
     CONSTANT,
-    ELIGIBLE,
     FLOAT32_DTYPE,
     LOW_ACTIVATION,
     MASK_FILL,
@@ -50,13 +52,11 @@ from jamp._src.autocast.values import (
     Info,
     Lift,
     Value,
-    aval,
     bind,
-    cast,
     is_float,
-    record,
     upcast,
 )
+from jamp._src.dtypes import ELIGIBLE
 
 
 def known_span(x: Value, info: Info) -> Span | None:
@@ -302,90 +302,3 @@ def recomputed_lifted(
     return recomputed(
         lambda *xs: bind(eqn, [fun(*xs)], params)[0], *lift.args, wides=casts.wides(lift)
     )
-
-
-def kept_preferred_type(eqn: jex_core.JaxprEqn, float_in: Sequence[int]) -> np.dtype | None:
-    """A dot's ``preferred_element_type`` when wider than its traced floating inputs.
-
-    One wider than the inputs (``bf16 x bf16 -> f32``, as
-    ``jax.nn.dot_product_attention`` writes its logits) was chosen on purpose
-    and is kept; one equal to the inputs' dtype (what ``jnp.matmul`` fills in)
-    follows the inputs to autocast's dtype. ``None`` when there is none to keep.
-    """
-    pet = eqn.params.get("preferred_element_type")
-    if pet is None or not is_float(pet):
-        return None
-    traced = max(np.dtype(aval(eqn.invars[i]).dtype).itemsize for i in float_in)
-    return np.dtype(pet) if np.dtype(pet).itemsize > traced else None
-
-
-def lower_params(
-    eqn: jex_core.JaxprEqn, float_in: Sequence[int], ctx: Context
-) -> Mapping[str, object]:
-    """``preferred_element_type`` in ``dtype``, unless kept (``kept_preferred_type``)."""
-    params = eqn.params
-    pet = params.get("preferred_element_type")
-    if pet is None or not is_float(pet) or kept_preferred_type(eqn, float_in) is not None:
-        return params
-    return {**params, "preferred_element_type": ctx.dtype}
-
-
-# Collectives over a named axis (pmap, shard_map, vmap with axis_name).
-_COLLECTIVES = frozenset(
-    {"psum", "pmax", "pmin", "psum_invariant", "all_gather", "all_gather_invariant",
-     "ppermute", "all_to_all", "psum_scatter", "reduce_scatter", "pbroadcast"}
-)  # fmt: skip
-
-
-def across_devices(
-    eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info], out: list[Info]
-) -> list[Info]:
-    """A collective of statistics returns statistics: BatchNorm's mean and variance over
-    ``axis_name`` (a ``pmean``) stay float32 statistics, so ``x - mean`` runs in float32 as
-    it does on one device. (As an unknown primitive it returned a float32 value of no
-    category, a parameter: ``x - mean`` then ran in the half dtype, and its cancellation
-    made the ResNet's gradients 6x further from float32's, issue #35.)"""
-    floats = [i for x, i in zip(invals, infos, strict=True) if is_float(x.dtype)]
-    if eqn.primitive.name not in _COLLECTIVES or not floats:
-        return out
-    if not all(i.low and i.statistic for i in floats):
-        return out
-    return [i._replace(low=True, statistic=True) for i in out]
-
-
-# What runs as traced, and the user's own casts.
-
-
-def const_kind(infos: Sequence[Info]) -> int:
-    """The kind of an output computed from inputs with ``infos``, never literal."""
-    return CONST if all(i.kind >= CONST for i in infos) else TRACED
-
-
-def as_traced(
-    eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[Info], ctx: Context, rule: str
-) -> tuple[list[Value], list[Info]]:
-    vals = [
-        cast(x, aval(v).dtype) if is_float(x.dtype) and is_float(aval(v).dtype) else x
-        for x, v in zip(invals, eqn.invars, strict=True)
-    ]
-    outs = bind(eqn, vals)
-    record(ctx, eqn, rule, vals, outs)
-    return outs, [Info(kind=const_kind(infos))] * len(outs)
-
-
-def user_cast(
-    eqn: jex_core.JaxprEqn, invals: list[Value], infos: list[Info], ctx: Context
-) -> tuple[list[Value], list[Info]]:
-    (x,) = invals
-    new_dtype = eqn.params["new_dtype"]
-    if aval(eqn.invars[0]).dtype == new_dtype and is_float(new_dtype):
-        # A no-op in the traced program (at most a weak-type change): keep the
-        # autocast dtype instead of undoing it.
-        record(ctx, eqn, "no-op cast", [x], [x])
-        return [x], [infos[0]]
-    outs = bind(eqn, [x])  # the user's own cast: honoured
-    record(ctx, eqn, "cast", outs, outs)
-    info = infos[0]
-    keeps = is_float(x.dtype) and is_float(new_dtype)
-    span = info.span if keeps and not narrows(x.dtype, new_dtype) else None
-    return outs, [info._replace(low=info.low and keeps, span=span, held=False)]

@@ -56,6 +56,7 @@ in. Float32 JAX and Flax's module dtype keep both.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence, Set
 from typing import NamedTuple, TypeAlias
 from typing import cast as static_cast
@@ -380,7 +381,7 @@ def group_jaxpr(jaxpr: jex_core.Jaxpr, group: Group, from_x: bool = False) -> je
     info = jaxpr.debug_info
     info = info and info._replace(arg_names=("z",), result_paths=("softmax",))
     start = group.x if from_x else group.z
-    # a group is evaluated from a traced value (interpreter: ``_upcast``): a variable, and
+    # a group is evaluated from a traced value (``handlers.half_activation``): a variable, and
     # ``from_x`` only where the group has a shift, so an ``x``
     start = static_cast(jex_core.Var, start)
     return jex_core.Jaxpr([], [start], [group.y], eqns, debug_info=info)
@@ -442,29 +443,6 @@ def recomputed(
     )(*xs, *(wides or ()))
 
 
-def mask_broadcasts(jaxpr: jex_core.Jaxpr) -> dict[int, jex_core.JaxprEqn]:
-    """``{k: b}``: the ``select_n`` equations ``k`` whose mask is the output of the
-    ``broadcast_in_dim`` equation ``b`` of a smaller value, used by ``k`` alone
-    (``jnp.where(causal_mask, scores, fill)``)."""
-    made: dict[jax.core.Atom, jex_core.JaxprEqn] = {}
-    uses: dict[jax.core.Atom, int] = {}
-    for eqn in jaxpr.eqns:
-        for v in eqn.invars:
-            if not isinstance(v, jex_core.Literal):
-                uses[v] = uses.get(v, 0) + 1
-    out = {}
-    for k, eqn in enumerate(jaxpr.eqns):
-        if eqn.primitive.name == "broadcast_in_dim" and not isinstance(
-            eqn.invars[0], jex_core.Literal
-        ):
-            made[eqn.outvars[0]] = eqn
-        if eqn.primitive.name == "select_n":
-            b = made.get(eqn.invars[0])
-            if b is not None and uses[eqn.invars[0]] == 1 and eqn.invars[0] not in jaxpr.outvars:
-                out[k] = b
-    return out
-
-
 def select_keeping_mask(
     select: Callable[..., Value],
     which: Value,
@@ -507,7 +485,8 @@ def softmax_matmul_keeping_low(
     """``(z, v, *others) -> matmul(drop(softmax(z) in low, *others), v)``: attention's
     softmax, its dropout and the product with the values, whose backward pass keeps the low
     probabilities (or, where ``recompute``, the low scores ``z`` they are recomputed from),
-    ``v``, the output and the dropout's ``others`` (its mask).
+    ``v``, the output and the dropout's ``others`` (its mask). ``drop(first, y, *others)``
+    is told whether it is the primal's call (``first``) or a pass traced after it.
 
     The softmax's backward pass needs ``sum(g_p * p)`` over each row; it is computed as
     ``sum(g_o * o)`` over the value dimension instead (FlashAttention's identity: both
@@ -525,7 +504,7 @@ def softmax_matmul_keeping_low(
     """
     low, z_dtype = np.dtype(low), np.dtype(z_dtype)
     (lc, rc), (lb, rb) = dimension_numbers
-    drop = drop or (lambda y: y)
+    drop = drop or (lambda first, y: y)  # first: the primal's trace (autocast_report's)
 
     def probabilities(z: jax.Array) -> jax.Array:
         y = lax.convert_element_type(body(z), low)
@@ -537,17 +516,17 @@ def softmax_matmul_keeping_low(
 
     @jax.custom_vjp
     def fun(z: jax.Array, v: jax.Array, *others: jax.Array) -> Value:
-        return product(drop(probabilities(z), *others), v)
+        return product(drop(True, probabilities(z), *others), v)
 
     def fwd(z: jax.Array, v: jax.Array, *others: jax.Array) -> tuple[Value, _Kept]:
         y_low = probabilities(z)
-        out = product(drop(y_low, *others), v)
+        out = product(drop(False, y_low, *others), v)
         return out, (z if recompute else y_low, v, out, others)
 
     def bwd(res: _Kept, g: jax.Array) -> tuple[Value, ...]:
         kept, v, out, others = res
         y_low = probabilities(kept) if recompute else kept
-        p, drop_vjp = jax.vjp(drop, y_low, *others)
+        p, drop_vjp = jax.vjp(functools.partial(drop, False), y_low, *others)
         g_p, g_v = jax.vjp(product, p, v)[1](g)
         g_y, *g_others = drop_vjp(g_p)
         contract, batch = (lc, lb) if y_is_lhs else (rc, rb)

@@ -122,7 +122,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
-from jamp._src.jaxprs import call_body
+from jamp._src.dtypes import FLOAT32 as FLOAT32_DTYPE
 
 LOWER = "lower"
 FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
@@ -134,7 +134,7 @@ AS_TRACED = "as traced"
 # ---------------------------------------------------------------------------
 # The table: primitive names grouped by rule, each group with the torch ops it
 # mirrors. Sub-computations are handled structurally (see
-# autocast.interpreter.HIGHER_ORDER); they are not in the table.
+# autocast.higher_order.HIGHER_ORDER); they are not in the table.
 # ---------------------------------------------------------------------------
 
 # fmt: off
@@ -252,11 +252,6 @@ RULES: Mapping[str, str] = types.MappingProxyType(
 reported as unknown by [`autocast_report`][jamp.debug.autocast_report]."""
 
 _INTEGER_POW_MAX_LOW = 2  # x**0, x**1, x**2 promote (rule_of)
-
-# float64 is never cast (as in torch); these are the dtypes autocast may change.
-ELIGIBLE = frozenset(np.dtype(d) for d in (jnp.float16, jnp.bfloat16, jnp.float32))
-FLOAT32_DTYPE = np.dtype(jnp.float32)
-
 
 # Promote-rule arithmetic that rounds. When its result feeds a float32-rule
 # primitive (x - max(x) feeding exp in softmax), it runs in float32.
@@ -473,120 +468,3 @@ def fits(span: Span | None, dtype: DTypeLike, *, mask_fill: bool = False) -> boo
         and span.small >= float(info.smallest_normal)
         and (mask_fill or not span.fill)
     )
-
-
-def float32_operands(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
-    """The variables of ``jaxpr`` that a float32-rule primitive (not ``div``, ``x**n``) consumes.
-
-    ``x**3`` under float16 (gelu) reads its half input, as torch's gelu does.
-    """
-    found = set()
-    for eqn in jaxpr.eqns:
-        if rule_of(eqn) == FLOAT32 and eqn.primitive.name not in ("div", "integer_pow"):
-            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    return found
-
-
-def reaching_float32(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
-    """Where a bounded activation (sigmoid, tanh) runs in float32: the operands of a
-    float32-rule primitive that is not a sum (``log``, ``exp``, ``pow``...), and the inputs
-    of the add/sub/mul whose result is one (``log(1 - p)``). A sum of squares of tanh
-    (a loss) does not need it: rounded to 1.0, the value stays finite."""
-    found = set()
-    for eqn in jaxpr.eqns:
-        name = eqn.primitive.name
-        if rule_of(eqn) == FLOAT32 and name not in ("div", "integer_pow", *_SUMS):
-            found.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    reach = set(found)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in ARITHMETIC and any(v in found for v in eqn.outvars):
-            reach.update(v for v in eqn.invars if not isinstance(v, jex_core.Literal))
-    return reach
-
-
-_SUMS = ("reduce_sum", "reduce_prod", "cumsum", "cumprod", "cumlogsumexp", "reduce_window_sum")
-
-
-# Data movement a sigmoid's logits may pass through between their matmul and their bias.
-_MOVES = frozenset({"transpose", "reshape", "squeeze", "expand_dims", "copy", "copy_p"})
-
-
-def sigmoid_logits(jaxpr: jex_core.Jaxpr, reach: set[jex_core.Var]) -> tuple[set, set]:
-    """The logits of a sigmoid or tanh that runs in float32 (``reach``: ``log(sigmoid(z))``,
-    a sigmoid loss), and what computes them alone from a matmul: ``(logits, chain)``, the
-    chain being the matmul's output and its moves (a transpose under ``vmap``) up to the
-    logits or the sum that adds their bias.
-
-    Rounded to the half dtype, such logits carry the same error wherever a classifier is
-    saturated (its logits cluster at a few values), and the loss's gradient, a sum of
-    ``sigmoid(z) - y`` that cancels, multiplies it: they are computed in float32, the
-    matmul accumulating into float32 and its bias added in float32.
-    """
-    made = {v: e for e in jaxpr.eqns for v in e.outvars}
-    uses: dict[jex_core.Var, int] = {}
-    for e in jaxpr.eqns:
-        for v in e.invars:
-            if not isinstance(v, jex_core.Literal):
-                uses[v] = uses.get(v, 0) + 1
-    for v in jaxpr.outvars:
-        if not isinstance(v, jex_core.Literal):
-            uses[v] = uses.get(v, 0) + 1
-
-    def back(v: jax.core.Atom) -> list[jex_core.Var] | None:  # v ... the matmul's output
-        seen = []
-        while isinstance(v, jex_core.Var) and uses.get(v) == 1 and v in made:
-            seen.append(v)
-            e = made[v]
-            if e.primitive.name == "dot_general":
-                return seen
-            if e.primitive.name not in _MOVES:
-                return None
-            v = e.invars[0]
-        return None
-
-    logits: set[jex_core.Var] = set()
-    chain: set[jex_core.Var] = set()
-    for e in jaxpr.eqns:
-        if e.primitive.name not in BOUNDED or not any(v in reach for v in e.outvars):
-            continue
-        z = e.invars[0]
-        if not isinstance(z, jex_core.Var) or uses.get(z) != 1 or z not in made:
-            continue
-        logits.add(z)
-        by = made[z]
-        found = back(z) if by.primitive.name != "add" else None
-        for v in by.invars if by.primitive.name == "add" else ():
-            found = found or back(v)
-        chain.update(found or ())
-    return logits, chain
-
-
-# Consumers that pass a value's elements on as they are: picked (a label's logit), sliced,
-# selected, joined or sorted. What they pass on keeps the value's rounding.
-_PICKERS = frozenset(
-    {"gather", "dynamic_slice", "slice", "select_n", "concatenate", "sort", "top_k",
-     "dynamic_update_slice", "pad", "rev"}
-)  # fmt: skip
-
-
-def picked(jaxpr: jex_core.Jaxpr) -> set[jex_core.Var]:
-    """The values whose elements a consumer passes on as they are (``_PICKERS``; a select's
-    cases, not its mask), or that the jaxpr returns.
-
-    Such a value gets no float32 computation (``Lift``) for its float32 consumers: a value
-    and everything computed from it in one expression must see the same rounding. A
-    cross-entropy's log-sum-exp computed from float32 logits minus the label's logit picked
-    from the rounded ones is negative whenever the rounding favours the label.
-    """
-    out: set[jex_core.Var] = set()
-    for e in jaxpr.eqns:
-        body = call_body(e)
-        if body is not None:  # jnp.take_along_axis is a jit: its operand, if it picks it
-            inner = picked(body)
-            ins = [v for v, w in zip(e.invars, body.invars, strict=False) if w in inner]
-        elif e.primitive.name in _PICKERS:
-            ins = e.invars[1:] if e.primitive.name == "select_n" else e.invars
-        else:
-            continue
-        out.update(v for v in ins if isinstance(v, jex_core.Var))
-    return out

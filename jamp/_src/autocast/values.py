@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple, TypeAlias
+from typing import Any, NamedTuple, Protocol, TypeAlias
 from typing import cast as static_cast
 
 import jax
@@ -24,6 +24,7 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
+from jamp._src import jaxprs
 from jamp._src.autocast.rules import Span, narrows, saturated, widest
 from jamp._src.jaxprs import ClosedJaxpr
 
@@ -32,12 +33,8 @@ try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
 except ImportError:  # pragma: no cover - depends on the jax version
     _source_info_util = None
 
-# The name scope that marks a region the interpreter evaluates as traced.
-SCOPE_DISABLED = "jamp_autocast_disabled"
-SCOPE_AUTOCAST = "jamp_autocast"
-MARKER = "jamp_autocast"  # a substring of both
 
-# Where a value comes from (see autocast.interpreter). Ordered: an output has the
+# Where a value comes from (see autocast/README.md). Ordered: an output has the
 # smallest kind of its inputs.
 TRACED = 0  # depends on the function's arguments: activations, parameters
 CONST = 1  # known when the function is traced: a concrete constant, or computed from those
@@ -60,7 +57,8 @@ def aval(v: jax.core.Atom) -> jax.core.ShapedArray:
 
 
 class Info(NamedTuple):
-    """What the interpreter knows about a value besides the value itself."""
+    """What the interpreter knows about a value besides the value itself (its lattice with
+    ``Lift``: ``autocast/README.md``)."""
 
     kind: int = TRACED
     low: bool = False  # derived from low-precision activations only (not params, constants)
@@ -93,6 +91,22 @@ class Context:
 
 Evaluated: TypeAlias = tuple[list[Value], list[Info]]
 """What evaluating an equation or a jaxpr under the rules gives: its outputs and their infos."""
+
+
+class Evaluate(Protocol):
+    """The interpreter's evaluation of a jaxpr under the rules (``interpreter.eval_closed``),
+    which sub-computations and a fused softmax take as an argument: its outputs and their
+    infos; an output marked in ``wide`` (a float32 loop carry) is not rounded."""
+
+    def __call__(
+        self,
+        closed: JaxprLike,
+        args: Sequence[Value],
+        infos: Sequence[Info],
+        ctx: Context,
+        wide: Sequence[bool] = (),
+    ) -> Evaluated: ...
+
 
 Rule: TypeAlias = Callable[[jex_core.JaxprEqn, list[Value], list[Info], Context], Evaluated | None]
 """A rule tried before the table: an equation's outputs, or ``None`` to leave it to the table."""
@@ -243,14 +257,9 @@ def source(eqn: jex_core.JaxprEqn) -> contextlib.AbstractContextManager:
 def bind(
     eqn: jex_core.JaxprEqn, vals: Sequence[Value], params: Mapping[str, object] | None = None
 ) -> list[Value]:
-    """Binds ``eqn``'s primitive on ``vals`` (as ``jax.core.eval_jaxpr`` does)."""
-    bind_params = eqn.primitive.get_bind_params(dict(eqn.params if params is None else params))
-    subfuns: Sequence[object] = ()
-    if isinstance(bind_params, tuple):  # older jax: (subfuns, params)
-        subfuns, bind_params = bind_params
+    """Binds ``eqn``'s primitive on ``vals`` under its source line and name stack."""
     with source(eqn):
-        out = eqn.primitive.bind(*subfuns, *vals, **bind_params)
-    return list(out) if eqn.primitive.multiple_results else [out]
+        return jaxprs.bind(eqn.primitive, vals, dict(eqn.params if params is None else params))
 
 
 def float0_zeros(aval: jax.core.ShapedArray) -> np.ndarray:

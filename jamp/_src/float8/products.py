@@ -51,6 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from jax.typing import DTypeLike
 
+from jamp._src.dtypes import BFLOAT16 as BF16
 from jamp._src.float8.recipe import (
     E4M3,
     E5M2,
@@ -65,6 +66,7 @@ from jamp._src.float8.recipe import (
     next_state,
     traced_check,
 )
+from jamp._src.jaxprs import SCOPE_QUANTIZE
 
 # A current scale is at most 2**126, so its inverse is a normal float32 number.
 _SMALLEST_AMAX = ROW_MAX * np.float32(2.0**-126)
@@ -73,11 +75,11 @@ _SMALLEST_AMAX = ROW_MAX * np.float32(2.0**-126)
 # Quantisation
 # ---------------------------------------------------------------------------
 
-# The named scope (``jax.named_scope``) each quantisation's operations run under: the
-# multiply by the scale, the clip and the cast to float8. ``jamp.debug``'s
-# ``precision_report`` finds a quantisation, its scale and its scaled tensor by it. A
-# scope changes the operations' metadata only (their name stack), never the program.
-SCOPE_QUANTIZE = "jamp_float8_quantize"
+# Each quantisation's operations run under the named scope ``jaxprs.SCOPE_QUANTIZE``
+# (``jax.named_scope``): the multiply by the scale, the clip and the cast to float8.
+# ``jamp.debug``'s ``precision_report`` finds a quantisation, its scale and its scaled
+# tensor by it. A scope changes the operations' metadata only (their name stack), never
+# the program.
 
 
 def amax(x: jax.Array) -> jax.Array:
@@ -149,7 +151,6 @@ class Spec(NamedTuple):
 # platforms keep ``DEFAULT``: the CPU refuses float8 algorithms (it upcasts the operands
 # and accumulates in float32).
 GRADIENT_ALGORITHM = lax.DotAlgorithmPreset.ANY_F8_ANY_F8_F32
-BF16 = np.dtype(jnp.bfloat16)
 
 
 def _gradient_dot(lhs, rhs, dimension_numbers, out_sharding, out_type):

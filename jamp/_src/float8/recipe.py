@@ -20,11 +20,11 @@ import jax.core
 import jax.numpy as jnp
 import numpy as np
 
-E4M3 = np.dtype(jnp.float8_e4m3fn)  # operands (forward)
-E5M2 = np.dtype(jnp.float8_e5m2)  # gradients (backward)
+from jamp._src.dtypes import E4M3, E5M2  # operands (forward), gradients (backward)
+from jamp._src.dtypes import FLOAT32 as F32
+
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
 E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
-F32 = np.dtype(jnp.float32)
 
 # The rows of a Float8State: the left operand, the right operand, the gradient
 # of the output; and the largest finite value of each row's format.

@@ -13,7 +13,6 @@ operation each. Evaluating the list under ``jax.jit`` is one compiled program.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,31 +23,17 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.values import shard_map_like
-from jamp._src.float8.products import SCOPE_QUANTIZE
-from jamp._src.jaxprs import CALLS, ClosedJaxpr, shaped
-
-# Operations that only group others: inlined (the calls of jamp's jaxpr vocabulary, and
-# the rematerialised and older custom_vjp forms).
-_INLINE = {**CALLS, "custom_vjp_call_jaxpr": "fun_jaxpr", "remat2": "jaxpr", "checkpoint": "jaxpr"}
-# Operations that move or relabel values without computing: their error is their input's.
-MOVES = frozenset(
-    {
-        "reshape", "transpose", "broadcast_in_dim", "squeeze", "expand_dims", "slice",
-        "dynamic_slice", "dynamic_update_slice", "concatenate", "pad", "copy", "copy_p",
-        "rev", "select_n", "stop_gradient", "optimization_barrier", "sharding_constraint",
-        "device_put", "gather", "iota",
-    }
-)  # fmt: skip
-LOW = frozenset(
-    np.dtype(d)
-    for d in (
-        jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float8_e4m3fnuz,
-        jnp.float8_e5m2fnuz, jnp.float8_e4m3b11fnuz,
-    )
-)  # fmt: skip
-FLOAT8 = frozenset(d for d in LOW if d.itemsize == 1)
-_LIBRARIES = tuple(
-    os.sep + name + os.sep for name in ("jax", "jaxlib", "flax", "optax", "equinox", "jamp")
+from jamp._src.dtypes import LOW
+from jamp._src.jaxprs import (
+    MOVES,
+    SCOPE_QUANTIZE,
+    ClosedJaxpr,
+    bind,
+    body_of,
+    map_jaxprs,
+    module_path,
+    shaped,
+    user_line,
 )
 
 
@@ -90,34 +75,6 @@ class Program:
     producer: dict[int, Op]
 
 
-def _user_line(source_info: Any) -> str:
-    """``file:line (function)`` of the innermost frame outside jax and the libraries."""
-    tb = getattr(source_info, "traceback", None)
-    frames = list(getattr(tb, "frames", ()) or ())
-    for frame in frames:
-        name = frame.file_name
-        if not any(lib in name for lib in _LIBRARIES) and "<frozen" not in name:
-            return f"{os.path.basename(name)}:{frame.line_num} ({frame.function_name})"
-    return "?"
-
-
-def _module_path(name_stack: str) -> str:
-    """The name stack without its transformation wrappers and repeats:
-    ``transpose(jvp(jamp_autocast))/CNN/Dense_0/CNN/Dense_0`` is ``CNN/Dense_0``."""
-    parts = []
-    for part in name_stack.split("/"):
-        while "(" in part and part.endswith(")"):
-            part = part[part.index("(") + 1 : -1]
-        if part and part not in ("jamp_autocast", "jamp_autocast_disabled", SCOPE_QUANTIZE):
-            parts.append(part)
-    out: list[str] = []
-    for part in parts:  # a nested scope repeats its parent's path: keep one
-        if out and part in out:
-            continue
-        out.append(part)
-    return "/".join(out)
-
-
 def flatten(closed: ClosedJaxpr) -> Program:
     """``closed`` as one list of operations, grouping calls inlined."""
     ops: list[Op] = []
@@ -133,8 +90,7 @@ def flatten(closed: ClosedJaxpr) -> Program:
     def walk(jaxpr: jex_core.Jaxpr, env: dict, stack: str) -> None:
         for eqn in jaxpr.eqns:
             here = "/".join(s for s in (stack, str(eqn.source_info.name_stack)) if s)
-            key = _INLINE.get(eqn.primitive.name)
-            sub = eqn.params.get(key) if key else None
+            sub = body_of(eqn)  # a call or a remat: inlined
             if sub is not None:
                 inner = sub if isinstance(sub, ClosedJaxpr) else ClosedJaxpr(sub, ())
                 sub_env: dict = {}
@@ -160,8 +116,8 @@ def flatten(closed: ClosedJaxpr) -> Program:
                 outs=tuple(outs),
                 in_avals=tuple(a.aval for a in eqn.invars),
                 out_avals=tuple(v.aval for v in eqn.outvars),
-                line=_user_line(eqn.source_info),
-                path=_module_path(here),
+                line=user_line(eqn.source_info),
+                path=module_path(here),
                 backward="transpose(" in here,
                 quantize=SCOPE_QUANTIZE in re.split(r"[/()]", here),
             )
@@ -215,28 +171,11 @@ Observe = Callable[
 ]
 
 
-def bind(op: Op, args: Sequence[Any], params: dict[str, Any]) -> list[Any]:
-    out = op.primitive.bind(*args, **op.primitive.get_bind_params(params))
-    return list(out) if op.primitive.multiple_results else [out]
-
-
 def _widened_jaxpr(closed: ClosedJaxpr) -> ClosedJaxpr:
     """``closed`` traced anew from its widened evaluation, on widened inputs."""
     program = flatten(closed)
     shapes = [jax.ShapeDtypeStruct(a.shape, _wide(a.dtype)) for a in shaped(closed.in_avals)]
     return jax.make_jaxpr(lambda *xs: evaluate_wide(program, xs))(*shapes)
-
-
-def _widened_param(value: Any) -> Any:
-    """A parameter holding a sub-program (a loop's body, a scatter's update, a reduction's
-    computation) traced anew on widened values; any other parameter as it is."""
-    if isinstance(value, tuple) and value and all(isinstance(v, ClosedJaxpr) for v in value):
-        return tuple(_widened_jaxpr(v) for v in value)
-    if isinstance(value, ClosedJaxpr):
-        return _widened_jaxpr(value)
-    if isinstance(value, jex_core.Jaxpr):
-        return _widened_jaxpr(ClosedJaxpr(value, ())).jaxpr
-    return value
 
 
 def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
@@ -255,17 +194,17 @@ def evaluate_wide_op(op: Op, ins: Sequence[Any]) -> list[Any]:
         return [wide_value(o) for o in fn(*ins)]
     params = _widened_params(op)
     if params is not None:
-        for key, value in params.items():
-            params[key] = _widened_param(value)
+        # a sub-program (a loop's body, a scatter's update) traced anew on widened values
+        params = map_jaxprs(params, _widened_jaxpr)
         try:
-            return [wide_value(o) for o in bind(op, ins, params)]
+            return [wide_value(o) for o in bind(op.primitive, ins, params)]
         except (TypeError, ValueError):
             pass
     narrow = [
         x.astype(aval.dtype) if getattr(x, "dtype", None) != getattr(aval, "dtype", None) else x
         for x, aval in zip(ins, op.in_avals, strict=True)
     ]
-    return [wide_value(o) for o in bind(op, narrow, op.params)]
+    return [wide_value(o) for o in bind(op.primitive, narrow, op.params)]
 
 
 def _read(env: dict[int, Any], a: Any, widen: bool) -> Any:
@@ -308,7 +247,7 @@ def evaluate(
         wide[i] = wide_value(a)
     for op in program.ops:
         ins = [_read(env, a, False) for a in op.ins]
-        outs = bind(op, ins, op.params)
+        outs = bind(op.primitive, ins, op.params)
         env.update(zip(op.outs, outs, strict=True))
         wide_ins = wide_outs = None
         if paired:

@@ -14,10 +14,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp._src.autocast.api import autocast
+from jamp._src.dtypes import FLOAT8_ANY
+from jamp._src.jaxprs import MOVES
 from jamp._src.numerics.locate import step_program
 from jamp._src.numerics.program import (
-    FLOAT8,
-    MOVES,
     Op,
     Program,
     evaluate,
@@ -175,7 +175,7 @@ def _float8_scales(program: Program) -> dict[int, tuple[int, int]]:
     for op in program.ops:
         if not op.quantize or op.name != "convert_element_type":
             continue
-        if np.dtype(op.params["new_dtype"]) not in FLOAT8:
+        if np.dtype(op.params["new_dtype"]) not in FLOAT8_ANY:
             continue
         for prod in _quantisation(program, op):
             if prod.name != "mul":

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jamp._src.dtypes import HALF
 from jamp._src.leaves import find_nodes, is_integer
 from jamp._src.loss_scaling import ScaledOptimizerState, checked_inner
 from jamp._src.optimizer.rounding import (
@@ -44,8 +45,6 @@ from jamp._src.validate import (
 )
 
 ROUNDINGS = ("exact", "stochastic", "kahan", "nearest")
-# The parameters' and the stored moments' narrow dtypes (float8 moments are stored in blocks).
-NARROW = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 _FN = "master_weights"
 
 
@@ -83,7 +82,7 @@ class MasterWeightsState(NamedTuple):
 
 def is_low(leaf: object) -> bool:
     """Whether ``leaf`` is a bfloat16 or float16 array: a parameter with a master."""
-    return getattr(leaf, "dtype", None) in NARROW
+    return getattr(leaf, "dtype", None) in HALF
 
 
 def master_of(p: jax.Array, r: jax.Array | None) -> jax.Array:

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jamp._src.dtypes import E4M3
 from jamp._src.optimizer.rounding import neighbour, stochastic_round, uniform
 
 BLOCK = 256
@@ -122,7 +123,7 @@ def quantize(x: jax.Array, code: str, dtype: DTypeLike, bits: jax.Array | None) 
             codes = magnitude | jnp.where(blocks < 0, np.uint8(0x80), np.uint8(0))
         return BlockQuantized(codes, absmax, tuple(x.shape), code)
     top = float(jnp.finfo(dtype).max)
-    root = positive and jnp.dtype(dtype) == jnp.float8_e4m3fn
+    root = positive and jnp.dtype(dtype) == E4M3
     ratio = blocks / _base(absmax, top, root)[:, None]
     if root:  # e4m3fn's 17.8 octaves hold a second moment's square root, not the moment
         scaled = jnp.clip(jnp.sqrt(ratio) * top, 0.0, top)

@@ -10,9 +10,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jamp._src.dtypes import FLOAT8, HALF
 from jamp._src.loss_scaling import checked_inner
 from jamp._src.optimizer.master import (
-    NARROW,
     check_rounding,
     check_seed,
 )
@@ -38,7 +38,6 @@ from jamp._src.validate import (
 POSITIVE_FIELDS = frozenset(
     {"nu", "nu_max", "sum_of_squares", "v", "v_row", "v_col", "e_g", "e_x", "grad_sq"}
 )
-_FLOAT8 = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 _KINDS = (
     "jnp.bfloat16, jnp.float16, '8bit' (block-quantised), jnp.float8_e4m3fn or "
     "jnp.float8_e5m2 (block-scaled)"
@@ -138,7 +137,7 @@ def _check_dtypes(dtypes: object) -> dict[str, object]:
             dtype = jnp.dtype(cast(jnp.dtype, kind))
         except TypeError:
             dtype = None
-        if dtype not in NARROW + _FLOAT8:
+        if dtype not in HALF + FLOAT8:
             raise ValueError(
                 f"Expected `dtypes[{name!r}]` to be one of {_KINDS}, got {kind!r}. float32 is "
                 "what the state already is: leave the field out."
@@ -240,7 +239,7 @@ def low_precision_state(
                 return x
             kind = chosen[name]
             x = cast(jax.Array, x).astype(jnp.float32)
-            if kind in NARROW:
+            if kind in HALF:
                 bits = None if key is None else random_bits(key, i, x.shape)
                 return round_to(x, cast(jnp.dtype, kind), bits)
             if x.size < MIN_SIZE:
@@ -260,7 +259,7 @@ def low_precision_state(
         def leaf(path: jax.tree_util.KeyPath, x: object) -> object:
             if isinstance(x, BlockQuantized):
                 return dequantize(x).astype(own.get(path, jnp.float32))
-            if _field(path, chosen, params) is not None and getattr(x, "dtype", None) in NARROW:
+            if _field(path, chosen, params) is not None and getattr(x, "dtype", None) in HALF:
                 return cast(jax.Array, x).astype(own.get(path, jnp.float32))
             return x
 
