@@ -14,8 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-import jax
-import jax.core
 import numpy as np
 from jax.extend import core as jex_core
 from jax.typing import DTypeLike
@@ -57,13 +55,14 @@ from jamp._src.autocast.values import (
     upcast,
 )
 from jamp._src.dtypes import ELIGIBLE
+from jamp._src.types import is_tracer
 
 
 def known_span(x: Value, info: Info) -> Span | None:
     """The span of a constant's values; ``None`` when it is traced and unknown."""
     if info.span is not None:
         return info.span
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return None
     return span_of(x)
 

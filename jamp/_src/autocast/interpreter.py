@@ -64,6 +64,7 @@ from jamp._src.autocast.values import (
     source,
 )
 from jamp._src.jaxprs import ClosedJaxpr, inline_softmax
+from jamp._src.types import is_tracer
 
 # Whether a rule's operations (the float8 products') are traced under the source line and
 # name stack of the equation they replace: set by `annotated_rules`, for jamp.debug.
@@ -128,7 +129,7 @@ def _eval_jaxpr(
         return env[v]
 
     for v, x in zip(jaxpr.constvars, consts, strict=True):
-        env[v] = (x, Info(kind=TRACED if isinstance(x, jax.core.Tracer) else CONST))
+        env[v] = (x, Info(kind=TRACED if is_tracer(x) else CONST))
     for v, x, info in zip(jaxpr.invars, args, infos, strict=True):
         env[v] = (x, info)
     plan = make_plan(jaxpr, ctx.dtype, fuse=ctx.rule is None)
@@ -215,7 +216,7 @@ def _foldable(eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequence[I
         and eqn.primitive.name not in HIGHER_ORDER
         and eqn.primitive.name not in _MESH_AXIS
         and all(i.kind >= CONST for i in infos)
-        and not any(isinstance(x, jax.core.Tracer) for x in invals)
+        and not any(is_tracer(x) for x in invals)
         and sum(int(np.prod(aval(v).shape)) for v in eqn.outvars) <= FOLD_MAX
     )
 

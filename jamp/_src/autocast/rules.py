@@ -123,6 +123,7 @@ from jax.extend import core as jex_core
 from jax.typing import ArrayLike, DTypeLike
 
 from jamp._src.dtypes import FLOAT32 as FLOAT32_DTYPE
+from jamp._src.types import is_tracer
 
 LOWER = "lower"
 FLOAT8 = "float8"  # float8 mode only: see FLOAT8_PRIMITIVES
@@ -291,7 +292,7 @@ def saturated(
     nothing needs clipping; a traced one gets a clamp that XLA folds.
     """
     big: np.ndarray = np.asarray(jnp.finfo(dtype).max, dtype=x.dtype)  # exact in the wider dtype
-    if not isinstance(x, jax.core.Tracer):
+    if not is_tracer(x):
         a = np.asarray(x)
         over = np.isfinite(a) & (np.abs(a) > big)
         if not over.any():

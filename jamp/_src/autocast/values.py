@@ -27,6 +27,7 @@ from jax.typing import DTypeLike
 from jamp._src import jaxprs
 from jamp._src.autocast.rules import Span, narrows, saturated, widest
 from jamp._src.jaxprs import ClosedJaxpr
+from jamp._src.types import is_tracer
 
 try:  # Keeps user name scopes and tracebacks on the re-emitted equations.
     from jax._src import source_info_util as _source_info_util
@@ -224,7 +225,7 @@ class Casts:
         y = x
         if saturate and info.kind >= CONST and narrows(x.dtype, dtype):
             y = saturated(y, dtype)
-        if info.kind < CONST or isinstance(y, jax.core.Tracer) or np.size(y) > FOLD_MAX:
+        if info.kind < CONST or is_tracer(y) or np.size(y) > FOLD_MAX:
             y = upcast(y, dtype) if info.kind == TRACED else lax.convert_element_type(y, dtype)
         else:  # a small concrete constant: cast now, not in the program
             y = np.asarray(y).astype(dtype)

@@ -22,6 +22,7 @@ import numpy as np
 
 from jamp._src.dtypes import E4M3, E5M2  # operands (forward), gradients (backward)
 from jamp._src.dtypes import FLOAT32 as F32
+from jamp._src.types import is_tracer
 
 E4M3_MAX = float(jnp.finfo(E4M3).max)  # 448
 E5M2_MAX = float(jnp.finfo(E5M2).max)  # 57344
@@ -174,7 +175,7 @@ class DelayedScaling:
 
 def _concrete(x: object) -> bool:
     """Whether ``x`` holds values this process can read (not a tracer, not another host's)."""
-    if isinstance(x, jax.core.Tracer):
+    if is_tracer(x):
         return False
     return getattr(x, "is_fully_addressable", True)
 
