@@ -240,10 +240,16 @@ def test_code_lines_counts_code_only():
     assert code_lines(text) == 5  # x = 1, def f, return (, x, )
 
 
+# A package whose modules are held to a tighter budget: autocast's interpreter is read by
+# newcomers, so each of its modules stays one seam (autocast/README.md).
+PACKAGE_CODE_LINES = {"autocast": 350}
+
+
 @pytest.mark.parametrize("name", sorted(MODULES))
 def test_module_within_its_budget_of_code_lines(name):
     n = code_lines(MODULES[name].read_text())
-    assert n <= CODE_LINES, f"{name}: {n} code lines (budget {CODE_LINES})"
+    budget = PACKAGE_CODE_LINES.get(name.split(".")[0], CODE_LINES)
+    assert n <= budget, f"{name}: {n} code lines (budget {budget})"
 
 
 def test_grad_scaler_step_reaches_the_skip_machinery_directly():
