@@ -962,6 +962,17 @@ def _check_value_and_grad(result: Any, kw: dict) -> None:
 TARGETS = _targets()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _whole_tracebacks():
+    """The oracle asks which module raised a refusal, so it reads whole tracebacks: jamp's
+    validating modules leave JAX's filtered ones (``validate.hide_from_tracebacks``), so
+    that a user sees a refusal end at their own line."""
+    old = jax.config.jax_traceback_filtering
+    jax.config.update("jax_traceback_filtering", "off")
+    yield
+    jax.config.update("jax_traceback_filtering", old)
+
+
 # --------------------------------------------------------------------------- the oracle
 
 
