@@ -142,6 +142,11 @@ def flatten(closed: ClosedJaxpr) -> Program:
 
 
 def is_low(dtype: Any) -> bool:
+    """Whether ``dtype`` is a floating dtype narrower than float32. A PRNG key's dtype
+    (``key<fry>``), which NumPy cannot read, is not: keys, like integers and bools, are
+    carried through unwidened."""
+    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+        return False
     return np.dtype(dtype) in LOW
 
 
