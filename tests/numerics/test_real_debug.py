@@ -4,10 +4,13 @@ holds dropout's typed PRNG key, a legacy ``PRNGKey`` argument, a non-finite cons
 given instead of the loss."""
 
 import inspect
+import logging
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 from flax import nnx
 
 import jamp
@@ -84,3 +87,98 @@ def test_legacy_prng_key_argument():
     typed = jax.random.key(0)
     assert jamp.debug.precision_report(loss, w, typed, x).rows
     assert jamp.debug.locate_nonfinite(loss, w, typed, x) is None
+
+
+# ---------------------------------------------------------------- 3. a non-finite constant
+
+INF_AND_ONE = jnp.array([jnp.inf, 1.0])
+
+
+def test_a_non_finite_constant_is_located_at_its_first_use():
+    """An inf in a captured array, or a literal, is the culprit: its first use is named
+    (the locator said None, "finite", before), with its line."""
+
+    def captured(w):
+        return jnp.sum(w * INF_AND_ONE)
+
+    def literal(w):
+        h = jnp.sin(w)
+        return jnp.sum(h * jnp.inf)
+
+    for fun, text in [(captured, "INF_AND_ONE"), (literal, "jnp.inf")]:
+        for f in (fun, jax.jit(fun)):
+            site = jamp.debug.locate_nonfinite(f, jnp.ones(2))
+            assert site is not None and site.constant and site.primitive == "mul"
+            assert site.line.startswith(_line_of(fun, text)) and not site.backward
+            assert "non-finite constant" in str(site)
+    # A finite step with a masking inf constant is still finite.
+    assert (
+        jamp.debug.locate_nonfinite(lambda w: jnp.max(jnp.where(w > 0, w, -jnp.inf)), jnp.ones(2))
+        is None
+    )
+    # An operation that makes an inf from finite inputs comes before a constant's use.
+    site = jamp.debug.locate_nonfinite(
+        lambda w: jnp.sum(jnp.exp(w) * INF_AND_ONE), jnp.full(2, 100.0)
+    )
+    assert site.primitive == "exp" and not site.constant
+
+
+def test_locate_when_skipped_names_a_constant_not_the_arguments(caplog):
+    """A step skipped by a non-finite constant logs the constant's first use; it said
+    that the (finite) arguments were not finite before."""
+
+    def loss(w):
+        return jnp.sum(w * INF_AND_ONE)
+
+    tx = jamp.loss_scaling(optax.sgd(0.1), jamp.no_loss_scale())
+    w = jnp.ones(2)
+
+    @jax.jit
+    def step(w, opt_state):
+        grads = jax.grad(loss)(w)
+        updates, opt_state = tx.update(grads, opt_state, w)
+        jamp.debug.locate_when_skipped(opt_state, loss, w)
+        return optax.apply_updates(w, updates), opt_state
+
+    with caplog.at_level(logging.WARNING, logger="jamp"):
+        _, state = step(w, tx.init(w))
+        jax.effects_barrier()
+    assert not bool(state.last_finite)
+    (record,) = caplog.records
+    message = record.getMessage()
+    assert "mul at" in message and "non-finite constant" in message, message
+    assert _line_of(loss, "INF_AND_ONE") in message
+    assert "arguments were not finite" not in message
+
+
+# ---------------------------------------------------------------- 7. small ones
+
+
+def test_locate_when_skipped_takes_a_grad_scaler_state(caplog):
+    """A GradScaler state after ``step`` tells whether the step was skipped (it raised
+    ``KeyError: 'last_finite'`` before); a state holding no check is refused clearly."""
+    scaler = jamp.GradScaler(init_scale=1.0)
+    tx = optax.sgd(0.1)
+
+    def loss(w, x):
+        return jnp.sum(jnp.exp(x * w))
+
+    @jax.jit
+    def iteration(state, w, opt_state, x):
+        grads = jax.grad(lambda p: scaler.scale(state, loss(p, x)))(w)
+        w, opt_state, state = scaler.step(state, tx, grads, opt_state, w)
+        jamp.debug.locate_when_skipped(state, loss, w, x)
+        return scaler.update(state), w, opt_state
+
+    w = jnp.ones(3)
+    state, opt_state = scaler.init(), tx.init(w)
+    with caplog.at_level(logging.WARNING, logger="jamp"):
+        state, w, opt_state = iteration(state, w, opt_state, jnp.ones(3))
+        jax.effects_barrier()
+        assert not caplog.records
+        iteration(state, w, opt_state, jnp.full(3, 200.0))
+        jax.effects_barrier()
+    (record,) = caplog.records
+    assert "exp at" in record.getMessage() and _line_of(loss, "jnp.exp") in record.getMessage()
+    with pytest.raises(TypeError, match="GradScaler.step"):
+        jamp.debug.locate_when_skipped(scaler.init(), loss, w, jnp.ones(3))

@@ -14,6 +14,7 @@ import numpy as np
 
 from jamp._src.autocast.interpreter import annotated_rules
 from jamp._src.lookup import metrics
+from jamp._src.loss_scale import LossScaleState
 from jamp._src.numerics.program import (
     Op,
     Program,
@@ -61,6 +62,9 @@ class NonfiniteSite:
       index: its position in the program, forward then backward.
       argument: set instead of the rest when an argument of the function itself is not
         finite: its path.
+      constant: whether no operation made a non-finite value from finite inputs, and
+        this one is the first to read a non-finite constant (an array the function
+        captured, or a literal) into a non-finite output: that constant's first use.
     """
 
     primitive: str
@@ -73,6 +77,7 @@ class NonfiniteSite:
     inf: int
     index: int
     argument: str = ""
+    constant: bool = False
 
     @property
     def pass_(self) -> str:
@@ -83,10 +88,14 @@ class NonfiniteSite:
             return f"the argument {self.argument} is not finite: the step was given it"
         where = f"{self.primitive} at {self.line}" + (f" in {self.path}" if self.path else "")
         what = f"{self.pass_} pass" + (f", {self.role}" if self.role else "")
-        lines = [
-            f"the first non-finite value: {where} ({what}); it made {self.nan} NaN and "
-            f"{self.inf} inf from finite inputs:"
-        ]
+        if self.constant:
+            made = (
+                f"it reads a non-finite constant (an array the function captured, or a "
+                f"literal) and made {self.nan} NaN and {self.inf} inf:"
+            )
+        else:
+            made = f"it made {self.nan} NaN and {self.inf} inf from finite inputs:"
+        lines = [f"the first non-finite value: {where} ({what}); {made}"]
         lines += [f"  {o}" for o in self.operands]
         return "\n".join(lines)
 
@@ -160,27 +169,37 @@ def locate_nonfinite(
     for path, x in zip(paths, flat, strict=True):
         if _floating(x) and not bool(jnp.all(jnp.isfinite(x))):
             return NonfiniteSite("", "", "", False, "", (), 0, 0, -1, argument=path)
-    found, first, counts, magnitudes = jax.device_get(
-        jax.jit(lambda a: first_nonfinite(program, a))(flat)
-    )
-    return site(program, paths, found, first, counts, magnitudes)
+    found = jax.device_get(jax.jit(lambda a: first_nonfinite(program, a))(flat))
+    return site(program, paths, *found)
 
 
 def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Array, ...]:
     """Traced: whether the step's value or gradients are not finite and some operation made
-    a non-finite value from finite inputs, the first one's index, its NaN and inf counts,
-    and its floating inputs' magnitudes."""
-    made, counts, magnitudes = [], [], []
+    a non-finite value, the first one's index, its NaN and inf counts, its floating inputs'
+    magnitudes, and whether it is a constant's first use.
+
+    The first operation that made a non-finite value from finite inputs is the answer;
+    when there is none, the first that read a non-finite constant or literal (its other
+    floating inputs finite) into a non-finite output: the constant is the culprit, and
+    that operation its first use."""
+    made, from_constant, counts, magnitudes = [], [], [], []
 
     def observe(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> None:
-        clean = jnp.array(True)
-        for x in ins:
+        clean = constant_clean = jnp.array(True)
+        constant_bad = jnp.array(False)
+        for a, x in zip(op.ins, ins, strict=True):
             if _floating(x):
-                clean = clean & jnp.all(jnp.isfinite(x))
+                ok = jnp.all(jnp.isfinite(x))
+                clean = clean & ok
+                if isinstance(a, tuple) or a in program.consts:  # a literal, a constant
+                    constant_bad = constant_bad | ~ok
+                else:
+                    constant_clean = constant_clean & ok
         floats_out = [x for x in outs if _floating(x)]
         nan = sum((jnp.sum(jnp.isnan(x)) for x in floats_out), jnp.int32(0))
         inf = sum((jnp.sum(jnp.isinf(x)) for x in floats_out), jnp.int32(0))
         made.append(clean & (nan + inf > 0))
+        from_constant.append(constant_bad & constant_clean & (nan + inf > 0))
         counts.append(jnp.stack([nan, inf]).astype(jnp.int32))
         sizes = [jnp.max(jnp.abs(x)).astype(jnp.float32) for x in ins if _floating(x) and x.size]
         magnitudes.append(sizes)
@@ -191,7 +210,8 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
         if _floating(x):
             finite = finite & jnp.all(jnp.isfinite(x))
     if not made:
-        return jnp.array(False), jnp.int32(0), jnp.zeros(2, jnp.int32), jnp.zeros((0,))
+        no = jnp.array(False)
+        return no, jnp.int32(0), jnp.zeros(2, jnp.int32), jnp.zeros((0,)), no
     width = max((len(m) for m in magnitudes), default=0)
     table = jnp.stack(
         [
@@ -199,15 +219,23 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
             for m in magnitudes
         ]
     )
-    flags = jnp.stack(made)
-    first = jnp.argmax(flags).astype(jnp.int32)
+    flags, constants = jnp.stack(made), jnp.stack(from_constant)
+    constant = ~jnp.any(flags) & jnp.any(constants)
+    first = jnp.where(constant, jnp.argmax(constants), jnp.argmax(flags)).astype(jnp.int32)
     # A step whose value and gradients are finite has nothing to locate (a masked inf,
     # such as a safe division's other branch, is no fault).
-    return jnp.any(flags) & ~finite, first, jnp.stack(counts)[first], table[first]
+    found = (jnp.any(flags) | constant) & ~finite
+    return found, first, jnp.stack(counts)[first], table[first], constant
 
 
 def site(
-    program: Program, paths: Sequence[str], found: Any, first: Any, counts: Any, magnitudes: Any
+    program: Program,
+    paths: Sequence[str],
+    found: Any,
+    first: Any,
+    counts: Any,
+    magnitudes: Any,
+    constant: Any = False,
 ) -> NonfiniteSite | None:
     """The ``NonfiniteSite`` of ``first_nonfinite``'s result, or None."""
     if not bool(found):
@@ -220,7 +248,35 @@ def site(
     )
     role = roles(program, paths).get(op.index, "")
     nan, inf = (int(c) for c in np.asarray(counts))
-    return NonfiniteSite(op.name, op.line, op.path, op.backward, role, operands, nan, inf, op.index)
+    return NonfiniteSite(
+        op.name, op.line, op.path, op.backward, role, operands, nan, inf, op.index,
+        constant=bool(constant),
+    )  # fmt: skip
+
+
+def _skipped(opt_state: Any) -> jax.Array:
+    """Whether the step that returned ``opt_state`` was skipped: its ``last_finite`` (a
+    ``jamp.loss_scaling`` state, or a ``jamp.value_and_grad`` result), or for a
+    ``GradScaler`` state the inf checks ``GradScaler.step`` recorded in it."""
+    infs = getattr(opt_state, "found_infs", None)
+    if isinstance(opt_state, LossScaleState) and isinstance(infs, tuple):  # GradScaler's
+        if not infs:
+            raise TypeError(
+                "Expected `opt_state` to be the GradScaler state that GradScaler.step (or "
+                "unscale) returned, holding its inf check, got one that holds none (a state "
+                "from GradScaler.init or GradScaler.update): pass the state step returned, "
+                "before update."
+            )
+        return jnp.any(jnp.stack([jnp.asarray(x, bool) for x in infs]))
+    found = metrics(opt_state)
+    if "last_finite" not in found:
+        raise TypeError(
+            "Expected `opt_state` to be the optimizer state of a jamp.loss_scaling step, a "
+            "GradScaler state after GradScaler.step, or a jamp.value_and_grad result, got "
+            f"{type(opt_state).__name__}, which does not record whether the step was "
+            "finite (a bare loss-scale state does not)."
+        )
+    return jnp.logical_not(found["last_finite"])
 
 
 def locate_when_skipped(
@@ -234,30 +290,44 @@ def locate_when_skipped(
     find the first non-finite operation of ``fun`` on ``args`` and log it.
 
     Call it after ``tx.update`` with the new optimizer state and the step's loss and
-    arguments. On a skipped step it runs [`locate_nonfinite`][jamp.debug.locate_nonfinite]'s
-    search on the device, in a branch of the step, and logs the site (logger
-    ``"jamp"``, a warning) through a callback that only formats it. A step that is
-    not skipped takes the other branch: it computes nothing and calls nothing. The
-    step holds one conditional more, which XLA:GPU runs by reading its predicate on
-    the host (a synchronisation per step, as ``jamp.loss_scaling(skip="cond")``):
-    keep it for debugging runs.
+    arguments (or after ``GradScaler.step`` with the state it returned, before
+    ``GradScaler.update``). On a skipped step it runs
+    [`locate_nonfinite`][jamp.debug.locate_nonfinite]'s search on the device, in a
+    branch of the step, and logs the site (logger ``"jamp"``, a warning) through a
+    callback that only formats it: the first non-finite argument, else the first
+    operation that made a non-finite value, else that ``fun`` is finite on ``args``.
+    A step that is not skipped takes the other branch: it computes nothing and calls
+    nothing. The step holds one conditional more, which XLA:GPU runs by reading its
+    predicate on the host (a synchronisation per step, as
+    ``jamp.loss_scaling(skip="cond")``): keep it for debugging runs.
     """
-    skipped = jnp.logical_not(metrics(opt_state)["last_finite"])
+    skipped = _skipped(opt_state)
     program, flat, paths = step_program(fun, args, argnums, has_aux)
+    floating = [i for i, x in enumerate(flat) if _floating(x)]
 
-    def report(found: Any, first: Any, counts: Any, magnitudes: Any) -> None:
-        found_site = site(program, paths, found, first, counts, magnitudes)
+    def report(argument_finite: Any, *found: Any) -> None:
+        finite = np.asarray(argument_finite)
+        bad = [paths[i] for i, ok in zip(floating, finite, strict=True) if not ok]
+        if bad:
+            found_site = NonfiniteSite("", "", "", False, "", (), 0, 0, -1, argument=bad[0])
+        else:
+            found_site = site(program, paths, *found)
         if found_site is None:
             name = getattr(fun, "__name__", "fun")
             logger.warning(
-                "skipped step: no operation of %s made a non-finite value from finite "
-                "inputs; its arguments were not finite",
+                "skipped step: %s's arguments are finite, and so are its value and "
+                "gradients when run on them here: the non-finite values that skipped the "
+                "step were not made by %s (the loss scale's product overflowed, or the "
+                "gradients the optimizer received were not these)",
+                name,
                 name,
             )
         else:
             logger.warning("skipped step: %s", found_site)
 
     def search(a: list[Any]) -> None:
-        jax.debug.callback(report, *first_nonfinite(program, a))
+        finite = [jnp.all(jnp.isfinite(a[i])) for i in floating]
+        argument_finite = jnp.stack(finite) if finite else jnp.zeros((0,), bool)
+        jax.debug.callback(report, argument_finite, *first_nonfinite(program, a))
 
     jax.lax.cond(skipped, search, lambda a: None, flat)
