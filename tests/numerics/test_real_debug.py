@@ -182,3 +182,42 @@ def test_locate_when_skipped_takes_a_grad_scaler_state(caplog):
     assert "exp at" in record.getMessage() and _line_of(loss, "jnp.exp") in record.getMessage()
     with pytest.raises(TypeError, match="GradScaler.step"):
         jamp.debug.locate_when_skipped(scaler.init(), loss, w, jnp.ones(3))
+
+
+def test_precision_report_takes_the_dtype_names_autocast_takes():
+    """``"bfloat16"`` (as ``jamp.autocast`` takes it) is accepted, and names the recipe as
+    the dtype does; a float8 format is refused at the edge, pointing at ``"float8"``."""
+
+    def loss(w, x):
+        return jnp.sum(jnp.tanh(x @ w))
+
+    w, x = jnp.ones((4, 2)) * 0.3, jnp.ones((3, 4))
+    by_dtype = jamp.debug.precision_report(loss, w, x, dtype=jnp.bfloat16)
+    for name in ("bfloat16", "bf16", " BFloat16 "):
+        report = jamp.debug.precision_report(loss, w, x, dtype=name)
+        assert report.recipes[0].dtype == "bfloat16"
+        assert report.recipes[0].loss == by_dtype.recipes[0].loss
+    assert jamp.debug.precision_report(loss, w, x, dtype=["f16", "bfloat16"])["float16"].rows
+    for f8 in (jnp.float8_e4m3fn, "float8_e5m2"):
+        with pytest.raises(ValueError, match="dtype='float8'"):
+            jamp.debug.precision_report(loss, w, x, dtype=f8)
+    for bad in (jnp.float32, "fp8", jnp.int8, 3):
+        with pytest.raises(ValueError, match="`dtype`"):
+            jamp.debug.precision_report(loss, w, x, dtype=bad)
+
+
+def test_a_gradient_function_is_refused_clearly():
+    """``jax.grad(loss)`` given instead of the loss: a TypeError that says what to pass
+    (jax's "Gradient only defined for scalar-output functions" before)."""
+
+    def loss(w, x):
+        return jnp.sum(jnp.exp(x @ w))
+
+    w, x = jnp.ones((4, 2)), jnp.ones((3, 4))
+    message = "pass the loss, as `jax.value_and_grad` takes it"
+    with pytest.raises(TypeError, match=message):
+        jamp.debug.locate_nonfinite(jax.grad(loss), w, x)
+    with pytest.raises(TypeError, match=message):
+        jamp.debug.precision_report(jax.grad(loss), w, x)
+    with pytest.raises(TypeError, match=message):
+        jamp.debug.locate_nonfinite(jax.grad(lambda p: loss(p["w"], x)), {"w": w})

@@ -115,8 +115,17 @@ def step_program(
     """The flattened program of ``jax.value_and_grad(fun)``, its flat inputs and their
     paths."""
     grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
-    with annotated_rules():  # float8 products under their user's line and module path
-        closed, shape = jax.make_jaxpr(grad, return_shape=True)(*args)
+    try:
+        with annotated_rules():  # float8 products under their user's line and module path
+            closed, shape = jax.make_jaxpr(grad, return_shape=True)(*args)
+    except TypeError as e:  # jax's "Gradient only defined for scalar-output functions"
+        if "scalar-output" not in str(e):
+            raise
+        raise TypeError(
+            f"Expected `fun` to return the loss, a scalar (with has_aux=True, a pair (loss, "
+            f"aux)): pass the loss, as `jax.value_and_grad` takes it, not a gradient function "
+            f"such as jax.grad(loss). jax said: {e}"
+        ) from None
     flat = jax.tree_util.tree_leaves(tuple(args))
     value = len(jax.tree_util.tree_leaves(shape[0]))  # the loss and its auxiliary data
     return mark_linearization(flatten(closed), value), flat, _paths(args)

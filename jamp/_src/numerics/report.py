@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jamp._src.autocast.api import autocast
-from jamp._src.dtypes import FLOAT8_ANY
+from jamp._src.dtypes import FLOAT8_ANY, FLOAT8_MODE, HALF, check_dtype, is_float8_mode
 from jamp._src.jaxprs import MOVES
 from jamp._src.numerics.locate import step_program
 from jamp._src.numerics.program import (
@@ -22,7 +22,6 @@ from jamp._src.numerics.program import (
     Program,
     evaluate,
     evaluate_wide_op,
-    is_low,
     roles,
     wide_value,
 )
@@ -329,6 +328,45 @@ def _name(dtype: Any) -> str:
     return dtype if isinstance(dtype, str) else str(np.dtype(dtype))
 
 
+def _float8_format(value: Any) -> np.dtype | None:
+    """The float8 format ``value`` names (``jnp.float8_e4m3fn``, ``"float8_e5m2"``), or
+    None."""
+    if hasattr(value, "shape"):  # an array is no dtype (check_dtype says so)
+        return None
+    try:
+        dtype = np.dtype(value.strip().lower() if isinstance(value, str) else value)
+    except Exception:  # NumPy reads some strings as code, some objects as structures
+        return None
+    return dtype if dtype in FLOAT8_ANY else None
+
+
+def _recipe_dtype(value: Any) -> Any:
+    """``value`` as ``jamp.autocast`` reads it: ``"float8"`` (its float8 mode, in any
+    case), or bfloat16 or float16 given as a dtype or by one of the names autocast takes
+    (``"bf16"``, ``"bfloat16"``, ``"float16"``, ``"half"``...); anything else is a
+    ``ValueError`` naming ``dtype``."""
+    if is_float8_mode(value):
+        return FLOAT8_MODE
+    expected = (
+        "Expected `dtype` to be jnp.bfloat16, jnp.float16 (or a name jamp.autocast takes, "
+        "such as 'bfloat16' or 'bf16'), 'float8' or a list of them"
+    )
+    float8 = _float8_format(value)
+    if float8 is not None:
+        raise ValueError(
+            f"{expected}, got the float8 format {float8.name}: a step cannot run in float8 "
+            "alone. Write dtype='float8' for jamp.autocast's float8 mode (matrix products in "
+            "float8, scaled per tensor: e4m3 forward, e5m2 backward)."
+        )
+    try:
+        dtype = check_dtype(value, "`dtype`")
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{expected}, got {value!r:.80}: {e}") from None
+    if dtype not in HALF:
+        raise ValueError(f"{expected}, got {dtype.name}.")
+    return dtype
+
+
 def precision_report(
     fun: Callable,
     *args: Any,
@@ -356,8 +394,10 @@ def precision_report(
       fun: the loss, as ``jax.value_and_grad`` takes it (float32 arithmetic: autocast
         is applied here).
       *args: its arguments.
-      dtype: ``jnp.bfloat16``, ``jnp.float16``, ``"float8"``, or a list of them to
-        compare recipes side by side.
+      dtype: ``jnp.bfloat16``, ``jnp.float16`` (or a name ``jamp.autocast`` takes:
+        ``"bfloat16"``, ``"bf16"``, ``"float16"``...), ``"float8"`` (autocast's float8
+        mode), or a list of them to compare recipes side by side. A float8 format
+        (``jnp.float8_e4m3fn``) is refused: write ``"float8"``.
       argnums: the arguments to differentiate (default 0); has_aux: as in jax.
       top: how many rows ``str(report)`` prints per recipe.
 
@@ -380,11 +420,5 @@ def precision_report(
     dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
     if not dtypes:
         raise ValueError("Expected `dtype` to name at least one recipe, got an empty list.")
-    for d in dtypes:
-        if not (d == "float8" or (not isinstance(d, str) and is_low(d))):
-            raise ValueError(
-                "Expected `dtype` to be jnp.bfloat16, jnp.float16, 'float8' or a list of "
-                f"them, got {d!r}."
-            )
-    recipes = tuple(_recipe(fun, args, d, argnums, has_aux) for d in dtypes)
+    recipes = tuple(_recipe(fun, args, _recipe_dtype(d), argnums, has_aux) for d in dtypes)
     return PrecisionReport(recipes, _temp_bytes(fun, args, argnums, has_aux), top)
