@@ -45,9 +45,7 @@ def _nnx_step():
     model = DropoutMLP(nnx.Rngs(0, dropout=1))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     keys = [
-        x
-        for x in jax.tree_util.tree_leaves(rest)
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.extended)
+        x for x in jax.tree_util.tree_leaves(rest) if jnp.issubdtype(x.dtype, jax.dtypes.extended)
     ]
     assert keys, "the model's state holds a typed key"
 

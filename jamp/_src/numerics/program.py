@@ -145,7 +145,7 @@ def is_low(dtype: Any) -> bool:
     """Whether ``dtype`` is a floating dtype narrower than float32. A PRNG key's dtype
     (``key<fry>``), which NumPy cannot read, is not: keys, like integers and bools, are
     carried through unwidened."""
-    if jax.dtypes.issubdtype(dtype, jax.dtypes.extended):
+    if jnp.issubdtype(dtype, jax.dtypes.extended):
         return False
     return np.dtype(dtype) in LOW
 
