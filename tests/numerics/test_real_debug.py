@@ -6,6 +6,7 @@ given instead of the loss."""
 import inspect
 import logging
 
+import flax.linen
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -219,3 +220,40 @@ def test_a_gradient_function_is_refused_clearly():
         jamp.debug.precision_report(jax.grad(loss), w, x)
     with pytest.raises(TypeError, match=message):
         jamp.debug.locate_nonfinite(jax.grad(lambda p: loss(p["w"], x)), {"w": w})
+
+
+# ---------------------------------------------------------------- 4. two heads on one input
+
+
+class Encoder(flax.linen.Module):
+    """Flax's VAE example's encoder: two Dense heads read one hidden layer."""
+
+    latents: int = 8
+
+    @flax.linen.compact
+    def __call__(self, x):
+        x = flax.linen.relu(flax.linen.Dense(32, name="fc1")(x))
+        mean_x = flax.linen.Dense(self.latents, name="fc2_mean")(x)
+        logvar_x = flax.linen.Dense(self.latents, name="fc2_logvar")(x)
+        return mean_x, logvar_x
+
+
+def test_each_head_s_weight_gradient_names_its_own_kernel():
+    # Both heads' forward products read the same hidden layer: the backward product of
+    # fc2_logvar was labelled with fc2_mean's kernel, the first product that read it.
+    model = Encoder()
+    x = jnp.linspace(-1.0, 1.0, 4 * 16, dtype=jnp.float32).reshape(4, 16)
+    params = model.init(jax.random.key(0), x)
+
+    def loss(params, x):
+        mean, logvar = model.apply(params, x)
+        return jnp.mean(mean**2) + jnp.mean(jnp.exp(logvar) - logvar)
+
+    report = jamp.debug.precision_report(loss, params, x, dtype=jnp.bfloat16, top=1000)
+    weight_rows = {
+        row.path: row.role
+        for row in report.recipes[0].rows
+        if row.backward and row.role.startswith("weight gradient")
+    }
+    for head in ("fc1", "fc2_mean", "fc2_logvar"):
+        assert f"['params']['{head}']['kernel']" in weight_rows[f"Encoder/{head}"], weight_rows

@@ -304,23 +304,31 @@ def roles(program: Program, input_names: Sequence[str]) -> dict[int, str]:
     """For each matrix product or convolution of the backward pass, which operand's
     gradient it computes: ``"input gradient"`` (the forward product's left operand) or
     ``"weight gradient"`` (its right), with the parameter's name when the right operand
-    is one of the function's arguments (``input_names``, by input position)."""
+    is one of the function's arguments (``input_names``, by input position).
+
+    Products that share an operand (a VAE's two heads on one hidden layer) are told
+    apart by where they were written: a backward product belongs to the forward product
+    of its own module path and line (JAX gives a transposed operation the forward one's
+    name stack and source), else the nearest that shares its operand."""
     named = dict(zip(program.inputs, input_names, strict=True))
-    operand_of: dict[int, tuple[Op, int]] = {}
+    operand_of: dict[int, list[tuple[Op, int]]] = {}
     for op in program.ops:
         if op.name in _PRODUCTS and not op.backward:
             for position, a in enumerate(op.ins[:2]):
                 for v in _ancestors(program, a):
-                    operand_of.setdefault(v, (op, position))
+                    operand_of.setdefault(v, []).append((op, position))
     out: dict[int, str] = {}
     for op in program.ops:
         if op.name not in _PRODUCTS or not op.backward:
             continue
         for a in op.ins[:2]:
-            found = next((operand_of[v] for v in _ancestors(program, a) if v in operand_of), None)
-            if found is None:
+            found = [f for v in _ancestors(program, a) for f in operand_of.get(v, ())]
+            if not found:
                 continue
-            forward, position = found
+            # The first of the closest: max keeps the first of equal keys.
+            forward, position = max(
+                found, key=lambda f: (f[0].path == op.path, f[0].line == op.line)
+            )
             if position == 1:  # multiplied by the forward's right operand: the left's gradient
                 out[op.index] = f"input gradient of the product at {forward.line}"
             else:
