@@ -257,3 +257,51 @@ def test_each_head_s_weight_gradient_names_its_own_kernel():
     }
     for head in ("fc1", "fc2_mean", "fc2_logvar"):
         assert f"['params']['{head}']['kernel']" in weight_rows[f"Encoder/{head}"], weight_rows
+
+
+# ---------------------------------------------------------------- 2. a harmless mask's -inf
+
+
+def _masked_block(params, x, attention_mask):
+    """An attention block run in float16 (a Flax model's ``dtype=jnp.float16`` over
+    float32 parameters) with its mask as transformers' Flax models make it: from the
+    batch's ``attention_mask``, a bias of ``finfo(float32).min`` cast to the compute dtype,
+    which float16 makes ``-inf`` (and the softmax 0); then an MLP."""
+    half = {name: w.astype(jnp.float16) for name, w in params.items()}
+    x = x.astype(jnp.float16)
+    seq = x.shape[1]
+    causal = jnp.tril(jnp.ones((seq, seq), bool))[None] & (attention_mask[:, None, :] > 0)
+    bias = jax.lax.select(
+        causal,
+        jnp.full(causal.shape, 0.0, jnp.float32),
+        jnp.full(causal.shape, jnp.finfo(jnp.float32).min, jnp.float32),
+    ).astype(jnp.float16)
+    scores = jnp.einsum("bqd,bkd->bqk", x @ half["q"], x @ half["k"]) + bias
+    h = x + jnp.einsum("bqk,bkd->bqd", jax.nn.softmax(scores, axis=-1), x @ half["v"])
+    up = h @ half["up"]  # the planted overflow: float16's largest is 65504
+    out = jax.nn.relu(up) @ half["down"]
+    return jnp.mean(out.astype(jnp.float32) ** 2)
+
+
+def test_a_mask_made_infinite_and_then_zero_is_not_named():
+    # In float16 the mask's cast is the first operation to make a non-finite value from
+    # finite inputs (it was named, for GPT-2, BERT and T5), but the softmax makes its -inf
+    # 0: it reaches neither the loss nor a gradient. The answer is the product whose inf
+    # does.
+    d, seq = 8, 6
+    keys = jax.random.split(jax.random.key(0), 5)
+    params = {n: 0.3 * jax.random.normal(k, (d, d)) for n, k in zip("qkv", keys, strict=False)}
+    params["up"] = 0.3 * jax.random.normal(keys[3], (d, 4 * d))
+    params["down"] = 0.3 * jax.random.normal(keys[4], (4 * d, d))
+    x = jax.random.normal(jax.random.key(1), (2, seq, d))
+    attention_mask = jnp.ones((2, seq), jnp.int32)
+    step = _masked_block
+    with jax.numpy_dtype_promotion("standard"):
+        # The mask alone: the step is finite, nothing to name.
+        assert jamp.debug.locate_nonfinite(step, params, x, attention_mask) is None
+        # Each weight fits float16, their products with the block's output do not.
+        planted = {**params, "up": jnp.full((d, 4 * d), 2e4, jnp.float32)}
+        site = jamp.debug.locate_nonfinite(step, planted, x, attention_mask)
+    assert site is not None
+    assert (site.primitive, site.backward) == ("dot_general", False), str(site)
+    assert site.line.startswith(_line_of(_masked_block, 'half["up"]') + " "), str(site)

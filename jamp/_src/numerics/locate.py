@@ -143,7 +143,10 @@ def locate_nonfinite(
     in program order (the forward pass, then the backward pass), as one compiled
     program, and returns the first operation whose floating output holds an inf or a
     NaN while its floating inputs are all finite: where the overflow or the NaN was
-    made, not where it arrived. ``fun`` may be jitted, run under ``jamp.autocast``
+    made, not where it arrived. Only a non-finite value that reaches the loss or a
+    gradient through non-finite values counts: a ``-inf`` that a later operation makes
+    finite again (a float16 attention mask, which the softmax makes 0) is passed over.
+    ``fun`` may be jitted, run under ``jamp.autocast``
     or hold ``jamp.autocast`` regions; Flax, NNX and Equinox models alike (the module
     path comes from the name stack, where the framework writes one).
 
@@ -187,11 +190,16 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
     a non-finite value, the first one's index, its NaN and inf counts, its floating inputs'
     magnitudes, and whether it is a constant's first use.
 
-    The first operation that made a non-finite value from finite inputs is the answer;
-    when there is none, the first that read a non-finite constant or literal (its other
-    floating inputs finite) into a non-finite output: the constant is the culprit, and
-    that operation its first use."""
+    The first operation that made a non-finite value from finite inputs, and whose
+    non-finite output reaches a non-finite value or gradient through non-finite values,
+    is the answer: a non-finite value that later operations make finite again (a mask's
+    ``-inf`` that the softmax makes 0) is passed over. When there is none, the first
+    that read a non-finite constant or literal (its other floating inputs finite) into a
+    non-finite output that reaches: the constant is the culprit, and that operation its
+    first use. Where no such operation reaches (a path the walk cannot follow), the first
+    that made one."""
     made, from_constant, counts, magnitudes = [], [], [], []
+    bad: dict[int, jax.Array] = {}  # value id -> whether it holds an inf or a NaN
 
     def observe(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> None:
         clean = constant_clean = jnp.array(True)
@@ -204,6 +212,9 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
                     constant_bad = constant_bad | ~ok
                 else:
                     constant_clean = constant_clean & ok
+        for v, x in zip(op.outs, outs, strict=True):
+            if _floating(x):
+                bad[v] = ~jnp.all(jnp.isfinite(x))
         floats_out = [x for x in outs if _floating(x)]
         nan = sum((jnp.sum(jnp.isnan(x)) for x in floats_out), jnp.int32(0))
         inf = sum((jnp.sum(jnp.isinf(x)) for x in floats_out), jnp.int32(0))
@@ -228,13 +239,36 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
             for m in magnitudes
         ]
     )
+    reaches = jnp.stack(_reaching(program, bad))
     flags, constants = jnp.stack(made), jnp.stack(from_constant)
+    flags = jnp.where(jnp.any(flags & reaches), flags & reaches, flags)
+    constants = jnp.where(jnp.any(constants & reaches), constants & reaches, constants)
     constant = ~jnp.any(flags) & jnp.any(constants)
     first = jnp.where(constant, jnp.argmax(constants), jnp.argmax(flags)).astype(jnp.int32)
     # A step whose value and gradients are finite has nothing to locate (a masked inf,
     # such as a safe division's other branch, is no fault).
     found = (jnp.any(flags) | constant) & ~finite
     return found, first, jnp.stack(counts)[first], table[first], constant
+
+
+def _reaching(program: Program, bad: dict[int, jax.Array]) -> list[jax.Array]:
+    """Traced, per operation: whether one of its non-finite outputs reaches a non-finite
+    output of the program (the value or a gradient) through non-finite values only, walked
+    back from the outputs in reverse program order."""
+    reach: dict[int, jax.Array] = {
+        v: bad[v] for v in program.outputs if isinstance(v, int) and v in bad
+    }
+    out: list[jax.Array] = []
+    for op in reversed(program.ops):
+        mine = jnp.array(False)
+        for v in op.outs:
+            if v in reach:
+                mine = mine | reach[v]
+        out.append(mine)
+        for a in op.ins:
+            if isinstance(a, int) and a in bad:
+                reach[a] = reach.get(a, jnp.array(False)) | (bad[a] & mine)
+    return out[::-1]
 
 
 def site(
