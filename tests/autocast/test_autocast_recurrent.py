@@ -29,6 +29,7 @@ weight_hh) to 5.3x (the scalar bias); ``nnx_scan_over_layers`` kept 0.814 of flo
 bytes at a gradient error of 0.054 (now 0.653 and 0.030).
 """
 
+import functools
 import math
 
 import equinox as eqx
@@ -116,24 +117,38 @@ def _gru_loss(model, x, y):
     return -jnp.mean(y * jnp.log(p) + (1 - y) * jnp.log(1 - p))
 
 
+@eqx.filter_jit
+def _train_gru(model, opt_state, xs, ys, batches):
+    """Adam steps on ``xs[b], ys[b]`` for each row ``b`` of ``batches``: one compiled scan
+    (the Python loop of jitted steps that it replaced spent its time dispatching)."""
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    tx = optax.adam(3e-3)
+
+    def step(carry, idx):
+        p, s = carry
+        grads = jax.grad(lambda p: _gru_loss(eqx.combine(p, static), xs[idx], ys[idx]))(p)
+        updates, s = tx.update(grads, s)
+        return (eqx.apply_updates(p, updates), s), None
+
+    params, opt_state = lax.scan(step, (params, opt_state), batches)[0]
+    return eqx.combine(params, static)
+
+
+@functools.cache
 def _trained_gru(seed, steps=200):
+    """Equinox's train_rnn: batches of 32 from 10,000 spirals, a fresh permutation each
+    epoch as its dataloader draws them (312 batches an epoch), ``steps`` Adam steps."""
     data_key, loader_key, model_key = jax.random.split(jax.random.key(seed), 3)
     xs, ys = _spirals(10_000, data_key)
     model = _RNN(model_key)
-    tx = optax.adam(3e-3)
-
-    @eqx.filter_jit
-    def step(model, opt_state, x, y):
-        grads = eqx.filter_grad(_gru_loss)(model, x, y)
-        updates, opt_state = tx.update(grads, opt_state)
-        return eqx.apply_updates(model, updates), opt_state
-
-    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
-    order = jax.random.permutation(loader_key, xs.shape[0])
-    for i in range(steps):
-        idx = order[32 * i : 32 * (i + 1)]
-        model, opt_state = step(model, opt_state, xs[idx], ys[idx])
-    return model
+    per_epoch = xs.shape[0] // 32
+    keys = [loader_key] + [
+        jax.random.fold_in(loader_key, e) for e in range(1, -(-steps // per_epoch))
+    ]
+    orders = [jax.random.permutation(k, xs.shape[0])[: 32 * per_epoch] for k in keys]
+    batches = jnp.concatenate(orders)[: 32 * steps].reshape(steps, 32)
+    opt_state = optax.adam(3e-3).init(eqx.filter(model, eqx.is_inexact_array))
+    return _train_gru(model, opt_state, xs, ys, batches)
 
 
 def test_gru_is_at_least_as_accurate_as_the_plain_bfloat16_cast():
@@ -420,12 +435,15 @@ def test_nnx_scan_over_layers_keeps_half_residuals_and_is_as_accurate_as_the_pla
 def test_a_trained_gru_s_bias_gradient_is_as_accurate_as_the_plain_cast_s():
     """Issue #42: at convergence the scalar bias's gradient, ``mean(sigmoid(z) - y)``, is a
     sum that cancels, where mixed precision hurts most; the test above measures models 200
-    steps in. Trained 1,500 Adam steps (loss 0.003 to 0.007), seeds 0 to 2, on 1,024 fresh
-    spirals: autocast's bias gradient is 2.0%, 0.45% and 1.2% off float32's, the plain
-    bfloat16 cast's 1.1%, 4.8% and 3.4% (seeds 3 to 5: 0.93%, 0.87%, 0.71% against 0.49%,
-    22% and 39%). What rounds the readout's input: autocast's readout matmul rounds the
+    steps in. Trained 1,500 Adam steps (about five epochs; loss about 2e-4), seeds 0 to 2,
+    on 1,024 fresh spirals: autocast's bias gradient is 0.22%, 6.1% and 0.74% off float32's,
+    the plain bfloat16 cast's 8.6%, 144% and 2.4% (seeds 3 to 5: 1.5%, 3.5%, 1.1% against
+    12%, 93% and 7.4%). What rounds the readout's input: autocast's readout matmul rounds the
     float32 carry to bfloat16, where the plain cast's promotes to a float32 matmul; a
-    float32 readout made seed 0's bias 3.3% off, so the readout stays a bfloat16 matmul."""
+    float32 readout made seed 0's bias 3.3% off, so the readout stays a bfloat16 matmul.
+    (Until this test trained in one scan, its loop drew batches past the data's end: from
+    step 313 on they were empty, and the models were 312 steps in, at a loss of 0.003 to
+    0.007.)"""
     x, y = _spirals(1024, jax.random.key(1))
     ours, cast = [], []
     for seed in range(3):
@@ -442,5 +460,6 @@ def test_a_trained_gru_s_bias_gradient_is_as_accurate_as_the_plain_cast_s():
             abs(jax.jit(jax.grad(jamp.autocast(loss, BF16)))(params, x, y).bias[0] / want - 1)
         )
         cast.append(abs(jax.jit(jax.grad(plain))(params, x, y).bias[0] / want - 1))
-    assert _geomean(ours) <= _geomean(cast), (ours, cast)
-    assert max(ours) < 0.03, ours
+    assert all(a < c for a, c in zip(ours, cast, strict=True)), (ours, cast)
+    assert _geomean(ours) <= 0.2 * _geomean(cast), (ours, cast)
+    assert max(ours) < 0.08, ours
