@@ -176,7 +176,8 @@ def curves(forward, reference, loss, params, batches, n_steps, lr, init, evaluat
         kind, f = variants[name]
         t0 = time.perf_counter()
         losses, p, state = train(kind, f, loss, params, batches, n_steps, lr, init)
-        extra = evaluate(lambda x, f=f, p=p, state=state: f(*state, p, x))
+        # One compiled forward (the trained parameters as arguments), not an eager one.
+        extra = evaluate(functools.partial(jax.jit(lambda s, p, x, f=f: f(*s, p, x)), state, p))
         rows.append(dict(name=name, losses=losses, extra=extra))
         log(f"  {name}: final {np.mean(losses[-50:]):.4g}, {extra} "
             f"({time.perf_counter() - t0:.1f} s)")  # fmt: skip
