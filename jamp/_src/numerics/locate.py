@@ -16,6 +16,7 @@ from jamp._src.autocast.interpreter import annotated_rules
 from jamp._src.lookup import metrics
 from jamp._src.loss_scale import LossScaleState
 from jamp._src.numerics.program import (
+    Chunked,
     Op,
     Program,
     evaluate,
@@ -178,11 +179,79 @@ def locate_nonfinite(
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
     program, flat, paths = step_program(fun, args, argnums, has_aux)
-    for path, x in zip(paths, flat, strict=True):
-        if _floating(x) and not bool(jnp.all(jnp.isfinite(x))):
+    floating = [(path, x) for path, x in zip(paths, flat, strict=True) if _floating(x)]
+    finite = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([x for _, x in floating])
+    for (path, _), ok in zip(floating, jax.device_get(finite), strict=True):
+        if not ok:
             return NonfiniteSite("", "", "", False, "", (), 0, 0, -1, argument=path)
-    found = jax.device_get(jax.jit(lambda a: first_nonfinite(program, a))(flat))
-    return site(program, paths, *found)
+    return search(program, flat, paths)
+
+
+def _host(x: Any) -> np.ndarray:
+    """``x`` in NumPy, a format NumPy has no arithmetic of (bfloat16, float8) as float32,
+    which holds its every value."""
+    a = np.asarray(x)
+    return a if a.dtype.kind in "fc" else a.astype(np.float32)
+
+
+def _flags(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> tuple[list, None]:
+    """Traced, in a chunk: each floating output's count of infs and NaNs, as terms to sum."""
+    return [
+        (~jnp.isfinite(x)).astype(jnp.float32).reshape(1, -1) for x in outs if _floating(x)
+    ], None
+
+
+def search(
+    program: Program, flat: Sequence[Any], paths: Sequence[str], chunked: Chunked | None = None
+) -> NonfiniteSite | None:
+    """``first_nonfinite``'s answer, found with one flag per floating value: the program
+    runs in chunks (``Chunked``), each value's flag computed where it is made, and the
+    walk over the flags (which operation made a non-finite value from finite inputs,
+    which of those reach the outputs) runs here, in NumPy. The located operation's
+    counts and magnitudes come from its values alone, evaluated again up to it."""
+    chunked = chunked or Chunked(program, observe=_flags)
+    env, _, seen = chunked.run(flat)
+    bad: dict[int, bool] = {}  # value id -> whether it holds an inf or a NaN
+    for i, x in zip(program.inputs, flat, strict=True):
+        if _floating(x):
+            bad[i] = False  # locate_nonfinite named a non-finite argument before
+    for i, x in program.consts.items():
+        if _floating(x):
+            bad[i] = not np.all(np.isfinite(_host(x)))
+    for op, (sums, _) in zip(program.ops, chunked.observed(seen), strict=True):
+        floating = [v for v, aval in zip(op.outs, op.out_avals, strict=True) if _floating(aval)]
+        bad.update((v, bool(n[0] > 0)) for v, n in zip(floating, sums, strict=True))
+
+    def bad_at(a: Any) -> bool | None:  # None: not a floating value
+        if isinstance(a, tuple):
+            return not np.all(np.isfinite(_host(a[1]))) if _floating(a[1]) else None
+        return bad.get(a)
+
+    made, from_constant = [], []
+    for op in program.ops:
+        flags = [(bad_at(a), isinstance(a, tuple) or a in program.consts) for a in op.ins]
+        clean = not any(f for f, _ in flags if f is not None)
+        constant_bad = any(f for f, const in flags if f is not None and const)
+        constant_clean = not any(f for f, const in flags if f is not None and not const)
+        out_bad = any(bad.get(v, False) for v in op.outs)
+        made.append(clean and out_bad)
+        from_constant.append(constant_bad and constant_clean and out_bad)
+    finite = not any(bad_at(a) for a in program.outputs)
+    reaches = np.array(_reaching(program, bad, False), bool)
+    flags, constants = np.array(made, bool), np.array(from_constant, bool)
+    if np.any(flags & reaches):
+        flags = flags & reaches
+    if np.any(constants & reaches):
+        constants = constants & reaches
+    constant = not np.any(flags) and bool(np.any(constants))
+    if finite or not (np.any(flags) or constant):
+        return None
+    first = int(np.argmax(constants) if constant else np.argmax(flags))
+    ins, outs = jax.device_get(chunked.values_at(flat, first))
+    floats_out = [_host(x) for x in outs if _floating(x)]
+    counts = [sum(int(np.sum(f(x))) for x in floats_out) for f in (np.isnan, np.isinf)]
+    magnitudes = [float(np.max(np.abs(_host(x)))) for x in ins if _floating(x) and np.size(x)]
+    return site(program, paths, True, first, counts, magnitudes, constant)
 
 
 def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Array, ...]:
@@ -251,23 +320,23 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
     return found, first, jnp.stack(counts)[first], table[first], constant
 
 
-def _reaching(program: Program, bad: dict[int, jax.Array]) -> list[jax.Array]:
-    """Traced, per operation: whether one of its non-finite outputs reaches a non-finite
-    output of the program (the value or a gradient) through non-finite values only, walked
-    back from the outputs in reverse program order."""
-    reach: dict[int, jax.Array] = {
-        v: bad[v] for v in program.outputs if isinstance(v, int) and v in bad
-    }
-    out: list[jax.Array] = []
+def _reaching(program: Program, bad: dict[int, Any], no: Any = None) -> list[Any]:
+    """Per operation: whether one of its non-finite outputs reaches a non-finite output of
+    the program (the value or a gradient) through non-finite values only, walked back from
+    the outputs in reverse program order. Traced (``bad`` holds traced flags, ``no`` is
+    None) or on the host (Python bools, ``no`` False)."""
+    false = jnp.array(False) if no is None else no
+    reach: dict[int, Any] = {v: bad[v] for v in program.outputs if isinstance(v, int) and v in bad}
+    out: list[Any] = []
     for op in reversed(program.ops):
-        mine = jnp.array(False)
+        mine = false
         for v in op.outs:
             if v in reach:
                 mine = mine | reach[v]
         out.append(mine)
         for a in op.ins:
             if isinstance(a, int) and a in bad:
-                reach[a] = reach.get(a, jnp.array(False)) | (bad[a] & mine)
+                reach[a] = reach.get(a, false) | (bad[a] & mine)
     return out[::-1]
 
 
