@@ -194,7 +194,7 @@ def _host(x: Any) -> np.ndarray:
     return a if a.dtype.kind in "fc" else a.astype(np.float32)
 
 
-def _flags(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> tuple[list, None]:
+def nonfinite_counts(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> tuple[list, None]:
     """Traced, in a chunk: each floating output's count of infs and NaNs, as terms to sum."""
     return [
         (~jnp.isfinite(x)).astype(jnp.float32).reshape(1, -1) for x in outs if _floating(x)
@@ -209,7 +209,7 @@ def search(
     walk over the flags (which operation made a non-finite value from finite inputs,
     which of those reach the outputs) runs here, in NumPy. The located operation's
     counts and magnitudes come from its values alone, evaluated again up to it."""
-    chunked = chunked or Chunked(program, observe=_flags)
+    chunked = chunked or Chunked(program, observe=nonfinite_counts)
     env, _, seen = chunked.run(flat)
     bad: dict[int, bool] = {}  # value id -> whether it holds an inf or a NaN
     for i, x in zip(program.inputs, flat, strict=True):

@@ -354,6 +354,7 @@ class Chunked:
             for c, (lo, hi) in enumerate(self.bounds)
         ]
         self._compiled: dict[int, Callable] = {}
+        self.lowered: dict[int, Any] = {}  # chunk -> its lowered program (jax.stages.Lowered)
         self._counts: dict[int, list[int]] = {}
 
     def _body(self, c: int) -> Callable:
@@ -415,8 +416,8 @@ class Chunked:
             values = [env[a] for a in self.reads[c]]
             wides = [wide[a] for a in self.reads[c]] if self.paired else []
             if c not in self._compiled:
-                lowered = self._body(c).lower(values, wides)
-                self._compiled[c] = lowered.compile(dict(COMPILER_OPTIONS))
+                self.lowered[c] = self._body(c).lower(values, wides)
+                self._compiled[c] = self.lowered[c].compile(dict(COMPILER_OPTIONS))
             outs, wide_outs, got = self._compiled[c](values, wides)
             env.update(zip(self.writes[c], outs, strict=True))
             if self.paired:
@@ -427,6 +428,13 @@ class Chunked:
                     env.pop(a, None)
                     wide.pop(a, None)
         return env, wide, seen
+
+    def lower_first(self, args: Sequence[Any]) -> Any:
+        """The first chunk's program on ``args``, lowered, not compiled (to read it)."""
+        env = {**self.program.consts, **dict(zip(self.program.inputs, args, strict=True))}
+        values = [env[a] for a in self.reads[0]]
+        wides = [wide_value(v) for v in values] if self.paired else []
+        return self._body(0).lower(values, wides)
 
     def observed(self, seen: list[Any]) -> list[tuple[list[np.ndarray], Any]]:
         """Per operation (of the chunks ``run`` ran): its ``finish``-ed sums, one row per

@@ -318,8 +318,8 @@ def _recipe(
         LeafError(p, float(g[0]), float(g[1]), int(g[2]))
         for p, g in zip(grad_paths, grads[-len(grad_paths) :], strict=True)
     ) if grad_paths else ()  # fmt: skip
-    temp = _temp_of(jax.jit(jex_core.jaxpr_as_fun(program.source)).lower(*flat))
     loss, loss32 = (float(np.asarray(v).reshape(-1)[0]) for v in (outs[0], wides[0]))
+    temp = _temp_of(jax.jit(jex_core.jaxpr_as_fun(program.source)).lower(*flat))
     return RecipeReport(_name(dtype), tuple(rows), gradients, loss, loss32, temp)
 
 
@@ -331,11 +331,6 @@ def _gradient_paths(args: Sequence[Any], argnums: int | Sequence[int]) -> list[s
             if jnp.issubdtype(jnp.asarray(x).dtype, jnp.floating):
                 out.append(jax.tree_util.keystr(path) or f"argument {n}")
     return out
-
-
-def _temp_bytes(fun: Callable, args: Sequence[Any], argnums: Any, has_aux: bool) -> int:
-    step = jax.jit(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux))
-    return _temp_of(step.lower(*args))
 
 
 def _temp_of(lowered: Any) -> int:
@@ -442,4 +437,5 @@ def precision_report(
     if not dtypes:
         raise ValueError("Expected `dtype` to name at least one recipe, got an empty list.")
     recipes = tuple(_recipe(fun, args, _recipe_dtype(d), argnums, has_aux) for d in dtypes)
-    return PrecisionReport(recipes, _temp_bytes(fun, args, argnums, has_aux), top)
+    step = jax.jit(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux))
+    return PrecisionReport(recipes, _temp_of(step.lower(*args)), top)
