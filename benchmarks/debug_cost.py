@@ -59,7 +59,7 @@ def timed(fn: Callable[[], Any], limit: float) -> tuple[float | None, Any]:
 
 def shapes(tiny: bool) -> models.Shapes:
     return models.Shapes(32, 16, 2, 1, 32, 2, 8) if tiny else models.Shapes(
-        128, 64, 4, 2, 128, 2, 16)  # fmt: skip
+        128, 64, 4, 2, 256, 2, 16)  # fmt: skip
 
 
 def measure(model: Model, dtypes: list[str], limit: float, log: Callable[[str], None]) -> dict:

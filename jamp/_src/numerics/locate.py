@@ -142,7 +142,8 @@ def locate_nonfinite(
 
     Runs ``jax.value_and_grad(fun, argnums)`` on ``args`` one operation at a time,
     in program order (the forward pass, then the backward pass), as one compiled
-    program, and returns the first operation whose floating output holds an inf or a
+    program that counts each floating value's infs and NaNs (about the step's own size
+    and compile), and returns the first operation whose floating output holds an inf or a
     NaN while its floating inputs are all finite: where the overflow or the NaN was
     made, not where it arrived. Only a non-finite value that reaches the loss or a
     gradient through non-finite values counts: a ``-inf`` that a later operation makes
