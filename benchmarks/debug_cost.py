@@ -80,7 +80,10 @@ def measure(model: Model, dtypes: list[str], limit: float, log: Callable[[str], 
     row["site"] = "-" if site is None else f"{site.primitive}, {site.pass_}"
     for d in dtypes:
         row[d], _ = timed(lambda d=d: jamp.debug.precision_report(loss, *args, dtype=d), limit)
-    log(f"{model.name}: " + ", ".join(f"{k} {v if k == 'site' else _s(v)}" for k, v in row.items()))
+    log(
+        f"{model.name}: "
+        + ", ".join(f"{k} {v if k == 'site' else _s(v, limit)}" for k, v in row.items())
+    )
     return row
 
 

@@ -359,7 +359,7 @@ class Chunked:
         self.lowered: dict[int, Any] = {}  # chunk -> its lowered program (jax.stages.Lowered)
         self._counts: dict[int, list[int]] = {}
 
-    def _body(self, c: int) -> Callable:
+    def _body(self, c: int) -> Any:  # a jitted function (its .lower)
         lo, hi = self.bounds[c]
         ops, reads, writes = self.program.ops[lo:hi], self.reads[c], self.writes[c]
         paired, observe, finish = self.paired, self.observe, self.finish

@@ -245,7 +245,7 @@ def _recipe(
 
     def observe(
         op: Op, ins: Sequence[Any], outs: Sequence[Any], wide_ins: Any, wide_outs: Any, values: dict
-    ) -> tuple[list[jax.Array], jax.Array | None] | None:
+    ) -> tuple[list[jax.Array], Any] | None:
         floats = [
             (o, w)
             for o, w in zip(outs, wide_outs, strict=True)
