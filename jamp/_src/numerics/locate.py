@@ -196,10 +196,14 @@ def _host(x: Any) -> np.ndarray:
 
 
 def nonfinite_counts(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> tuple[list, None]:
-    """Traced, in a chunk: each floating output's count of infs and NaNs, as terms to sum."""
-    return [
-        (~jnp.isfinite(x)).astype(jnp.float32).reshape(1, -1) for x in outs if _floating(x)
-    ], None
+    """Traced, in a chunk: each floating output's NaN and inf counts, as terms to sum, and
+    its largest magnitude, a term to take the maximum of (``Chunked(maxima=1)``)."""
+    rows = [
+        jnp.stack([t.astype(jnp.float32).ravel() for t in (jnp.isnan(x), jnp.isinf(x), jnp.abs(x))])
+        for x in outs
+        if _floating(x)
+    ]
+    return rows, None
 
 
 def search(
@@ -209,8 +213,9 @@ def search(
     runs in chunks (``Chunked``), each value's flag computed where it is made, and the
     walk over the flags (which operation made a non-finite value from finite inputs,
     which of those reach the outputs) runs here, in NumPy. The located operation's
-    counts and magnitudes come from its values alone, evaluated again up to it."""
-    chunked = chunked or Chunked(program, observe=nonfinite_counts)
+    counts and magnitudes come from the same run: each value's NaN and inf counts and
+    largest magnitude, summed and maximised beside its flag."""
+    chunked = chunked or Chunked(program, observe=nonfinite_counts, maxima=1)
     env, _, seen = chunked.run(flat)
     bad: dict[int, bool] = {}  # value id -> whether it holds an inf or a NaN
     for i, x in zip(program.inputs, flat, strict=True):
@@ -219,9 +224,11 @@ def search(
     for i, x in program.consts.items():
         if _floating(x):
             bad[i] = not np.all(np.isfinite(_host(x)))
+    stats: dict[int, np.ndarray] = {}  # value id -> its NaN count, inf count, max |x|
     for op, (sums, _) in zip(program.ops, chunked.observed(seen), strict=True):
         floating = [v for v, aval in zip(op.outs, op.out_avals, strict=True) if _floating(aval)]
-        bad.update((v, bool(n[0] > 0)) for v, n in zip(floating, sums, strict=True))
+        stats.update(zip(floating, sums, strict=True))
+    bad.update((v, bool(n[0] + n[1] > 0)) for v, n in stats.items())
 
     def bad_at(a: Any) -> bool | None:  # None: not a floating value
         if isinstance(a, tuple):
@@ -248,10 +255,17 @@ def search(
     if finite or not (np.any(flags) or constant):
         return None
     first = int(np.argmax(constants) if constant else np.argmax(flags))
-    ins, outs = jax.device_get(chunked.values_at(flat, first))
-    floats_out = [_host(x) for x in outs if _floating(x)]
-    counts = [sum(int(np.sum(f(x))) for x in floats_out) for f in (np.isnan, np.isinf)]
-    magnitudes = [float(np.max(np.abs(_host(x)))) for x in ins if _floating(x) and np.size(x)]
+    op, known = program.ops[first], dict(zip(program.inputs, flat, strict=True))
+    counts = [int(sum(stats[v][j] for v in op.outs if v in stats)) for j in (0, 1)]
+    magnitudes = []
+    for a, aval in zip(op.ins, op.in_avals, strict=True):
+        if not (_floating(aval) and np.prod(aval.shape)):
+            continue
+        if isinstance(a, int) and a in stats:  # an operation's output: its maximum, counted
+            magnitudes.append(float(stats[a][2]))
+        else:  # an argument, a constant or a literal, read here
+            x = a[1] if isinstance(a, tuple) else known.get(a, program.consts.get(a))
+            magnitudes.append(float(np.max(np.abs(_host(x)))))
     return site(program, paths, True, first, counts, magnitudes, constant)
 
 

@@ -311,7 +311,8 @@ class Chunked:
     ``observe(op, ins, outs, wide_ins, wide_outs, wide)`` is traced in the chunk and
     returns None or ``(sums, other)``: ``sums`` a list of ``(k, n)`` float32 arrays, terms
     to be summed over their ``n`` elements, and ``other`` arrays (a pytree) or None.
-    Every sum of a chunk is one segmented sum over the terms of all its operations, and
+    Every sum of a chunk is one segmented sum over the terms of all its operations (the
+    last ``maxima`` rows of each array a segmented maximum instead), and
     ``finish`` maps the ``(sums, k)`` totals to their figures, all at once: a reduction
     per operation would be a loop of its own for XLA to compile (CPU compiles each,
     and a check per value multiplies the step's compile time several times over).
@@ -328,10 +329,11 @@ class Chunked:
         observe: ChunkObserve | None = None,
         extra: Callable[[Op], Sequence[int]] = lambda op: (),
         finish: Callable[[jax.Array], jax.Array] = lambda sums: sums,
+        maxima: int = 0,
         size: int = CHUNK,
     ) -> None:
         self.program, self.paired, self.observe, self.size = program, paired, observe, size
-        self.finish = finish
+        self.finish, self.maxima = finish, maxima
         ops = program.ops
         self.bounds = [(s, min(s + size, len(ops))) for s in range(0, len(ops), size)]
         reads: list[list[int]] = []
@@ -362,7 +364,7 @@ class Chunked:
     def _body(self, c: int) -> Any:  # a jitted function (its .lower)
         lo, hi = self.bounds[c]
         ops, reads, writes = self.program.ops[lo:hi], self.reads[c], self.writes[c]
-        paired, observe, finish = self.paired, self.observe, self.finish
+        paired, observe, finish, maxima = self.paired, self.observe, self.finish, self.maxima
 
         def body(values: list[Any], wides: list[Any]) -> tuple[list, list, Any]:
             env = dict(zip(reads, values, strict=True))
@@ -390,11 +392,13 @@ class Chunked:
                 sizes = [t.shape[1] for t in terms]
                 segment = np.repeat(np.arange(len(terms), dtype=np.int32), sizes)
                 flat = jnp.concatenate(terms, axis=1) if len(terms) > 1 else terms[0]
-                totals = finish(
-                    jax.ops.segment_sum(
-                        flat.T, segment, num_segments=len(terms), indices_are_sorted=True
+                k, n = flat.shape[0] - maxima, len(terms)
+                parts = [jax.ops.segment_sum(flat[:k].T, segment, n, indices_are_sorted=True)]
+                if maxima:
+                    parts.append(
+                        jax.ops.segment_max(flat[k:].T, segment, n, indices_are_sorted=True)
                     )
-                )
+                totals = finish(jnp.concatenate(parts, axis=1) if maxima else parts[0])
             self._counts[c] = counts  # at trace time: how many sums each operation gave
             out = (totals, others)
             return [env[v] for v in writes], [wide[v] for v in writes] if paired else [], out
@@ -448,28 +452,6 @@ class Chunked:
                 out.append(([totals[at + j] for j in range(n)], other))
                 at += n
         return out
-
-    def values_at(self, args: Sequence[Any], index: int) -> tuple[list[Any], list[Any]]:
-        """Operation ``index``'s inputs and outputs, evaluated on ``args``: the chunks
-        before its own run as they compiled, then its chunk up to it, in a program of its
-        own (a compile of at most ``size`` operations)."""
-        c = next(c for c, (lo, hi) in enumerate(self.bounds) if lo <= index < hi)
-        lo = self.bounds[c][0]
-        env, _, _ = self.run(args, until=lo - 1)
-        ops, reads, target = (
-            self.program.ops[lo : index + 1],
-            self.reads[c],
-            self.program.ops[index],
-        )
-
-        def prefix(values: list[Any]) -> tuple[list[Any], list[Any]]:
-            here = dict(zip(reads, values, strict=True))
-            for op in ops:
-                outs = bind(op.primitive, [_read(here, a, False) for a in op.ins], op.params)
-                here.update(zip(op.outs, outs, strict=True))
-            return [_read(here, a, False) for a in target.ins], [here[v] for v in target.outs]
-
-        return jax.jit(prefix)([env[a] for a in reads])
 
     def outputs(self, env: dict[int, Any], widened: bool = False) -> list[Any]:
         """The program's outputs from a whole ``run``'s values."""
