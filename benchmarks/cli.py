@@ -1,7 +1,8 @@
 """jamp's benchmarks, one command line: ``python -m benchmarks <experiment> [options]``.
 
 Experiments: loss-scaling, gpu-compile, autocast-memory, float8, real-models,
-optimizer-memory, batchnorm; ``--tiny`` runs one as a smoke test in seconds, ``<experiment> --help``
+optimizer-memory, batchnorm, debug-cost; ``--tiny`` runs one as a smoke test in seconds,
+``<experiment> --help``
 lists its options. Each is one module (a spoke) on the shared models and variants (the
 hub): ``benchmarks/README.md`` has the map, and which section of ``RESULTS.md`` each writes.
 """
@@ -17,6 +18,7 @@ import jax
 from benchmarks import (
     autocast_memory,
     batchnorm,
+    debug_cost,
     finite_checks,
     float8,
     gpu_compile,
@@ -34,6 +36,7 @@ EXPERIMENTS = {
     "real-models": real_models,
     "optimizer-memory": optimizer_memory,
     "batchnorm": batchnorm,
+    "debug-cost": debug_cost,
 }
 # --step-time's GPT by default, for the experiments that time GPT steps: d=256, 4 layers,
 # batch 8x128 (small) or d=1024, 8 layers, batch 16x512 (large).

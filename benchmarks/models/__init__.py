@@ -58,11 +58,16 @@ from benchmarks.models.plain import (  # noqa: F401
     reference_einsum,
 )
 from benchmarks.models.real import (  # noqa: F401
+    DEBUG,
     REAL,
     Shapes,
     Skip,
     bert,
+    digits_cnn,
+    eqx_mlp,
     gemma,
+    gpt2,
+    gru_rnn,
     lm1b,
     nnx_builtins,
     wmt,

@@ -13,7 +13,7 @@ import numpy as np
 from flax import linen as nn
 
 from benchmarks.models.base import DROPOUT_KEY, F32, Model, xent
-from benchmarks.models.plain import load
+from benchmarks.models.plain import digits_demo, load
 from benchmarks.report import version
 
 # --------------------------------------------------------------------- real models
@@ -230,5 +230,91 @@ def gemma(s: Shapes, examples: str) -> Model:
                       build, call, (_tokens(s, 7),))  # fmt: skip
 
 
+def gpt2(s: Shapes, examples: str) -> Model:
+    del examples
+    try:
+        from transformers import FlaxGPT2LMHeadModel, GPT2Config
+    except Exception as e:  # noqa: BLE001 - any failure to import is a reason to skip
+        raise Skip(f"transformers' Flax GPT-2 is not importable: {type(e).__name__}: {e}") from e
+    cfg = GPT2Config(vocab_size=s.vocab, n_positions=s.seq, n_embd=s.d, n_layer=s.layers,
+                     n_head=s.heads, n_inner=s.mlp)  # fmt: skip
+    f32 = FlaxGPT2LMHeadModel(cfg, seed=0, dtype=F32)
+
+    def loss_at(dtype):
+        m = f32 if dtype == F32 else FlaxGPT2LMHeadModel(cfg, dtype=dtype, _do_init=False)
+
+        def loss(p, batch):
+            (ids,) = batch
+            return xent(m(ids, params=p, train=False).logits[:, :-1], ids[:, 1:])
+
+        return loss
+
+    return _real("HF FlaxGPT2LMHeadModel",
+                 f"transformers {version('transformers')} `FlaxGPT2LMHeadModel`, random init: "
+                 f"{s.text()}, next-token cross-entropy", f32.params, (_tokens(s, 8),),
+                 loss_at)  # fmt: skip
+
+
+def digits_cnn(s: Shapes, examples: str) -> Model:
+    del examples
+    demo = digits_demo()
+    model, rng = demo.CNN(), np.random.default_rng(9)
+    x = jnp.asarray(rng.random((demo.BATCH, 8, 8, 1)), F32)
+    y = jnp.asarray(rng.integers(0, 10, demo.BATCH), jnp.int32)
+    params = jax.jit(model.init)(jax.random.key(0), x)
+
+    def loss(p, b):
+        return demo.loss_fn(model.apply, p, *b)
+
+    return _real("digits CNN", f"`examples/train_digits.py`'s CNN and loss, batch {demo.BATCH}",
+                 params, (x, y), lambda dtype: loss)  # fmt: skip
+
+
+def gru_rnn(s: Shapes, examples: str) -> Model:
+    del examples
+
+    class GRU(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.RNN(nn.GRUCell(s.d))(x)
+            return nn.Dense(1)(h[:, -1])
+
+    rng = np.random.default_rng(10)
+    x = jnp.asarray(rng.standard_normal((s.batch, s.seq, 8)), F32)
+    y = jnp.asarray(rng.standard_normal((s.batch, 1)), F32)
+    params = jax.jit(GRU().init)(jax.random.key(0), x)
+
+    def loss(p, b):
+        return jnp.mean(jnp.square(GRU().apply(p, b[0]) - b[1]))
+
+    return _real("linen nn.RNN(GRUCell)",
+                 f"`nn.RNN(nn.GRUCell({s.d}))` under `scan` over {s.seq} steps of 8 features, "
+                 f"batch {s.batch}, Dense 1, MSE", params, (x, y), lambda dtype: loss)  # fmt: skip
+
+
+def eqx_mlp(s: Shapes, examples: str) -> Model:
+    del examples
+    try:
+        import equinox as eqx
+    except ImportError as e:
+        raise Skip(f"equinox is not importable: {e}") from e
+    model = eqx.nn.MLP(s.d, 10, s.mlp, 3, key=jax.random.key(0))
+    params, static = eqx.partition(model, eqx.is_inexact_array)
+    rng = np.random.default_rng(11)
+    x = jnp.asarray(rng.standard_normal((s.batch * s.seq, s.d)), F32)
+    y = jnp.asarray(rng.integers(0, 10, s.batch * s.seq), jnp.int32)
+
+    def loss(p, b):
+        return xent(jax.vmap(eqx.combine(p, static))(b[0]), b[1])
+
+    return _real("Equinox nn.MLP",
+                 f"`eqx.nn.MLP({s.d}, 10, width_size={s.mlp}, depth=3)` (relu), vmapped over "
+                 f"{s.batch * s.seq} rows, cross-entropy", params, (x, y),
+                 lambda dtype: loss)  # fmt: skip
+
+
 # ``REAL[key](shapes, flax_examples_dir)``: a real model, or :class:`Skip` saying why not.
 REAL = {"lm1b": lm1b, "wmt": wmt, "bert": bert, "nnx": nnx_builtins, "gemma": gemma}
+# The models ``jamp.debug``'s cost is measured on (``debug_cost``), by the same key.
+DEBUG = {"gpt2": gpt2, "bert": bert, "nnx": nnx_builtins, "digits": digits_cnn,
+         "eqx": eqx_mlp, "gru": gru_rnn}  # fmt: skip

@@ -288,6 +288,23 @@ def _real_models(tmp_path):
 # The cases, and the marker of those that run optax's adam or Flax's bfloat16 BatchNorm
 # (standard promotion inside: tests/conftest.py's `standard_promotion`).
 STANDARD = pytest.mark.standard_promotion
+
+
+def _debug_cost(tmp_path):
+    # One model, tiny: the Equinox MLP (the others take seconds each).
+    out = cli.main(["debug-cost", "--tiny", "--models", "eqx", "--dtypes", "bfloat16",
+                    "--out", str(tmp_path / "section.md")])  # fmt: skip
+    assert out.startswith("<!-- debug-cost:start -->")
+    assert out.rstrip().endswith("<!-- debug-cost:end -->")
+    assert (
+        "- command: `python -m benchmarks debug-cost --tiny --models eqx --dtypes bfloat16`" in out
+    )
+    row = cells(rows(out, "Equinox nn.MLP")[0])
+    assert len(row) == 5 and row[1].endswith(" s")
+    assert "(exp, forward)" in row[3]  # the planted overflow, named
+    assert all(re.search(r"\d s \(\d+\.\dx\)", c) for c in row[2:])
+
+
 CASES = {
     "loss-scaling": (_loss_scaling, STANDARD),  # optax's adamw and the peers' steps
     # One of the four models (the dropout block): the GPT's builder runs in the step-time
@@ -301,6 +318,7 @@ CASES = {
     "optimizer-memory": (_optimizer_memory, STANDARD),  # optax's adamw
     "batchnorm": (_batchnorm, STANDARD),  # Flax's BatchNorm(dtype=bfloat16) promotes inside
     "real-models": (_real_models, ()),
+    "debug-cost": (_debug_cost, ()),
 }
 
 

@@ -16,6 +16,7 @@ from jamp._src.autocast.interpreter import annotated_rules
 from jamp._src.lookup import metrics
 from jamp._src.loss_scale import LossScaleState
 from jamp._src.numerics.program import (
+    Chunked,
     Op,
     Program,
     evaluate,
@@ -141,7 +142,8 @@ def locate_nonfinite(
 
     Runs ``jax.value_and_grad(fun, argnums)`` on ``args`` one operation at a time,
     in program order (the forward pass, then the backward pass), as one compiled
-    program, and returns the first operation whose floating output holds an inf or a
+    program that counts each floating value's infs and NaNs (about the step's own size
+    and compile), and returns the first operation whose floating output holds an inf or a
     NaN while its floating inputs are all finite: where the overflow or the NaN was
     made, not where it arrived. Only a non-finite value that reaches the loss or a
     gradient through non-finite values counts: a ``-inf`` that a later operation makes
@@ -178,11 +180,93 @@ def locate_nonfinite(
     if not callable(fun):
         raise TypeError(f"Expected `fun` to be callable, got {type(fun).__name__} instead.")
     program, flat, paths = step_program(fun, args, argnums, has_aux)
-    for path, x in zip(paths, flat, strict=True):
-        if _floating(x) and not bool(jnp.all(jnp.isfinite(x))):
+    floating = [(path, x) for path, x in zip(paths, flat, strict=True) if _floating(x)]
+    finite = jax.jit(lambda xs: [jnp.all(jnp.isfinite(x)) for x in xs])([x for _, x in floating])
+    for (path, _), ok in zip(floating, jax.device_get(finite), strict=True):
+        if not ok:
             return NonfiniteSite("", "", "", False, "", (), 0, 0, -1, argument=path)
-    found = jax.device_get(jax.jit(lambda a: first_nonfinite(program, a))(flat))
-    return site(program, paths, *found)
+    return search(program, flat, paths)
+
+
+def _host(x: Any) -> np.ndarray:
+    """``x`` in NumPy, a format NumPy has no arithmetic of (bfloat16, float8) as float32,
+    which holds its every value."""
+    a = np.asarray(x)
+    return a if a.dtype.kind in "fc" else a.astype(np.float32)
+
+
+def nonfinite_counts(op: Op, ins: Sequence[Any], outs: Sequence[Any], *_: Any) -> tuple[list, None]:
+    """Traced, in a chunk: each floating output's NaN and inf counts, as terms to sum, and
+    its largest magnitude, a term to take the maximum of (``Chunked(maxima=1)``)."""
+    rows = [
+        jnp.stack([t.astype(jnp.float32).ravel() for t in (jnp.isnan(x), jnp.isinf(x), jnp.abs(x))])
+        for x in outs
+        if _floating(x)
+    ]
+    return rows, None
+
+
+def search(
+    program: Program, flat: Sequence[Any], paths: Sequence[str], chunked: Chunked | None = None
+) -> NonfiniteSite | None:
+    """``first_nonfinite``'s answer, found with one flag per floating value: the program
+    runs in chunks (``Chunked``), each value's flag computed where it is made, and the
+    walk over the flags (which operation made a non-finite value from finite inputs,
+    which of those reach the outputs) runs here, in NumPy. The located operation's
+    counts and magnitudes come from the same run: each value's NaN and inf counts and
+    largest magnitude, summed and maximised beside its flag."""
+    chunked = chunked or Chunked(program, observe=nonfinite_counts, maxima=1)
+    env, _, seen = chunked.run(flat)
+    bad: dict[int, bool] = {}  # value id -> whether it holds an inf or a NaN
+    for i, x in zip(program.inputs, flat, strict=True):
+        if _floating(x):
+            bad[i] = False  # locate_nonfinite named a non-finite argument before
+    for i, x in program.consts.items():
+        if _floating(x):
+            bad[i] = not np.all(np.isfinite(_host(x)))
+    stats: dict[int, np.ndarray] = {}  # value id -> its NaN count, inf count, max |x|
+    for op, (sums, _) in zip(program.ops, chunked.observed(seen), strict=True):
+        floating = [v for v, aval in zip(op.outs, op.out_avals, strict=True) if _floating(aval)]
+        stats.update(zip(floating, sums, strict=True))
+    bad.update((v, bool(n[0] + n[1] > 0)) for v, n in stats.items())
+
+    def bad_at(a: Any) -> bool | None:  # None: not a floating value
+        if isinstance(a, tuple):
+            return not np.all(np.isfinite(_host(a[1]))) if _floating(a[1]) else None
+        return bad.get(a)
+
+    made, from_constant = [], []
+    for op in program.ops:
+        flags = [(bad_at(a), isinstance(a, tuple) or a in program.consts) for a in op.ins]
+        clean = not any(f for f, _ in flags if f is not None)
+        constant_bad = any(f for f, const in flags if f is not None and const)
+        constant_clean = not any(f for f, const in flags if f is not None and not const)
+        out_bad = any(bad.get(v, False) for v in op.outs)
+        made.append(clean and out_bad)
+        from_constant.append(constant_bad and constant_clean and out_bad)
+    finite = not any(bad_at(a) for a in program.outputs)
+    reaches = np.array(_reaching(program, bad, False), bool)
+    flags, constants = np.array(made, bool), np.array(from_constant, bool)
+    if np.any(flags & reaches):
+        flags = flags & reaches
+    if np.any(constants & reaches):
+        constants = constants & reaches
+    constant = not np.any(flags) and bool(np.any(constants))
+    if finite or not (np.any(flags) or constant):
+        return None
+    first = int(np.argmax(constants) if constant else np.argmax(flags))
+    op, known = program.ops[first], dict(zip(program.inputs, flat, strict=True))
+    counts = [int(sum(stats[v][j] for v in op.outs if v in stats)) for j in (0, 1)]
+    magnitudes = []
+    for a, aval in zip(op.ins, op.in_avals, strict=True):
+        if not (_floating(aval) and np.prod(aval.shape)):
+            continue
+        if isinstance(a, int) and a in stats:  # an operation's output: its maximum, counted
+            magnitudes.append(float(stats[a][2]))
+        else:  # an argument, a constant or a literal, read here
+            x = a[1] if isinstance(a, tuple) else known.get(a, program.consts.get(a))
+            magnitudes.append(float(np.max(np.abs(_host(x)))))
+    return site(program, paths, True, first, counts, magnitudes, constant)
 
 
 def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Array, ...]:
@@ -251,23 +335,23 @@ def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Arr
     return found, first, jnp.stack(counts)[first], table[first], constant
 
 
-def _reaching(program: Program, bad: dict[int, jax.Array]) -> list[jax.Array]:
-    """Traced, per operation: whether one of its non-finite outputs reaches a non-finite
-    output of the program (the value or a gradient) through non-finite values only, walked
-    back from the outputs in reverse program order."""
-    reach: dict[int, jax.Array] = {
-        v: bad[v] for v in program.outputs if isinstance(v, int) and v in bad
-    }
-    out: list[jax.Array] = []
+def _reaching(program: Program, bad: dict[int, Any], no: Any = None) -> list[Any]:
+    """Per operation: whether one of its non-finite outputs reaches a non-finite output of
+    the program (the value or a gradient) through non-finite values only, walked back from
+    the outputs in reverse program order. Traced (``bad`` holds traced flags, ``no`` is
+    None) or on the host (Python bools, ``no`` False)."""
+    false = jnp.array(False) if no is None else no
+    reach: dict[int, Any] = {v: bad[v] for v in program.outputs if isinstance(v, int) and v in bad}
+    out: list[Any] = []
     for op in reversed(program.ops):
-        mine = jnp.array(False)
+        mine = false
         for v in op.outs:
             if v in reach:
                 mine = mine | reach[v]
         out.append(mine)
         for a in op.ins:
             if isinstance(a, int) and a in bad:
-                reach[a] = reach.get(a, jnp.array(False)) | (bad[a] & mine)
+                reach[a] = reach.get(a, false) | (bad[a] & mine)
     return out[::-1]
 
 

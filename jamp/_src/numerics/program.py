@@ -7,7 +7,9 @@ pass (whose operations carry ``transpose(...)`` in their name stack). Calls that
 group operations (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``,
 ``closed_call``) are inlined, so every primitive is one ``Op`` with a global index
 in program order; loops and conditionals (``scan``, ``while``, ``cond``) stay one
-operation each. Evaluating the list under ``jax.jit`` is one compiled program.
+operation each. ``Chunked`` evaluates the list under ``jax.jit`` in chunks of
+consecutive operations (one for a small model's step), each a compiled program that
+returns what the tools observe of its operations.
 """
 
 from __future__ import annotations
@@ -66,13 +68,15 @@ class Op:
 
 @dataclasses.dataclass
 class Program:
-    """The flattened program: its operations, constants, inputs and outputs (value ids)."""
+    """The flattened program: its operations, constants, inputs and outputs (value ids),
+    and the jaxpr it was flattened from (``source``)."""
 
     ops: list[Op]
     consts: dict[int, Any]
     inputs: list[int]
     outputs: list[Any]
     producer: dict[int, Op]
+    source: ClosedJaxpr | None = None
 
 
 def flatten(closed: ClosedJaxpr) -> Program:
@@ -135,7 +139,7 @@ def flatten(closed: ClosedJaxpr) -> Program:
         inputs.append(i)
     walk(closed.jaxpr, env, "")
     outputs = [atom(env, v) for v in closed.jaxpr.outvars]
-    return Program(ops, consts, inputs, outputs, producer)
+    return Program(ops, consts, inputs, outputs, producer, closed)
 
 
 # ------------------------------------------------------------------- evaluation
@@ -169,6 +173,21 @@ def _widened_params(op: Op) -> dict[str, Any] | None:
         if params.get(key) is not None and is_low(params[key]):
             params[key] = _wide(params[key])
     return params
+
+
+def narrow_free(op: Op) -> bool:
+    """Whether ``op`` holds no low-precision dtype (in its values, its parameters or a
+    sub-program) and is no rounding: its widened evaluation is the operation itself."""
+    if op.name in ("reduce_precision", "shard_map", "bitcast_convert_type"):
+        return False
+    avals = (*op.in_avals, *op.out_avals)
+    if any(is_low(a.dtype) for a in avals if hasattr(a, "dtype")):
+        return False
+    found: list[Any] = []
+    map_jaxprs(op.params, lambda j: found.append(j) or j)
+    low_params = [k for k in ("preferred_element_type", "new_dtype", "dtype")
+                  if op.params.get(k) is not None and is_low(op.params[k])]  # fmt: skip
+    return not found and not low_params
 
 
 Observe = Callable[
@@ -263,6 +282,180 @@ def evaluate(
             observe(op, ins, outs, wide_ins, wide_outs)
     outputs = [_read(env, a, False) for a in program.outputs]
     return outputs, ([_read(wide, a, True) for a in program.outputs] if paired else None)
+
+
+# ------------------------------------------------------------------- evaluation in chunks
+
+# Operations per compiled chunk. XLA's compile time grows faster than a program's size
+# (a 2-layer GPT-2's step with a check per operation, as one program, compiled for
+# minutes): chunks of this size keep each program small, and their compiles add up to
+# about the step's own (benchmarks/debug_cost.py measures it).
+CHUNK = 4096
+# How the tools compile: without the backend's code optimisations (LLVM's, on the CPU),
+# which take most of a compile and change no value of IEEE arithmetic (XLA sets no
+# fast-math), nor the temp memory (buffer assignment precedes code generation).
+COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+
+ChunkObserve = Callable[
+    [Op, Sequence[Any], Sequence[Any], Sequence[Any] | None, Sequence[Any] | None, dict],
+    "tuple[list[Any], Any] | None",
+]
+
+
+class Chunked:
+    """``program`` evaluated in chunks of ``size`` consecutive operations, each chunk one
+    jitted function of the values it reads from before it, returning the values read
+    after it (a value is dropped after its last reader) and what ``observe`` gives for
+    each of its operations.
+
+    ``observe(op, ins, outs, wide_ins, wide_outs, wide)`` is traced in the chunk and
+    returns None or ``(sums, other)``: ``sums`` a list of ``(k, n)`` float32 arrays, terms
+    to be summed over their ``n`` elements, and ``other`` arrays (a pytree) or None.
+    Every sum of a chunk is one segmented sum over the terms of all its operations (the
+    last ``maxima`` rows of each array a segmented maximum instead), and
+    ``finish`` maps the ``(sums, k)`` totals to their figures, all at once: a reduction
+    per operation would be a loop of its own for XLA to compile (CPU compiles each,
+    and a check per value multiplies the step's compile time several times over).
+    ``wide`` maps value ids to the chunk's widened values (with ``paired``), holding
+    those of ``extra(op)`` too: the values an observation reads beside the operation's
+    own. Each chunk compiles once, on its first run; a later run, whole or stopped
+    early, reuses it."""
+
+    def __init__(
+        self,
+        program: Program,
+        *,
+        paired: bool = False,
+        observe: ChunkObserve | None = None,
+        extra: Callable[[Op], Sequence[int]] = lambda op: (),
+        finish: Callable[[jax.Array], jax.Array] = lambda sums: sums,
+        maxima: int = 0,
+        size: int = CHUNK,
+    ) -> None:
+        self.program, self.paired, self.observe, self.size = program, paired, observe, size
+        self.finish, self.maxima = finish, maxima
+        ops = program.ops
+        self.bounds = [(s, min(s + size, len(ops))) for s in range(0, len(ops), size)]
+        reads: list[list[int]] = []
+        last: dict[int, int] = {}  # value id -> the last chunk that reads it
+        for c, (lo, hi) in enumerate(self.bounds):
+            made: set[int] = set()
+            mine: dict[int, None] = {}
+            for op in ops[lo:hi]:
+                for a in (*op.ins, *extra(op)):
+                    if isinstance(a, int) and a not in made:
+                        mine[a] = None
+                        last[a] = c
+                made.update(op.outs)
+            reads.append(list(mine))
+        end = len(self.bounds)
+        for a in program.outputs:
+            if isinstance(a, int):
+                last[a] = end
+        self.reads, self.last, self.extra = reads, last, extra
+        self.writes = [
+            [v for op in ops[lo:hi] for v in op.outs if last.get(v, -1) > c]
+            for c, (lo, hi) in enumerate(self.bounds)
+        ]
+        self._compiled: dict[int, Callable] = {}
+        self.lowered: dict[int, Any] = {}  # chunk -> its lowered program (jax.stages.Lowered)
+        self._counts: dict[int, list[int]] = {}
+
+    def _body(self, c: int) -> Any:  # a jitted function (its .lower)
+        lo, hi = self.bounds[c]
+        ops, reads, writes = self.program.ops[lo:hi], self.reads[c], self.writes[c]
+        paired, observe, finish, maxima = self.paired, self.observe, self.finish, self.maxima
+
+        def body(values: list[Any], wides: list[Any]) -> tuple[list, list, Any]:
+            env = dict(zip(reads, values, strict=True))
+            wide = dict(zip(reads, wides, strict=True)) if paired else {}
+            terms: list[jax.Array] = []
+            counts, others = [], []
+            for op in ops:
+                ins = [_read(env, a, False) for a in op.ins]
+                outs = bind(op.primitive, ins, op.params)
+                env.update(zip(op.outs, outs, strict=True))
+                wide_ins = wide_outs = None
+                if paired:
+                    wide_ins = [_read(wide, a, True) for a in op.ins]
+                    wide_outs = evaluate_wide_op(op, wide_ins)
+                    wide.update(zip(op.outs, wide_outs, strict=True))
+                seen = (
+                    None if observe is None else observe(op, ins, outs, wide_ins, wide_outs, wide)
+                )
+                sums, other = seen if seen is not None else ([], None)
+                terms.extend(sums)
+                counts.append(len(sums))
+                others.append(other)
+            totals = None
+            if terms:
+                sizes = [t.shape[1] for t in terms]
+                segment = np.repeat(np.arange(len(terms), dtype=np.int32), sizes)
+                flat = jnp.concatenate(terms, axis=1) if len(terms) > 1 else terms[0]
+                k, n = flat.shape[0] - maxima, len(terms)
+                parts = [jax.ops.segment_sum(flat[:k].T, segment, n, indices_are_sorted=True)]
+                if maxima:
+                    parts.append(
+                        jax.ops.segment_max(flat[k:].T, segment, n, indices_are_sorted=True)
+                    )
+                totals = finish(jnp.concatenate(parts, axis=1) if maxima else parts[0])
+            self._counts[c] = counts  # at trace time: how many sums each operation gave
+            out = (totals, others)
+            return [env[v] for v in writes], [wide[v] for v in writes] if paired else [], out
+
+        return jax.jit(body)
+
+    def run(
+        self, args: Sequence[Any], *, until: int | None = None
+    ) -> tuple[dict[int, Any], dict[int, Any], list[Any]]:
+        """Evaluate the chunks on ``args`` (all, or up to the one holding operation
+        ``until``). Returns the values live after the last chunk run (by id; the widened
+        ones too with ``paired``) and what the observations gave, for ``observed``."""
+        program = self.program
+        env: dict[int, Any] = dict(program.consts)
+        env.update(zip(program.inputs, args, strict=True))
+        wide = {k: wide_value(v) for k, v in env.items()} if self.paired else {}
+        seen: list[Any] = []
+        for c, (lo, _) in enumerate(self.bounds):
+            if until is not None and lo > until:
+                break
+            values = [env[a] for a in self.reads[c]]
+            wides = [wide[a] for a in self.reads[c]] if self.paired else []
+            if c not in self._compiled:
+                self.lowered[c] = self._body(c).lower(values, wides)
+                self._compiled[c] = self.lowered[c].compile(dict(COMPILER_OPTIONS))
+            outs, wide_outs, got = self._compiled[c](values, wides)
+            env.update(zip(self.writes[c], outs, strict=True))
+            if self.paired:
+                wide.update(zip(self.writes[c], wide_outs, strict=True))
+            seen.append(got)
+            for a in self.reads[c]:  # drop what no later chunk reads
+                if self.last.get(a, -1) <= c:
+                    env.pop(a, None)
+                    wide.pop(a, None)
+        return env, wide, seen
+
+    def lower_first(self, args: Sequence[Any]) -> Any:
+        """The first chunk's program on ``args``, lowered, not compiled (to read it)."""
+        env = {**self.program.consts, **dict(zip(self.program.inputs, args, strict=True))}
+        values = [env[a] for a in self.reads[0]]
+        wides = [wide_value(v) for v in values] if self.paired else []
+        return self._body(0).lower(values, wides)
+
+    def observed(self, seen: list[Any]) -> list[tuple[list[np.ndarray], Any]]:
+        """Per operation (of the chunks ``run`` ran): its ``finish``-ed sums, one row per
+        term array its observation gave, and its other arrays, fetched to the host."""
+        out: list[tuple[list[np.ndarray], Any]] = []
+        for c, (totals, others) in enumerate(jax.device_get(seen)):
+            at = 0
+            for n, other in zip(self._counts[c], others, strict=True):
+                out.append(([totals[at + j] for j in range(n)], other))
+                at += n
+        return out
+
+    def outputs(self, env: dict[int, Any], widened: bool = False) -> list[Any]:
+        """The program's outputs from a whole ``run``'s values."""
+        return [_read(env, a, widened) for a in self.program.outputs]
 
 
 # ------------------------------------------------------------------- what a product's gradient is
@@ -367,4 +560,4 @@ def mark_linearization(program: Program, primal_outputs: int) -> Program:
         for op in program.ops
     ]
     producer = {i: ops[op.index] for i, op in program.producer.items()}
-    return Program(ops, program.consts, program.inputs, program.outputs, producer)
+    return Program(ops, program.consts, program.inputs, program.outputs, producer, program.source)

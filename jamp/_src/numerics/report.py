@@ -5,23 +5,25 @@ for float8 products their scales and saturation."""
 from __future__ import annotations
 
 import dataclasses
-import typing
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend import core as jex_core
 
 from jamp._src.autocast.api import autocast
 from jamp._src.dtypes import FLOAT8_ANY, FLOAT8_MODE, HALF, check_dtype, is_float8_mode
 from jamp._src.jaxprs import MOVES
 from jamp._src.numerics.locate import step_program
 from jamp._src.numerics.program import (
+    COMPILER_OPTIONS,
+    Chunked,
     Op,
     Program,
-    evaluate,
     evaluate_wide_op,
+    narrow_free,
     roles,
     wide_value,
 )
@@ -189,12 +191,41 @@ def _float8_scales(program: Program) -> dict[int, tuple[int, int]]:
     return out
 
 
-def _relative(low: jax.Array, ref: jax.Array) -> jax.Array:
-    diff = jnp.linalg.norm((low - ref).ravel())
-    norm = jnp.linalg.norm(ref.ravel())
-    return jnp.where(
-        norm > 0, diff / jnp.where(norm > 0, norm, 1.0), jnp.where(diff > 0, jnp.inf, 0.0)
-    )
+def _relative(low: np.ndarray, ref: np.ndarray) -> float:
+    """``||low - ref|| / ||ref||``: 0 where both are 0, inf where only ``ref`` is."""
+    diff, norm = np.linalg.norm(low - ref), np.linalg.norm(ref)
+    if norm > 0:
+        return float(diff / norm)
+    return float(np.inf) if diff > 0 else 0.0
+
+
+def _flat32(values: Sequence[Any]) -> np.ndarray:
+    return np.concatenate([np.asarray(v).astype(np.float32).ravel() for v in values])
+
+
+def _gradient_error(low: np.ndarray, ref: np.ndarray) -> list[float]:
+    """A gradient leaf's error against float32, the fraction of its float32-nonzero
+    entries that are zero, and how many are nonzero in float32."""
+    nonzero = ref != 0
+    with np.errstate(all="ignore"):
+        flushed = np.sum(nonzero & (low == 0)) / max(int(np.sum(nonzero)), 1)
+        return [_relative(low, ref), float(flushed), float(np.sum(nonzero))]
+
+
+def _figures(outs: Sequence[Any], wide: Sequence[Any], here: Sequence[Any] | None) -> list[float]:
+    """One operation's error, added error, underflow and overflow, from its floating
+    outputs, their float32 reference and the operation itself in float32 on its inputs
+    (None: its outputs, where it holds no low-precision dtype)."""
+    low, ref = _flat32(outs), _flat32(wide)
+    exact = low if here is None else _flat32(here)
+    nonzero = exact != 0
+    with np.errstate(all="ignore"):  # inf - inf: a NaN error, as in jnp
+        return [
+            _relative(low, ref),
+            _relative(low, exact),
+            float(np.sum(nonzero & (low == 0)) / max(int(np.sum(nonzero)), 1)),
+            float(np.sum(np.isinf(low) & np.isfinite(exact))),
+        ]
 
 
 def _exact_here(op: Op, ins: Sequence[Any]) -> list[Any]:
@@ -211,75 +242,59 @@ def _recipe(
     program, flat, paths = step_program(low_fun, args, argnums, has_aux)
     named = roles(program, paths)
     scales = _float8_scales(program)
-    kept: list[Op] = []
 
-    def run(flat_args: list[Any]) -> dict[str, Any]:
-        stats: list[jax.Array] = []
-        values: dict[int, Any] = {}
-
-        def observe(
-            op: Op, ins: Sequence[Any], outs: Sequence[Any], wide_ins: Any, wide_outs: Any
-        ) -> None:
-            for i, w in zip(op.outs, wide_outs, strict=True):
-                values[i] = w
-            floats = [
-                (o, w)
-                for o, w in zip(outs, wide_outs, strict=True)
-                if jnp.issubdtype(o.dtype, jnp.floating) and o.size
-            ]
-            if op.name in MOVES or not floats:
-                return
+    def observe(
+        op: Op, ins: Sequence[Any], outs: Sequence[Any], wide_ins: Any, wide_outs: Any, values: dict
+    ) -> tuple[list[jax.Array], Any] | None:
+        floats = [
+            (o, w)
+            for o, w in zip(outs, wide_outs, strict=True)
+            if jnp.issubdtype(o.dtype, jnp.floating) and o.size
+        ]
+        if op.name in MOVES or not floats:
+            return None
+        local = None  # the operation in float32 is the operation itself: its outputs
+        if not narrow_free(op):
             local = [
                 o for o, w in zip(_exact_here(op, ins), wide_outs, strict=True)
                 if jnp.issubdtype(w.dtype, jnp.floating) and w.size
             ]  # fmt: skip
-            low = jnp.concatenate([o.astype(jnp.float32).ravel() for o, _ in floats])
-            ref = jnp.concatenate([w.astype(jnp.float32).ravel() for _, w in floats])
-            here = jnp.concatenate([o.astype(jnp.float32).ravel() for o in local])
-            nonzero = here != 0
-            f8 = [jnp.float32(jnp.nan)] * 3
-            if op.index in scales:  # amax and clipping of the product before the clip
-                scale_id, scaled_id = scales[op.index]
-                scale = values[scale_id].astype(jnp.float32)
-                y = jnp.abs(values[scaled_id].astype(jnp.float32))
-                top = np.float32(jnp.finfo(op.params["new_dtype"]).max)
-                f8 = [jnp.max(y) / scale, scale, jnp.mean(y > top)]
-            stats.append(
-                jnp.stack(
-                    [
-                        _relative(low, ref),
-                        _relative(low, here),
-                        jnp.sum(nonzero & (low == 0)) / jnp.maximum(jnp.sum(nonzero), 1),
-                        jnp.sum(jnp.isinf(low) & jnp.isfinite(here)).astype(jnp.float32),
-                        *[jnp.asarray(v, jnp.float32) for v in f8],
-                    ]
-                )
-            )
-            kept.append(op)
+        f8 = None
+        if op.index in scales:  # amax and clipping of the product before the clip
+            scale_id, scaled_id = scales[op.index]
+            scale = values[scale_id].astype(jnp.float32)
+            y = jnp.abs(values[scaled_id].astype(jnp.float32))
+            top = np.float32(jnp.finfo(op.params["new_dtype"]).max)
+            f8 = jnp.stack([jnp.max(y) / scale, scale, jnp.mean(y > top)]).astype(jnp.float32)
+        # The values themselves: their errors are summed on the host (_figures). A
+        # reduction per operation here would be a loop of its own for XLA to compile,
+        # minutes of compile on a small transformer.
+        return [], ([o for o, _ in floats], [w for _, w in floats], local, f8)
 
-        outs, paired = evaluate(program, flat_args, paired=True, observe=observe)
-        wide = typing.cast(list[Any], paired)  # paired=True: the widened outputs
-        grads = [
-            jnp.stack(
-                [
-                    _relative(o.astype(jnp.float32), w.astype(jnp.float32)),
-                    jnp.sum((w != 0) & (o == 0)) / jnp.maximum(jnp.sum(w != 0), 1),
-                    jnp.sum(w != 0).astype(jnp.float32),
-                ]
-            )
-            for o, w in zip(outs, wide, strict=True)
-            if jnp.issubdtype(o.dtype, jnp.floating) and o.size
-        ]
-        return {"rows": jnp.stack(stats), "grads": jnp.stack(grads), "loss": (outs[0], wide[0])}
-
-    got = jax.device_get(jax.jit(run)(flat))
+    # The paired evaluation in chunks (Chunked), each operation's figures computed in its
+    # chunk, beside it: the values of earlier operations it reads (a float8 scale) too.
+    chunked = Chunked(
+        program, paired=True, observe=observe, extra=lambda op: scales.get(op.index, ())
+    )
+    env, wide, seen = chunked.run(flat)
+    outs, wides = jax.device_get((chunked.outputs(env), chunked.outputs(wide, True)))
+    grads = [
+        _gradient_error(_flat32([o]), _flat32([w]))
+        for o, w in zip(outs, wides, strict=True)
+        if jnp.issubdtype(o.dtype, jnp.floating) and o.size
+    ]
+    kept = [
+        (op, _figures(*values[:3]), values[3])
+        for op, (_, values) in zip(program.ops, chunked.observed(seen), strict=True)
+        if values is not None
+    ]
     rows = []
-    for op, s in zip(kept, got["rows"], strict=True):
+    for op, s, f8s in kept:
         out_dtype = next((str(np.dtype(a.dtype)) for a in op.out_avals), "")
         f8 = (
             {}
-            if np.isnan(s[5])
-            else dict(amax=float(s[4]), scale=float(s[5]), saturated=float(s[6]))
+            if f8s is None
+            else dict(amax=float(f8s[0]), scale=float(f8s[1]), saturated=float(f8s[2]))
         )
         rows.append(
             Row(
@@ -301,10 +316,10 @@ def _recipe(
     grad_paths = _gradient_paths(args, argnums)
     gradients = tuple(
         LeafError(p, float(g[0]), float(g[1]), int(g[2]))
-        for p, g in zip(grad_paths, got["grads"][-len(grad_paths) :], strict=True)
+        for p, g in zip(grad_paths, grads[-len(grad_paths) :], strict=True)
     ) if grad_paths else ()  # fmt: skip
-    temp = _temp_bytes(low_fun, args, argnums, has_aux)
-    loss, loss32 = (float(np.asarray(v).reshape(-1)[0]) for v in got["loss"])
+    loss, loss32 = (float(np.asarray(v).reshape(-1)[0]) for v in (outs[0], wides[0]))
+    temp = _temp_of(jax.jit(jex_core.jaxpr_as_fun(program.source)).lower(*flat))
     return RecipeReport(_name(dtype), tuple(rows), gradients, loss, loss32, temp)
 
 
@@ -318,9 +333,10 @@ def _gradient_paths(args: Sequence[Any], argnums: int | Sequence[int]) -> list[s
     return out
 
 
-def _temp_bytes(fun: Callable, args: Sequence[Any], argnums: Any, has_aux: bool) -> int:
-    step = jax.jit(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux))
-    analysis = step.lower(*args).compile().memory_analysis()
+def _temp_of(lowered: Any) -> int:
+    """The temp memory XLA gives the compiled ``lowered``: the tools' compile options
+    (``COMPILER_OPTIONS``) leave it as it is, and halve the compile."""
+    analysis = lowered.compile(dict(COMPILER_OPTIONS)).memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
 
@@ -388,7 +404,10 @@ def precision_report(
     the infinities it makes, and for a quantisation to float8 its amax, scale and
     saturated fraction. Rows are sorted worst first. Each parameter gradient's error,
     leaf by leaf, and the temp memory of the float32 and the autocast step's compiled
-    programs come beside them. Both runs are one jitted program.
+    programs come beside them. Both runs are one compiled program (``Chunked``), which
+    returns each operation's values; the figures are summed from them on the host, so
+    the program is the step's size, twice or three times over, and compiles in a few
+    times the step's own compile (``python -m benchmarks debug-cost``).
 
     Args:
       fun: the loss, as ``jax.value_and_grad`` takes it (float32 arithmetic: autocast
@@ -421,4 +440,5 @@ def precision_report(
     if not dtypes:
         raise ValueError("Expected `dtype` to name at least one recipe, got an empty list.")
     recipes = tuple(_recipe(fun, args, _recipe_dtype(d), argnums, has_aux) for d in dtypes)
-    return PrecisionReport(recipes, _temp_bytes(fun, args, argnums, has_aux), top)
+    step = jax.jit(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux))
+    return PrecisionReport(recipes, _temp_of(step.lower(*args)), top)
