@@ -6,6 +6,7 @@ given instead of the loss."""
 import inspect
 import logging
 
+import equinox as eqx
 import flax.linen
 import jax
 import jax.numpy as jnp
@@ -305,3 +306,38 @@ def test_a_mask_made_infinite_and_then_zero_is_not_named():
     assert site is not None
     assert (site.primitive, site.backward) == ("dot_general", False), str(site)
     assert site.line.startswith(_line_of(_masked_block, 'half["up"]') + " "), str(site)
+
+
+# ---------------------------------------------------------------- 5. Equinox: which layer
+
+
+def _eqx_mlp_loss():
+    """Equinox's MLP (three Linear layers, one class name each in the name stack) under
+    float16 autocast, its loss scaled by ``scale``."""
+    mlp = eqx.nn.MLP(8, 4, width_size=16, depth=2, key=jax.random.key(0))
+    params, static = eqx.partition(mlp, eqx.is_inexact_array)
+    x = jax.random.normal(jax.random.key(1), (32, 8))
+
+    def loss(p, x, scale):
+        return jnp.mean(jax.vmap(eqx.combine(p, static))(x) ** 2) * scale
+
+    return jamp.autocast(loss, jnp.float16), params, x
+
+
+def test_equinox_layers_are_told_apart_by_their_parameters():
+    # Equinox's name stack says eqx.nn.MLP/eqx.nn.Linear for every layer: each row now
+    # also names its layer by the parameters' path in the argument.
+    loss, params, x = _eqx_mlp_loss()
+    # A backward overflow: the loss scaled by 1e7 makes the last layer's first backward
+    # product overflow float16 while the forward pass stays finite.
+    site = jamp.debug.locate_nonfinite(loss, params, x, 1e7)
+    assert (site.primitive, site.pass_) == ("dot_general", "backward"), site
+    assert site.path == "eqx.nn.MLP/eqx.nn.Linear (.layers[2])", site
+    # A forward overflow planted in the middle layer's weight.
+    hot = eqx.tree_at(lambda p: p.layers[1].weight, params, params.layers[1].weight * 1e5)
+    site = jamp.debug.locate_nonfinite(loss, hot, x, 1.0)
+    assert (site.primitive, site.pass_) == ("dot_general", "forward"), site
+    assert site.path == "eqx.nn.MLP/eqx.nn.Linear (.layers[1])", site
+    report = jamp.debug.precision_report(loss, params, x, 1.0, dtype=jnp.float16, top=1000)
+    products = {r.path for r in report.rows if r.primitive == "dot_general" and not r.backward}
+    assert products == {f"eqx.nn.MLP/eqx.nn.Linear (.layers[{i}])" for i in range(3)}, products

@@ -22,6 +22,7 @@ from jamp._src.numerics.program import (
     evaluate,
     flatten,
     mark_linearization,
+    module_paths,
     roles,
 )
 
@@ -374,9 +375,10 @@ def site(
         for a, m in zip(floats, np.asarray(magnitudes), strict=False)
     )
     role = roles(program, paths).get(op.index, "")
+    path = module_paths(program, paths)[op.index]
     nan, inf = (int(c) for c in np.asarray(counts))
     return NonfiniteSite(
-        op.name, op.line, op.path, op.backward, role, operands, nan, inf, op.index,
+        op.name, op.line, path, op.backward, role, operands, nan, inf, op.index,
         constant=bool(constant),
     )  # fmt: skip
 

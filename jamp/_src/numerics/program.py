@@ -493,44 +493,107 @@ def _ancestors(program: Program, start: Any, limit: int = 64) -> list[int]:
     return out
 
 
-def roles(program: Program, input_names: Sequence[str]) -> dict[int, str]:
-    """For each matrix product or convolution of the backward pass, which operand's
-    gradient it computes: ``"input gradient"`` (the forward product's left operand) or
-    ``"weight gradient"`` (its right), with the parameter's name when the right operand
-    is one of the function's arguments (``input_names``, by input position).
+def _forwards(program: Program) -> dict[int, tuple[Op, int]]:
+    """For each matrix product or convolution of the backward pass, the forward product it
+    differentiates and the position (0 left, 1 right) of the forward operand it shares.
 
     Products that share an operand (a VAE's two heads on one hidden layer) are told
     apart by where they were written: a backward product belongs to the forward product
     of its own module path and line (JAX gives a transposed operation the forward one's
     name stack and source), else the nearest that shares its operand."""
-    named = dict(zip(program.inputs, input_names, strict=True))
     operand_of: dict[int, list[tuple[Op, int]]] = {}
     for op in program.ops:
         if op.name in _PRODUCTS and not op.backward:
             for position, a in enumerate(op.ins[:2]):
                 for v in _ancestors(program, a):
                     operand_of.setdefault(v, []).append((op, position))
-    out: dict[int, str] = {}
+    out: dict[int, tuple[Op, int]] = {}
     for op in program.ops:
         if op.name not in _PRODUCTS or not op.backward:
             continue
         for a in op.ins[:2]:
             found = [f for v in _ancestors(program, a) for f in operand_of.get(v, ())]
-            if not found:
-                continue
-            # The first of the closest: max keeps the first of equal keys.
-            forward, position = max(
-                found, key=lambda f: (f[0].path == op.path, f[0].line == op.line)
-            )
-            if position == 1:  # multiplied by the forward's right operand: the left's gradient
-                out[op.index] = f"input gradient of the product at {forward.line}"
-            else:
-                right = next(
-                    (named[v] for v in _ancestors(program, forward.ins[1]) if v in named), None
+            if found:
+                # The first of the closest: max keeps the first of equal keys.
+                out[op.index] = max(
+                    found, key=lambda f: (f[0].path == op.path, f[0].line == op.line)
                 )
-                what = f" {right}" if right else ""
-                out[op.index] = f"weight gradient{what} of the product at {forward.line}"
-            break
+                break
+    return out
+
+
+def roles(program: Program, input_names: Sequence[str]) -> dict[int, str]:
+    """For each matrix product or convolution of the backward pass, which operand's
+    gradient it computes: ``"input gradient"`` (the forward product's left operand) or
+    ``"weight gradient"`` (its right), with the parameter's name when the right operand
+    is one of the function's arguments (``input_names``, by input position); the forward
+    product is ``_forwards``'s."""
+    named = dict(zip(program.inputs, input_names, strict=True))
+    out: dict[int, str] = {}
+    for index, (forward, position) in _forwards(program).items():
+        if position == 1:  # multiplied by the forward's right operand: the left's gradient
+            out[index] = f"input gradient of the product at {forward.line}"
+        else:
+            right = next(
+                (named[v] for v in _ancestors(program, forward.ins[1]) if v in named), None
+            )
+            what = f" {right}" if right else ""
+            out[index] = f"weight gradient{what} of the product at {forward.line}"
+    return out
+
+
+_LAST_KEY = re.compile(r"(\.[A-Za-z_]\w*|\[[^\]]*\])$")
+
+
+def _parent(name: str) -> str:
+    """A parameter's module: its path in the argument pytree without the last key
+    (``.layers[1].weight`` -> ``.layers[1]``); empty for a whole argument."""
+    if name.startswith("argument "):
+        return ""
+    return _LAST_KEY.sub("", name)
+
+
+def module_paths(program: Program, input_names: Sequence[str]) -> dict[int, str]:
+    """Each operation's module path, told apart by its parameters where the name stack
+    cannot: Equinox writes class names (``eqx.nn.MLP/eqx.nn.Linear``), one path for every
+    layer, and a function with no module writes none. An operation that reads a
+    parameter (through moves, casts and scalings) belongs to that parameter's module
+    (its path in the argument pytree without the leaf's key), one that reads none to the
+    module of its first operand's producer of the same name-stack path, a product of the
+    backward pass to its forward product's (``_forwards``); where a
+    name-stack path is shared by operations of two modules, or is empty, the module is
+    added (``eqx.nn.MLP/eqx.nn.Linear (.layers[1])``). Other paths are kept as written."""
+    parents = {v: _parent(n) for v, n in zip(program.inputs, input_names, strict=True)}
+    forwards = _forwards(program)
+    module: dict[int, str] = {}  # op index -> its parameter's module
+    for op in program.ops:
+        found = ""
+        if op.index in forwards:  # a backward product: its forward product's module
+            found = module.get(forwards[op.index][0].index, "")
+        for a in () if found else op.ins:
+            found = next((parents[v] for v in _ancestors(program, a) if parents.get(v)), "")
+            if found:
+                break
+        if not found:  # no parameter read: its first operand's module, in the same path
+            for a in op.ins:
+                producer = program.producer.get(a) if isinstance(a, int) else None
+                if producer is not None and producer.path == op.path:
+                    found = module.get(producer.index, "")
+                    break
+        if found:
+            module[op.index] = found
+    shared: dict[str, set[str]] = {}
+    for op in program.ops:
+        if op.index in module:
+            shared.setdefault(op.path, set()).add(module[op.index])
+    ambiguous = {p for p, modules in shared.items() if len(modules) > 1 or not p}
+    out = {}
+    for op in program.ops:
+        m = module.get(op.index, "")
+        if m and op.path in ambiguous:
+            out[op.index] = f"{op.path} ({m})" if op.path else m
+        else:
+            out[op.index] = op.path
     return out
 
 

@@ -23,6 +23,7 @@ from jamp._src.numerics.program import (
     Op,
     Program,
     evaluate_wide_op,
+    module_paths,
     narrow_free,
     roles,
     wide_value,
@@ -240,7 +241,7 @@ def _recipe(
 ) -> RecipeReport:
     low_fun = autocast(fun, dtype)
     program, flat, paths = step_program(low_fun, args, argnums, has_aux)
-    named = roles(program, paths)
+    named, modules = roles(program, paths), module_paths(program, paths)
     scales = _float8_scales(program)
 
     def observe(
@@ -301,7 +302,7 @@ def _recipe(
                 op.index,
                 op.name,
                 op.line,
-                op.path,
+                modules[op.index],
                 op.backward,
                 named.get(op.index, ""),
                 out_dtype,
