@@ -1,9 +1,10 @@
 """jamp's benchmarks, one command line: ``python -m benchmarks <experiment> [options]``.
 
 Experiments: loss-scaling, gpu-compile, autocast-memory, float8, real-models,
-optimizer-memory, batchnorm; ``--tiny`` runs one as a smoke test in seconds, ``<experiment> --help``
-lists its options. Each is one module (a spoke) on the shared models and variants (the
-hub): ``benchmarks/README.md`` has the map, and which section of ``RESULTS.md`` each writes.
+optimizer-memory, batchnorm, collectives; ``--tiny`` runs one as a smoke test in seconds,
+``<experiment> --help`` lists its options. Each is one module (a spoke) on the shared models
+and variants (the hub): ``benchmarks/README.md`` has the map, and which section of
+``RESULTS.md`` each writes.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import jax
 from benchmarks import (
     autocast_memory,
     batchnorm,
+    collectives,
     finite_checks,
     float8,
     gpu_compile,
@@ -34,6 +36,7 @@ EXPERIMENTS = {
     "real-models": real_models,
     "optimizer-memory": optimizer_memory,
     "batchnorm": batchnorm,
+    "collectives": collectives,
 }
 # --step-time's GPT by default, for the experiments that time GPT steps: d=256, 4 layers,
 # batch 8x128 (small) or d=1024, 8 layers, batch 16x512 (large).
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parser().parse_args(argv)
     args.argv = argv
     name = args.experiment
-    if name in ("gpu-compile", "real-models", "optimizer-memory", "batchnorm") or (
+    if name in ("gpu-compile", "real-models", "optimizer-memory", "batchnorm", "collectives") or (
         name == "autocast-memory" and not args.step_time
     ):  # GPU-compile rows; real-models measures residuals, on any backend alike;
         use_cpu()  # optimizer-memory's training is sized for two CPU cores

@@ -1,0 +1,107 @@
+"""The compiled 8-GPU program: the collectives of jamp's steps under FSDP (issue #45).
+
+Compiled here with no GPU for 8 described H200s on one host (topology ``1x1x8``,
+``benchmarks/xla_gpu.py``), the model and steps of ``python -m benchmarks collectives``
+(``benchmarks/collectives.py``) at a small size: an MLP of 3 layers 256 wide, batch 256,
+parameters ``P("data", None)``, batch sharded, adamw, donated. The partitioned program
+is per device: its collectives (kind, element dtype, elements), bytes and temp memory
+are deterministic, and asserted on.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import collectives as C
+from benchmarks import xla_gpu
+
+pytestmark = pytest.mark.usefixtures("gpu_compiler")  # conftest: skips, or fails in CI
+
+WIDTH, LAYERS, BATCH = 256, 3, 256
+SHARD = WIDTH * WIDTH // C.DEVICES  # a parameter's elements on one device
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """Each step of the benchmark compiled once, read into its collectives and figures."""
+    return {name: C.measure(name, WIDTH, LAYERS, BATCH) for name in C.STEPS}
+
+
+def _of(result, kind, dtype=None):
+    return [c for c in result["collectives"] if c.kind == kind and dtype in (None, c.dtype)]
+
+
+# ---------------------------------------------------------------- the reader itself
+
+
+def test_the_reader_lists_a_psum_with_its_dtype_and_elements():
+    mesh = xla_gpu.mesh(xla_gpu.TARGETS["H200"], 8, "data")
+
+    def f(x):
+        return jax.lax.psum(x * 2, "data")
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())
+    x = xla_gpu.placed(jax.ShapeDtypeStruct((8 * 1024,), jnp.bfloat16), mesh, lambda a: P("data"))
+    text = xla_gpu.compile_lowered(jax.jit(g).lower(x)).as_text()
+    (c,) = xla_gpu.collectives(text)
+    assert (c.kind, c.elements, c.operands) == ("all-reduce", 1024, 1)
+    assert c.dtype in ("bf16", "f32")  # XLA:GPU may widen a bfloat16 all-reduce's sum
+    assert xla_gpu.describe_collectives(text) == f"all-reduce {c.dtype} x1"
+
+
+def test_the_one_device_mesh_is_unchanged():
+    # The suite's one-GPU programs compile on the same one-device mesh as before.
+    m = xla_gpu.mesh(xla_gpu.TARGETS["H200"])
+    assert m.axis_names == ("x",) and m.devices.size == 1
+    assert xla_gpu.mesh(xla_gpu.TARGETS["H200"], 8, "data").devices.size == 8
+
+
+# ---------------------------------------------------------------- the FSDP steps
+
+
+@pytest.mark.parametrize(
+    "name, gathered",
+    [("float32", "f32"), ("autocast(bf16)", "bf16"), ("autocast(f16) + loss_scaling", "f16"),
+     ("bf16 params (master_weights)", "bf16"), ("autocast(float8)", "f8e4m3fn")],
+)  # fmt: skip
+def test_each_parameter_is_gathered_once_in_the_compute_dtype(programs, name, gathered):
+    # XLA moves autocast's cast (float8: the quantisation) before the gather: the half (or
+    # float8) weight crosses the wire, not the float32 master; once per parameter per step
+    # (XLA may combine the gathers of small parameters into one collective).
+    gathers = _of(programs[name], "all-gather")
+    assert {c.dtype for c in gathers} == {gathered}
+    assert sum(c.operands for c in gathers) == LAYERS
+    assert sum(c.elements for c in gathers) == LAYERS * SHARD
+
+
+def test_the_float32_step_reduces_its_gradients_in_float32(programs):
+    r = programs["float32"]
+    assert {c.dtype for c in _of(r, "reduce-scatter")} == {"f32"}
+    assert sum(c.elements for c in _of(r, "reduce-scatter")) == LAYERS * WIDTH * WIDTH
+    assert not _of(r, "all-reduce")
+
+
+def test_the_finite_check_of_a_sharded_gradient_is_one_scalar_all_reduce(programs):
+    # Loss scaling under FSDP: every device skips together, from one f32 scalar.
+    (check,) = _of(programs["autocast(f16) + loss_scaling"], "all-reduce")
+    assert (check.dtype, check.elements) == ("f32", 1)
+
+
+def test_the_float8_steps_small_all_reduces_are_the_amaxes_of_sharded_activations(programs):
+    # Current scaling: each scale is the amax of a batch-sharded tensor, a max over the
+    # devices (exact in bfloat16): the 2 hidden activations' in the forward pass, the 3
+    # output gradients' in the backward pass. No gradient is reduced in bfloat16.
+    r = programs["autocast(float8)"]
+    small = _of(r, "all-reduce", "bf16")
+    assert len(small) == 2 * LAYERS - 1
+    assert all(c.elements == 1 and c.op_name.endswith("reduce_max") for c in small)
+    assert {c.dtype for c in _of(r, "reduce-scatter")} == {"f32"}
+
+
+def test_bytes_and_temp_per_device_against_the_float32_step(programs):
+    f32 = programs["float32"]
+    for name in ("autocast(bf16)", "autocast(f16) + loss_scaling", "bf16 params (master_weights)"):
+        r = programs[name]
+        assert r["bytes"] < 0.8 * f32["bytes"], (name, r["bytes"] / f32["bytes"])
+        assert r["temp"] <= f32["temp"], (name, r["temp"], f32["temp"])
