@@ -171,10 +171,16 @@ def section(results: dict, args: argparse.Namespace, elapsed: float) -> str:
     for name, r in results.items():
         L.append(f"| {name} | {r['described']} | {r['bytes'] / 1e9:.3f} GB | "
                  f"{r['bytes'] / base:.3f} | {r['temp'] / 1e6:.1f} MB |")  # fmt: skip
+    L += ["", "By default (`reduce_dtype=None`) jamp.autocast's weight-gradient products "
+          "accumulate into float32 in a sharded program, so the reduce-scatters are float32; "
+          "the `reduce_dtype=` rows keep the half products' own transposes (the programs "
+          "before issue #45)."]  # fmt: skip
     small = _small_all_reduces(results.get("autocast(float8)", {"collectives": []}))
     if small:
-        L += ["", "The float8 step's small bfloat16 all-reduces (fewer than 1024 elements) "
-              "carry, by jax's name stack:", ""]  # fmt: skip
+        L += ["", f"The float8 step's {len(small)} small bfloat16 all-reduces (fewer than 1024 "
+              "elements) are each a scalar max, the amax that current scaling takes of a "
+              "batch-sharded tensor (the hidden activations forward, the output gradients "
+              "backward; a max is exact in bfloat16), by jax's name stack:", ""]  # fmt: skip
         L += [f"- `{n}`" for n in small]
     return "\n".join([*L, "", END])
 
