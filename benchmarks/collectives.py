@@ -128,6 +128,37 @@ def compile_step(
     return xla_gpu.compile_lowered(lowered)
 
 
+def fsdp_spec(a: Any, devices: int = DEVICES) -> P:
+    """A leaf's FSDP sharding: its first axis over "data" where it divides, else replicated."""
+    if len(a.shape) >= 2 and a.shape[0] % devices == 0:
+        return P("data", *[None] * (len(a.shape) - 1))
+    return P()
+
+
+def compile_model(model: Any, target: xla_gpu.Target = xla_gpu.TARGETS["H200"], **kw: Any) -> Any:
+    """The compiled 8-GPU program of an adamw step of a benchmark ``model`` (``models``:
+    float32 parameters) under ``jamp.autocast(loss, jnp.bfloat16, **kw)``, FSDP
+    (``fsdp_spec``), the batch sharded over its first axis, donated."""
+    mesh = xla_gpu.mesh(target, DEVICES, "data")
+    loss = jamp.autocast(model.scalar(), BF16, **kw)
+    tx = _adamw()
+
+    def step(params: Any, opt: Any, batch: Any) -> tuple:
+        grads = jax.grad(loss)(params, batch)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt
+
+    def batch_spec(a: Any) -> P:
+        return P("data") if a.shape and a.shape[0] % DEVICES == 0 else P()
+
+    with jax.numpy_dtype_promotion("standard"):  # optax's adamw
+        params = xla_gpu.placed(model.params, mesh, fsdp_spec)
+        opt = xla_gpu.placed(jax.eval_shape(tx.init, model.params), mesh, fsdp_spec)
+        batch = xla_gpu.placed(model.batch, mesh, batch_spec)
+        lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, batch)
+    return xla_gpu.compile_lowered(lowered)
+
+
 def _opt_init(name: str, kw: dict) -> Callable:
     tx = {"autocast(f16) + loss_scaling": lambda: jamp.loss_scaling(_adamw()),
           "bf16 params (master_weights)": lambda: jamp.master_weights(

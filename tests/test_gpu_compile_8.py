@@ -147,3 +147,37 @@ def test_bytes_and_temp_per_device_against_the_float32_step(programs):
         assert r["bytes"] < f32["bytes"], (name, r["bytes"] / f32["bytes"])
         assert r["temp"] < f32["temp"], (name, r["temp"], f32["temp"])
         assert option["bytes"] < 0.8 * f32["bytes"], (name, option["bytes"] / f32["bytes"])
+
+
+# ---------------------------------------------------------------- a GPT block
+
+
+@pytest.fixture(scope="module")
+def gpt_programs():
+    """One Flax GPT block (attention, gelu MLP), d 64, 2 heads, batch 8x16, FSDP where a
+    kernel's first axis divides over 8 (the attention's output kernel, (2, 32, 64), stays
+    replicated: its gradient is all-reduced, as under data parallelism), autocast(bf16)."""
+    from benchmarks import models
+
+    model = models.gpt_stack(64, 2, 1, 8, 16)
+    with jax.numpy_rank_promotion("allow"):  # the benchmarks' models broadcast
+        return {
+            reduce: xla_gpu.collectives(C.compile_model(model, reduce_dtype=reduce).as_text())
+            for reduce in (None, "bfloat16")
+        }
+
+
+def test_a_gpt_blocks_gradients_are_summed_in_float32_by_default(gpt_programs):
+    # At this size XLA's partitioner also re-gathers two kernels in the backward pass and
+    # moves activations with all-to-alls (bfloat16); what is asserted is the sums.
+    default, option = gpt_programs[None], gpt_programs["bfloat16"]
+    assert {c.dtype for c in default if c.kind == "all-gather"} == {"bf16"}
+    assert {c.dtype for c in default if c.kind == "reduce-scatter"} == {"f32"}
+    assert {c.dtype for c in default if c.kind == "all-reduce"} == {"f32"}
+    # the option: the sharded kernels' reduce-scatter and the replicated kernel's
+    # all-reduce (2 * 32 * 64 elements) in bfloat16; the biases' and norms' sums, which
+    # autocast makes in float32 anyway (autocast.sums), stay float32
+    assert {c.dtype for c in option if c.kind == "reduce-scatter"} == {"bf16"}
+    assert [c.elements for c in option if c.kind == "all-reduce" and c.dtype == "bf16"] == [4096]
+    scattered = sum(c.elements for c in default if c.kind == "reduce-scatter")
+    assert scattered == sum(c.elements for c in option if c.kind == "reduce-scatter")

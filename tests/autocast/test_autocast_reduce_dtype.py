@@ -169,3 +169,20 @@ def test_a_64_way_bfloat16_sum_against_float32s():
     rel = lambda a: np.linalg.norm(a - exact) / np.linalg.norm(exact)  # noqa: E731
     assert rel(f32) < 1e-6, rel(f32)
     assert rel(bf16) > 100 * rel(f32) and 1e-3 < rel(bf16) < 5e-2, (rel(bf16), rel(f32))
+
+
+@pytest.mark.parametrize("spec", [P(None, None), P("data", None)], ids=["replicated", "fsdp"])
+def test_an_explicit_mesh_gets_float32_gradients_sharded_as_the_parameters(spec):
+    # Explicit axes: the float32 weight-gradient product is sharded as its parameter (jax
+    # asks for the sharding of a product that contracts sharded axes).
+    params, x, y = _problem(64, 2, 64)
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+    grad = jax.jit(jax.grad(jamp.autocast(_mlp, BF16)))
+    one = jax.jit(jax.grad(jamp.autocast(_mlp, BF16, reduce_dtype=jnp.float32)))(params, x, y)
+    with jax.set_mesh(mesh):
+        on_mesh = jax.device_put(params, spec), jax.device_put((x, y), P("data", None))
+        assert F32_PRODUCT in _all_dots(grad.trace(on_mesh[0], *on_mesh[1]).jaxpr)
+        got = grad(on_mesh[0], *on_mesh[1])
+    for a, b in zip(got, one, strict=True):
+        assert a.dtype == jnp.float32 and a.sharding.spec == spec
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(b))))

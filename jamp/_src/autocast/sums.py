@@ -220,11 +220,12 @@ def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
 
 def transposed_product(
     g: Value, y: Value, x_ndim: int, dimension_numbers: tuple, precision: object,
-    dtype: DTypeLike | None, swap_ans: bool = False,
+    dtype: DTypeLike | None, swap_ans: bool = False, like: Value | None = None,
 ) -> jax.Array:  # fmt: skip
     """The cotangent of the left operand (``x_ndim`` dimensions) of ``dot_general(x, y,
     dimension_numbers)`` for its output's cotangent ``g``, the product accumulated into
-    ``dtype`` (jax's own transpose of ``dot_general``, with its preferred type chosen)."""
+    ``dtype`` (jax's own transpose of ``dot_general``, with its preferred type chosen),
+    sharded as ``like`` (the operand) is on a mesh with explicit axes."""
     (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
     x_kept = _remaining(x_ndim, x_contract, x_batch)
     y_kept = _remaining(np.ndim(y), y_contract, y_batch)
@@ -235,17 +236,37 @@ def transposed_product(
     dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
     x_contract_by_y = [int(i) for i in np.take(x_contract, np.argsort(y_contract))]
     out_axes = np.argsort([*x_batch, *x_kept, *x_contract_by_y])
-    prod = lax.dot_general(g, y, dims, precision=precision, preferred_element_type=dtype)
+    prod = lax.dot_general(g, y, dims, precision=precision, preferred_element_type=dtype,
+                           out_sharding=_explicit(like, out_axes))  # fmt: skip
     return lax.transpose(prod, tuple(int(a) for a in out_axes))
+
+
+def _explicit(like: Value | None, out_axes: Sequence[int]) -> object:
+    """The sharding of the product that ``out_axes`` transposes into ``like``'s layout,
+    where ``like`` is on a mesh with explicit axes (jax asks for it when the contracted
+    axes are sharded); ``None`` otherwise."""
+    sharding = getattr(jax.typeof(like), "sharding", None) if like is not None else None
+    mesh = getattr(sharding, "mesh", None)
+    explicit = jax.sharding.AxisType.Explicit
+    if mesh is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
+        return None
+    spec = tuple(sharding.spec) + (None,) * (np.ndim(like) - len(tuple(sharding.spec)))
+    pre: list[object] = [None] * len(spec)
+    for j, a in enumerate(out_axes):
+        pre[int(a)] = spec[j]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*pre))
 
 
 def _cotangent(i: int, g: Value, ys: Sequence[Value], params: Mapping, dtype: DTypeLike):
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     precision = params.get("precision")
     if i == 0:
-        return transposed_product(g, ys[1], np.ndim(ys[0]), ((lc, rc), (lb, rb)), precision, dtype)
+        dims = ((lc, rc), (lb, rb))
+        return transposed_product(g, ys[1], np.ndim(ys[0]), dims, precision, dtype, like=ys[0])
     swapped = ((rc, lc), (rb, lb))
-    return transposed_product(g, ys[0], np.ndim(ys[1]), swapped, precision, dtype, swap_ans=True)
+    return transposed_product(
+        g, ys[0], np.ndim(ys[1]), swapped, precision, dtype, swap_ans=True, like=ys[1]
+    )
 
 
 def product_with_wide_gradients(
