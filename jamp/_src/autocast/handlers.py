@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -372,8 +373,10 @@ def cast_and_bind(s: Step, c: Casting) -> Evaluated:
             outs = product_with_wide_gradients(
                 lambda xs: bind(eqn, xs, params), vals, targets, reduced, params
             )
-        ran = [jax.ShapeDtypeStruct(np.shape(x), targets[i]) if i in reduced else x
-               for i, x in enumerate(vals)]  # fmt: skip
+        ran: list[Any] = [
+            jax.ShapeDtypeStruct(np.shape(x), targets[i]) if i in reduced else x
+            for i, x in enumerate(vals)
+        ]  # what ran: the half casts
         record(s.ctx, eqn, s.rule, ran, outs)
         return _lifted(s, c, outs)
     if name == "broadcast_in_dim" and half_activation(vals[0], infos[0]):
@@ -400,7 +403,7 @@ def wide_gradients(s: Step, c: Casting) -> set[int]:
         wanted = FLOAT32_DTYPE if any(sharded(x) for x in s.invals) else s.ctx.dtype
     if wanted != FLOAT32_DTYPE:
         return set()
-    out = c.params.get("preferred_element_type")
+    out: Any = c.params.get("preferred_element_type")
     if out is not None and not half(out):
         return set()
     return {

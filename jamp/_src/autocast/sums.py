@@ -24,6 +24,7 @@ tensors in float32 the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -219,7 +220,7 @@ def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
 
 
 def transposed_product(
-    g: Value, y: Value, x_ndim: int, dimension_numbers: tuple, precision: object,
+    g: Value, y: Value, x_ndim: int, dimension_numbers: tuple, precision: Any,
     dtype: DTypeLike | None, swap_ans: bool = False, like: Value | None = None,
 ) -> jax.Array:  # fmt: skip
     """The cotangent of the left operand (``x_ndim`` dimensions) of ``dot_general(x, y,
@@ -235,22 +236,25 @@ def transposed_product(
         ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
     dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
     x_contract_by_y = [int(i) for i in np.take(x_contract, np.argsort(y_contract))]
-    out_axes = np.argsort([*x_batch, *x_kept, *x_contract_by_y])
+    out_axes = [int(a) for a in np.argsort([*x_batch, *x_kept, *x_contract_by_y])]
     prod = lax.dot_general(g, y, dims, precision=precision, preferred_element_type=dtype,
                            out_sharding=_explicit(like, out_axes))  # fmt: skip
-    return lax.transpose(prod, tuple(int(a) for a in out_axes))
+    return lax.transpose(prod, tuple(out_axes))
 
 
-def _explicit(like: Value | None, out_axes: Sequence[int]) -> object:
+def _explicit(like: Value | None, out_axes: Sequence[int]) -> Any:
     """The sharding of the product that ``out_axes`` transposes into ``like``'s layout,
     where ``like`` is on a mesh with explicit axes (jax asks for it when the contracted
     axes are sharded); ``None`` otherwise."""
-    sharding = getattr(jax.typeof(like), "sharding", None) if like is not None else None
+    if like is None:
+        return None
+    sharding: Any = getattr(jax.typeof(like), "sharding", None)
     mesh = getattr(sharding, "mesh", None)
     explicit = jax.sharding.AxisType.Explicit
     if mesh is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
         return None
-    spec = tuple(sharding.spec) + (None,) * (np.ndim(like) - len(tuple(sharding.spec)))
+    given = tuple(sharding.spec)
+    spec = given + (None,) * (np.ndim(like) - len(given))
     pre: list[object] = [None] * len(spec)
     for j, a in enumerate(out_axes):
         pre[int(a)] = spec[j]
