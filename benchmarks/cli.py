@@ -1,10 +1,10 @@
 """jamp's benchmarks, one command line: ``python -m benchmarks <experiment> [options]``.
 
 Experiments: loss-scaling, gpu-compile, autocast-memory, float8, real-models,
-optimizer-memory, batchnorm, debug-cost; ``--tiny`` runs one as a smoke test in seconds,
-``<experiment> --help``
-lists its options. Each is one module (a spoke) on the shared models and variants (the
-hub): ``benchmarks/README.md`` has the map, and which section of ``RESULTS.md`` each writes.
+optimizer-memory, batchnorm, debug-cost, collectives; ``--tiny`` runs one as a smoke test in
+seconds, ``<experiment> --help`` lists its options. Each is one module (a spoke) on the shared
+models and variants (the hub): ``benchmarks/README.md`` has the map, and which section of
+``RESULTS.md`` each writes.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import jax
 from benchmarks import (
     autocast_memory,
     batchnorm,
+    collectives,
     debug_cost,
     finite_checks,
     float8,
@@ -37,6 +38,7 @@ EXPERIMENTS = {
     "optimizer-memory": optimizer_memory,
     "batchnorm": batchnorm,
     "debug-cost": debug_cost,
+    "collectives": collectives,
 }
 # --step-time's GPT by default, for the experiments that time GPT steps: d=256, 4 layers,
 # batch 8x128 (small) or d=1024, 8 layers, batch 16x512 (large).
@@ -84,7 +86,7 @@ def main(argv: list[str] | None = None) -> str:
     args = parser().parse_args(argv)
     args.argv = argv
     name = args.experiment
-    if name in ("gpu-compile", "real-models", "optimizer-memory", "batchnorm") or (
+    if name in ("gpu-compile", "real-models", "optimizer-memory", "batchnorm", "collectives") or (
         name == "autocast-memory" and not args.step_time
     ):  # GPU-compile rows; real-models measures residuals, on any backend alike;
         use_cpu()  # optimizer-memory's training is sized for two CPU cores

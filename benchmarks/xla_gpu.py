@@ -84,13 +84,27 @@ def unavailable() -> str | None:
 
 
 @functools.cache
-def mesh(target: Target) -> jax.sharding.Mesh:
-    """A one-device mesh of the described GPU ``target``."""
+def mesh(target: Target, devices: int = 1, axis: str = "x") -> jax.sharding.Mesh:
+    """A mesh of ``devices`` described GPUs ``target`` on one host (topology ``1x1xN``),
+    over the one axis ``axis``; one device by default (the suite's programs)."""
     from jax.experimental import topologies
 
     topo = topologies.get_topology_desc(platform="cuda", target_config=target.config,
-                                        topology="1x1x1")  # fmt: skip
-    return topologies.make_mesh(topo, (1,), ("x",))
+                                        topology=f"1x1x{devices}")  # fmt: skip
+    return topologies.make_mesh(topo, (devices,), (axis,))
+
+
+def placed(tree: Any, mesh: jax.sharding.Mesh, spec: Any) -> Any:
+    """``tree``'s arrays (or shape structs) as ``ShapeDtypeStruct``s on ``mesh``, each
+    sharded as ``spec(leaf)`` says (a ``PartitionSpec``)."""
+
+    def one(x: Any) -> Any:
+        if not hasattr(x, "shape"):
+            return x
+        sharding = jax.sharding.NamedSharding(mesh, spec(x))
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+
+    return jax.tree_util.tree_map(one, tree)
 
 
 def specs(tree: Any, target: Target = TARGETS["H200"]) -> Any:
@@ -399,3 +413,76 @@ def analyse(compiled: Any) -> Program:
     except Exception:  # noqa: BLE001 - a backend without memory analysis
         temp = float("nan")
     return Program(kernels, temp, counts["conditionals"], counts["copies"], text)
+
+
+# --------------------------------------------------------------------- collectives
+
+COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", "all-to-all")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a compiled program: its kind, the element dtype it moves, the
+    elements of its operands (a combined collective: all of them, ``operands`` of them)
+    and of its result, per device, and jax's name stack of the op that made it."""
+
+    kind: str
+    dtype: str
+    elements: int
+    out_elements: int
+    operands: int
+    op_name: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.dtype}[{self.elements}]"
+
+
+def _collective_kind(opcode: str) -> str | None:
+    base = opcode.removesuffix("-start")
+    return base if base in COLLECTIVES and not opcode.endswith("-done") else None
+
+
+def collectives(text: str) -> list[Collective]:
+    """The collectives a compiled program's (optimized HLO) ``text`` runs in one step, in
+    program order: an asynchronous one once (its ``-start``), a loop's body once."""
+    comps, entry = parse(text)
+    out: list[Collective] = []
+
+    def walk(name: str, seen: tuple[str, ...]) -> None:
+        comp = comps.get(name, {})
+        for ins in comp.values():
+            kind = _collective_kind(ins.opcode)
+            if kind is not None:
+                ops = [comp[o].arrays[0] for o in ins.operands if o in comp and comp[o].arrays]
+                ops = ops or ins.arrays[:1]
+                result = ins.arrays[len(ops) :] if ins.opcode.endswith("-start") else ins.arrays
+                result = result or ins.arrays
+                dtype = ops[0][0] if ops else "?"
+                n_in = sum(math.prod(d) for _, d in ops)
+                n_out = sum(math.prod(d) for _, d in result)
+                out.append(Collective(kind, dtype, n_in, n_out, len(ops), ins.op_name()))
+            elif ins.opcode != "fusion":
+                for sub in ins.called():
+                    if sub not in seen:
+                        walk(sub, (*seen, sub))
+
+    walk(entry, (entry,))
+    return out
+
+
+def collective_counts(text: str) -> dict[tuple[str, str], tuple[int, int]]:
+    """``{(kind, dtype): (collectives, arrays they move)}`` of ``collectives(text)`` (XLA
+    combines small collectives: one may move several arrays)."""
+    counts: dict[tuple[str, str], tuple[int, int]] = {}
+    for c in collectives(text):
+        n, arrays = counts.get((c.kind, c.dtype), (0, 0))
+        counts[c.kind, c.dtype] = (n + 1, arrays + c.operands)
+    return counts
+
+
+def describe_collectives(text: str) -> str:
+    """``collective_counts`` in words, e.g. ``all-gather bf16 x4, reduce-scatter f32 x1 (3
+    arrays)``."""
+    words = [f"{k} {d} x{n}" + (f" ({a} arrays)" if a != n else "")
+             for (k, d), (n, a) in collective_counts(text).items()]  # fmt: skip
+    return ", ".join(words) or "none"

@@ -283,7 +283,7 @@ BENCH = ROOT / "benchmarks"
 BENCH_HUB = ["xla_gpu", "timing", "report", "measure", "models", "steps"]
 BENCH_SPOKES = [
     "loss_scaling", "finite_checks", "gpu_compile", "autocast_memory", "float8", "real_models",
-    "optimizer_memory", "batchnorm", "debug_cost",
+    "optimizer_memory", "batchnorm", "debug_cost", "collectives",
 ]  # fmt: skip
 BENCH_ENTRY = ["cli", "__main__"]
 # A hub module is a file or a package (benchmarks/models/: one module by kind of model); each

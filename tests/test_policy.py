@@ -19,7 +19,10 @@ NAMES = {"f16": F16, "bf16": BF16, "f32": F32, "float16": F16, "bfloat16": BF16,
 def test_policy_is_frozen_hashable_and_normalised():
     p = jamp.Policy(jnp.float32, "bf16", np.float32)
     assert (p.param_dtype, p.compute_dtype, p.output_dtype) == (F32, BF16, F32)
-    assert all(isinstance(d, np.dtype) for d in dataclasses.astuple(p))
+    assert all(isinstance(d, np.dtype) for d in dataclasses.astuple(p)[:3])
+    assert p.reduce_dtype is None  # issue #45's field, after the three dtypes
+    assert jamp.Policy(F32, BF16, F32, reduce_dtype="bf16").reduce_dtype == BF16
+    assert jamp.Policy(F32, BF16, F32, reduce_dtype="bf16") != p
     assert p == jamp.Policy("f32", jnp.bfloat16, "float32")
     assert hash(p) == hash(jamp.Policy(F32, BF16, F32))
     assert len({p, jamp.Policy(F32, BF16, F32)}) == 1
@@ -88,7 +91,7 @@ def test_with_output_dtype():
     ],
 )
 def test_get_policy_grammar(spec, want):
-    assert dataclasses.astuple(jamp.compat.get_policy(spec)) == want
+    assert dataclasses.astuple(jamp.compat.get_policy(spec)) == (*want, None)
 
 
 def test_get_policy_passes_a_policy_through_and_half_dtype():

@@ -116,6 +116,12 @@ class Policy:
       compute_dtype: the dtype computation runs in (the low-precision dtype of
         [`jamp.autocast`][]).
       output_dtype: the dtype of a function's floating outputs.
+      reduce_dtype: the dtype [`jamp.autocast`][] makes the gradient of a parameter
+        that a half product reads in, and so the dtype XLA sums it in across devices
+        under FSDP or data parallelism (PyTorch FSDP2's ``reduce_dtype``): ``None``
+        (the default) for float32 in a sharded program, ``float32`` everywhere, or
+        ``compute_dtype`` to sum in half precision, for bandwidth
+        (``docs/scaling-out.md``).
 
     Examples:
       >>> import jax.numpy as jnp, jamp
@@ -129,11 +135,16 @@ class Policy:
     param_dtype: np.dtype
     compute_dtype: np.dtype
     output_dtype: np.dtype
+    reduce_dtype: np.dtype | None = None
 
     if TYPE_CHECKING:  # the constructor takes any dtype-like; __post_init__ makes it np.dtype
 
         def __init__(
-            self, param_dtype: DTypeLike, compute_dtype: DTypeLike, output_dtype: DTypeLike
+            self,
+            param_dtype: DTypeLike,
+            compute_dtype: DTypeLike,
+            output_dtype: DTypeLike,
+            reduce_dtype: DTypeLike | None = None,
         ) -> None: ...
 
     def __post_init__(self) -> None:
@@ -141,6 +152,8 @@ class Policy:
         # safe (JAX never rebuilds it with placeholders).
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
             object.__setattr__(self, field, parse_dtype(getattr(self, field), field))
+        if self.reduce_dtype is not None:
+            object.__setattr__(self, "reduce_dtype", parse_dtype(self.reduce_dtype, "reduce_dtype"))
 
     def cast_to_param(self, tree: PyTree) -> PyTree:
         """Casts the floating leaves of ``tree`` to ``param_dtype``."""
@@ -159,7 +172,8 @@ class Policy:
         return dataclasses.replace(self, output_dtype=output_dtype)
 
     def __str__(self) -> str:
-        return f"p={self.param_dtype.name},c={self.compute_dtype.name},o={self.output_dtype.name}"
+        text = f"p={self.param_dtype.name},c={self.compute_dtype.name},o={self.output_dtype.name}"
+        return text if self.reduce_dtype is None else f"{text},r={self.reduce_dtype.name}"
 
 
 def get_policy(spec: str | Policy) -> Policy:

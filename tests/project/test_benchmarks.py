@@ -6,6 +6,7 @@ In this process, not a subprocess (the benchmarks count no compiles here), under
 promotion each case names: Flax's bfloat16 modules and optax's adam promote inside.
 """
 
+import os
 import pathlib
 import re
 import subprocess
@@ -15,7 +16,17 @@ import jax
 import numpy as np
 import pytest
 
-from benchmarks import batchnorm, cli, finite_checks, float8, loss_scaling, optimizer_memory, report
+from benchmarks import (
+    batchnorm,
+    cli,
+    collectives,
+    finite_checks,
+    float8,
+    loss_scaling,
+    optimizer_memory,
+    report,
+    xla_gpu,
+)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 REF = optimizer_memory.REF
@@ -305,6 +316,22 @@ def _debug_cost(tmp_path):
     assert all(re.search(r"\d s \(\d+\.\dx\)", c) for c in row[2:])
 
 
+def _collectives(tmp_path):
+    reason = xla_gpu.unavailable()  # the 8-GPU compile (the gpu_compiler fixture's check)
+    if reason is not None:
+        if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
+            pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {reason}")
+        pytest.skip(reason)
+    out = tmp_path / "section.md"
+    text = cli.main(["collectives", "--tiny", "--out", str(out)])
+    assert out.read_text() == text + "\n"
+    assert text.startswith(collectives.START) and text.rstrip().endswith(collectives.END)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "GB" in line]
+    assert len(rows) >= len(collectives.STEPS)
+    assert rows[0].startswith("| float32 | all-gather f32 x")
+    assert "all-gather f8e4m3fn" in text and "reduce_max" in text  # the amaxes, named
+
+
 CASES = {
     "loss-scaling": (_loss_scaling, STANDARD),  # optax's adamw and the peers' steps
     # One of the four models (the dropout block): the GPT's builder runs in the step-time
@@ -319,6 +346,7 @@ CASES = {
     "batchnorm": (_batchnorm, STANDARD),  # Flax's BatchNorm(dtype=bfloat16) promotes inside
     "real-models": (_real_models, ()),
     "debug-cost": (_debug_cost, ()),
+    "collectives": (_collectives, ()),  # the 8-GPU compile; optax's adamw promotes inside
 }
 
 

@@ -35,6 +35,7 @@ from jamp._src.autocast.transform import (
     check_recipe,
     leading_args,
     resolve,
+    resolve_reduce_dtype,
     transform,
 )
 from jamp._src.float8.recipe import DelayedScaling
@@ -141,6 +142,7 @@ def autocast(
     enabled: bool = True,
     recipe: DelayedScaling | None = None,
     telemetry: bool = False,
+    reduce_dtype: DTypeLike | None = None,
 ) -> Callable:
     """Runs ``fun`` with matrix products in ``dtype`` and sensitive ops in float32.
 
@@ -250,6 +252,16 @@ def autocast(
       telemetry: with ``dtype="float8"``: whether the function takes a
         telemetry argument and reports each product's telemetry as its
         gradient (``docs/float8.md``, "Telemetry").
+      reduce_dtype: the dtype of the gradient of a parameter (float32, or half) that a
+        half product reads, and so the dtype XLA sums it in across devices under FSDP
+        or data parallelism (PyTorch FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)``).
+        ``float32``: its transposed product accumulates into float32 from the same half
+        operands, and the reduce-scatter or all-reduce is float32. The low-precision
+        dtype: the half product's own transpose, summed in half precision, for half the
+        bytes on the wire. ``None`` (the default, or the policy's ``reduce_dtype``):
+        float32 in a sharded program (the product's operands on a mesh of more than one
+        device, or under ``shard_map``), the half product's transpose on one device
+        (``docs/scaling-out.md``).
 
     Returns:
       A function with the signature of ``fun``; with a ``recipe``, one that
@@ -302,10 +314,12 @@ def autocast(
         check_fun(fun, "autocast")
     low, policy, float8 = resolve(dtype, policy)
     check_recipe(recipe, float8, telemetry)
+    reduce = resolve_reduce_dtype(reduce_dtype, low, policy)
     if not isinstance(enabled, (bool, np.bool_)):
         raise TypeError(f"Expected a bool for `enabled`, got {enabled!r} instead.")
     if fun is None:
-        kwargs = dict(dtype=dtype, policy=policy, enabled=enabled, recipe=recipe)
+        kwargs = dict(dtype=dtype, policy=policy, enabled=enabled, recipe=recipe,
+                      reduce_dtype=reduce_dtype)  # fmt: skip
         given = {k: v for k, v in kwargs.items() if v is not None and (k, v) != ("enabled", True)}
         if telemetry:
             given["telemetry"] = True
@@ -314,7 +328,7 @@ def autocast(
         if recipe is not None or telemetry:
             return _without_float8_args(fun, recipe, bool(telemetry))
         return autocast_disabled(fun)
-    return transform(fun, low, policy, None, float8, recipe, bool(telemetry))
+    return transform(fun, low, policy, None, float8, recipe, bool(telemetry), reduce)
 
 
 def _without_float8_args(fun: Callable, recipe: DelayedScaling | None, telemetry: bool) -> Callable:

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Any
 
+import jax
 import numpy as np
 from jax.extend import core as jex_core
 from jax.typing import DTypeLike
@@ -57,6 +59,9 @@ from jamp._src.autocast.rules import (
 from jamp._src.autocast.sums import (
     bind_summing,
     broadcast_in_float32,
+    half,
+    product_with_wide_gradients,
+    sharded,
     summed_in_float32,
     upcast_in_backward,
 )
@@ -351,8 +356,9 @@ def cast_and_bind(s: Step, c: Casting) -> Evaluated:
         rest = {i: d for i, d in targets.items() if i not in lifts}
         wide = broadcast_in_float32(eqn, vals, rest, infos)
         up = upcast_in_backward(eqn, vals, targets, infos, wide) - set(lifts)
+        reduced = set() if wide or up or lifts else wide_gradients(s, c)
         for i, dtype in targets.items():
-            if i not in wide and i not in up and i not in lifts:
+            if i not in wide and i not in up and i not in lifts and i not in reduced:
                 vals[i] = casts(vals[i], dtype, infos[i], saturate=c.fill)
         if wide or up or lifts:  # summed in float32, half operands kept (autocast.sums)
             shape = aval(eqn.outvars[0]).shape
@@ -361,6 +367,17 @@ def cast_and_bind(s: Step, c: Casting) -> Evaluated:
             )
     if wide or up or lifts:
         record(s.ctx, eqn, s.rule, [vals[i] for i in targets if i not in wide] or outs, outs)
+        return _lifted(s, c, outs)
+    if reduced:  # a float32 operand's gradient from a float32 product (autocast.sums)
+        with source(eqn):
+            outs = product_with_wide_gradients(
+                lambda xs: bind(eqn, xs, params), vals, targets, reduced, params
+            )
+        ran: list[Any] = [
+            jax.ShapeDtypeStruct(np.shape(x), targets[i]) if i in reduced else x
+            for i, x in enumerate(vals)
+        ]  # what ran: the half casts
+        record(s.ctx, eqn, s.rule, ran, outs)
         return _lifted(s, c, outs)
     if name == "broadcast_in_dim" and half_activation(vals[0], infos[0]):
         if not eqn.params["sharding"]:  # its gradient is summed in float32 (autocast.sums)
@@ -372,6 +389,31 @@ def cast_and_bind(s: Step, c: Casting) -> Evaluated:
         outs = bind(eqn, vals, params)
     record(s.ctx, eqn, s.rule, vals, outs)
     return _lifted(s, c, outs)
+
+
+def wide_gradients(s: Step, c: Casting) -> set[int]:
+    """The operands of a half ``dot_general`` whose gradients its transposed product makes in
+    float32 (``Context.reduce_dtype``; by default where the program is sharded): traced
+    float32 (or half) values that are not low activations (a parameter; a float32 input or
+    residual stream), cast down to the half dtype here."""
+    if s.name != "dot_general":
+        return set()
+    wanted = s.ctx.reduce_dtype
+    if wanted is None:  # the default: float32 in a sharded program
+        wanted = FLOAT32_DTYPE if any(sharded(x) for x in s.invals) else s.ctx.dtype
+    if wanted != FLOAT32_DTYPE:
+        return set()
+    out: Any = c.params.get("preferred_element_type")
+    if out is not None and not half(out):
+        return set()
+    return {
+        i
+        for i, dtype in c.targets.items()
+        if half(dtype)
+        and np.dtype(s.invals[i].dtype) in (FLOAT32_DTYPE, np.dtype(dtype))
+        and s.infos[i].kind == TRACED
+        and not s.infos[i].low
+    }
 
 
 def _lifted(s: Step, c: Casting, outs: list[Value]) -> Evaluated:

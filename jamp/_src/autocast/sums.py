@@ -24,6 +24,7 @@ tensors in float32 the same way.
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -179,3 +180,141 @@ def scatters_half(eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequen
         and infos[2].low
         and (infos[0].kind >= CONST or infos[0].low)
     )
+
+
+# ---------------------------------------------------------------- float32 weight gradients
+#
+# A float32 parameter read by a half product (``x @ w`` under autocast: ``w`` cast to
+# bfloat16) gets its gradient from the transposed product, which would run in bfloat16 and
+# round it, then go up to float32 (the transpose of the cast). Under FSDP or data
+# parallelism that product's output is what XLA sums across devices (a reduce-scatter or an
+# all-reduce of the per-device partial gradients), so the sum runs in bfloat16: 8
+# significant bits for N devices' partial sums. ``product_with_wide_gradients`` computes the
+# transposed product for such an operand with ``preferred_element_type=float32``: the same
+# half operands, accumulated into and returned in float32, the sum across devices in float32
+# (PyTorch FSDP2's ``MixedPrecisionPolicy(reduce_dtype=float32)``). Forward values are the
+# same bit for bit.
+
+
+def sharded(x: Value) -> bool:
+    """Whether ``x`` is a value of a program over several devices: its abstract value's
+    sharding is on a mesh of more than one device (``jit`` of sharded arguments, with or
+    without ``jax.set_mesh``), or it is traced under such a mesh (``shard_map``)."""
+    mesh = getattr(getattr(jax.typeof(x), "sharding", None), "mesh", None)
+    if mesh is not None and mesh.size > 1:
+        return True
+    return jax.sharding.get_abstract_mesh().size > 1
+
+
+def _ranges_like(*xs: Sequence[int]) -> list[tuple[int, ...]]:
+    out, start = [], 0
+    for x in xs:
+        out.append(tuple(range(start, start + len(x))))
+        start += len(x)
+    return out
+
+
+def _remaining(n: int, *removed: Sequence[int]) -> list[int]:
+    gone = {int(i) for r in removed for i in r}
+    return [i for i in range(n) if i not in gone]
+
+
+def transposed_product(
+    g: Value, y: Value, x_ndim: int, dimension_numbers: tuple, precision: Any,
+    dtype: DTypeLike | None, swap_ans: bool = False, like: Value | None = None,
+) -> jax.Array:  # fmt: skip
+    """The cotangent of the left operand (``x_ndim`` dimensions) of ``dot_general(x, y,
+    dimension_numbers)`` for its output's cotangent ``g``, the product accumulated into
+    ``dtype`` (jax's own transpose of ``dot_general``, with its preferred type chosen),
+    sharded as ``like`` (the operand) is on a mesh with explicit axes."""
+    (x_contract, y_contract), (x_batch, y_batch) = dimension_numbers
+    x_kept = _remaining(x_ndim, x_contract, x_batch)
+    y_kept = _remaining(np.ndim(y), y_contract, y_batch)
+    if swap_ans:
+        ans_batch, ans_y, _ = _ranges_like(x_batch, y_kept, x_kept)
+    else:
+        ans_batch, _, ans_y = _ranges_like(x_batch, x_kept, y_kept)
+    dims = ((ans_y, tuple(y_kept)), (ans_batch, tuple(y_batch)))
+    x_contract_by_y = [int(i) for i in np.take(x_contract, np.argsort(y_contract))]
+    out_axes = [int(a) for a in np.argsort([*x_batch, *x_kept, *x_contract_by_y])]
+    prod = lax.dot_general(g, y, dims, precision=precision, preferred_element_type=dtype,
+                           out_sharding=_explicit(like, out_axes))  # fmt: skip
+    return lax.transpose(prod, tuple(out_axes))
+
+
+def _explicit(like: Value | None, out_axes: Sequence[int]) -> Any:
+    """The sharding of the product that ``out_axes`` transposes into ``like``'s layout,
+    where ``like`` is on a mesh with explicit axes (jax asks for it when the contracted
+    axes are sharded); ``None`` otherwise."""
+    if like is None:
+        return None
+    sharding: Any = getattr(jax.typeof(like), "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    explicit = jax.sharding.AxisType.Explicit
+    if mesh is None or explicit not in tuple(getattr(mesh, "axis_types", ())):
+        return None
+    given = tuple(sharding.spec)
+    spec = given + (None,) * (np.ndim(like) - len(given))
+    pre: list[object] = [None] * len(spec)
+    for j, a in enumerate(out_axes):
+        pre[int(a)] = spec[j]
+    return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*pre))
+
+
+def _cotangent(i: int, g: Value, ys: Sequence[Value], params: Mapping, dtype: DTypeLike):
+    (lc, rc), (lb, rb) = params["dimension_numbers"]
+    precision = params.get("precision")
+    if i == 0:
+        dims = ((lc, rc), (lb, rb))
+        return transposed_product(g, ys[1], np.ndim(ys[0]), dims, precision, dtype, like=ys[0])
+    swapped = ((rc, lc), (rb, lb))
+    return transposed_product(
+        g, ys[0], np.ndim(ys[1]), swapped, precision, dtype, swap_ans=True, like=ys[1]
+    )
+
+
+def product_with_wide_gradients(
+    bind: Callable[[list[Value]], list[Value]],
+    vals: Sequence[Value],
+    targets: Mapping[int, DTypeLike],
+    wide: Collection[int],
+    params: Mapping[str, object],
+) -> list[Value]:
+    """``bind`` (a ``dot_general``) on ``vals`` cast to ``targets``, the operands in ``wide``
+    (float32 values cast down) getting their cotangents from a product accumulated into, and
+    returned in, float32; the other operands' cotangents are jax's own."""
+
+    dtypes = [x.dtype for x in vals]
+
+    def cast(xs: Sequence[Value]) -> list[Value]:
+        return [lax.convert_element_type(x, targets[i]) if i in wide and x.dtype != targets[i]
+                else x for i, x in enumerate(xs)]  # fmt: skip
+
+    @jax.custom_vjp
+    def product(*xs: Value) -> Value:
+        return bind(cast(xs))[0]
+
+    def fwd(*xs: Value) -> tuple[Value, list[Value]]:
+        ys = cast(xs)
+        return bind(ys)[0], ys
+
+    def bwd(ys: list[Value], g: Value) -> tuple:
+        rest = [i for i in range(len(ys)) if i not in wide]
+
+        def narrow(*zs: Value) -> Value:
+            full = list(ys)
+            for i, z in zip(rest, zs, strict=True):
+                full[i] = z
+            return bind(full)[0]
+
+        cts: list[Value | None] = [None] * len(ys)
+        if rest:
+            _, vjp = jax.vjp(narrow, *[ys[i] for i in rest])
+            for i, ct in zip(rest, vjp(g), strict=True):
+                cts[i] = ct
+        for i in wide:  # float32, and a half operand's rounded once, after the sum
+            cts[i] = _cotangent(i, g, ys, params, FLOAT32_DTYPE).astype(dtypes[i])
+        return tuple(cts)
+
+    product.defvjp(fwd, bwd)
+    return [product(*vals)]

@@ -90,6 +90,26 @@ def resolve(
     return compute, policy, float8
 
 
+def resolve_reduce_dtype(
+    reduce_dtype: DTypeLike | None, low: np.dtype, policy: Policy | None
+) -> np.dtype | None:
+    """The dtype of the weight-gradient products that XLA sums across devices: float32 or
+    the low-precision dtype ``low`` (``reduce_dtype`` given, or the policy's); ``None`` when
+    neither gives one (the default: float32 in a sharded program)."""
+    if reduce_dtype is None and policy is not None:
+        reduce_dtype = policy.reduce_dtype
+    if reduce_dtype is None:
+        return None
+    wanted = check_dtype(reduce_dtype, "`reduce_dtype`")
+    if wanted not in (np.dtype(np.float32), low):
+        raise ValueError(
+            f"Expected `reduce_dtype` float32 or the low-precision dtype {low.name}, got "
+            f"{wanted.name} instead: the weight gradients are summed across devices in "
+            "float32 (the default), or in the dtype the products run in."
+        )
+    return wanted
+
+
 def check_recipe(recipe: object, float8: bool, telemetry: object = False) -> None:
     if not isinstance(telemetry, (bool, np.bool_)):
         raise TypeError(f"Expected a bool for `telemetry`, got {telemetry!r} instead.")
@@ -200,11 +220,12 @@ def transform(
     float8: bool = False,
     recipe: DelayedScaling | None = None,
     telemetry: bool = False,
+    reduce_dtype: np.dtype | None = None,
 ):
     def run(
         closed: ClosedJaxpr, out_shape: PyTree, dynamic: list[Value], rule: Rule | None
     ) -> PyTree:
-        ctx = Context(dtype=low, recorder=recorder, rule=rule)
+        ctx = Context(dtype=low, recorder=recorder, rule=rule, reduce_dtype=reduce_dtype)
         out_leaves, out_tree = jax.tree_util.tree_flatten(out_shape)
         with jax.named_scope(SCOPE_AUTOCAST):
             outs, _ = eval_closed(closed, dynamic, [Info()] * len(dynamic), ctx)

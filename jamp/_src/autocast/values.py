@@ -88,6 +88,11 @@ class Context:
     # A rule tried before the table (float8: autocast_float8): (eqn, invals, infos, ctx) ->
     # (outs, infos), or None to leave the equation to the table.
     rule: Rule | None = None
+    # The dtype of the weight-gradient products whose outputs XLA sums across devices (a
+    # float32 value read by a half product: ``autocast.sums.product_with_wide_gradients``);
+    # ``dtype``: as jax transposes the half product; ``None``: float32 in a sharded program
+    # (``autocast.sums.sharded``), else as jax transposes it.
+    reduce_dtype: np.dtype | None = None
 
 
 Evaluated: TypeAlias = tuple[list[Value], list[Info]]

@@ -1,0 +1,184 @@
+"""The compiled 8-GPU program: the collectives of jamp's steps under FSDP (issue #45).
+
+Compiled here with no GPU for 8 described H200s on one host (topology ``1x1x8``,
+``benchmarks/xla_gpu.py``), the model and steps of ``python -m benchmarks collectives``
+(``benchmarks/collectives.py``) at a small size: an MLP of 3 layers 256 wide, batch 256,
+parameters ``P("data", None)``, batch sharded, adamw, donated. The partitioned program
+is per device: its collectives (kind, element dtype, elements), bytes and temp memory
+are deterministic, and asserted on. A Flax GPT block (attention, gelu MLP) under
+``autocast(bf16)`` checks the precision of its sums.
+"""
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from benchmarks import collectives as C
+from benchmarks import xla_gpu
+
+pytestmark = pytest.mark.usefixtures("gpu_compiler")  # conftest: skips, or fails in CI
+
+WIDTH, LAYERS, BATCH = 256, 3, 256
+SHARD = WIDTH * WIDTH // C.DEVICES  # a parameter's elements on one device
+
+
+HALVES = {
+    "autocast(bf16)": ("bfloat16", "bf16"),
+    "autocast(f16) + loss_scaling": ("float16", "f16"),
+    "bf16 params (master_weights)": ("bfloat16", "bf16"),
+}
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """Each step of the benchmark compiled once, read into its collectives and figures; the
+    half-precision ones also with ``reduce_dtype`` the half dtype (``name, reduce``)."""
+    out = {name: C.measure(name, WIDTH, LAYERS, BATCH) for name in C.STEPS}
+    for name, (dtype, _) in HALVES.items():
+        out[name, "reduce"] = C.measure(name, WIDTH, LAYERS, BATCH, reduce_dtype=dtype)
+    return out
+
+
+def _of(result, kind, dtype=None):
+    return [c for c in result["collectives"] if c.kind == kind and dtype in (None, c.dtype)]
+
+
+# ---------------------------------------------------------------- the reader itself
+
+
+def test_the_reader_lists_a_psum_with_its_dtype_and_elements():
+    mesh = xla_gpu.mesh(xla_gpu.TARGETS["H200"], 8, "data")
+
+    def f(x):
+        return jax.lax.psum(x * 2, "data")
+
+    g = jax.shard_map(f, mesh=mesh, in_specs=P("data"), out_specs=P())
+    x = xla_gpu.placed(jax.ShapeDtypeStruct((8 * 1024,), jnp.bfloat16), mesh, lambda a: P("data"))
+    text = xla_gpu.compile_lowered(jax.jit(g).lower(x)).as_text()
+    (c,) = xla_gpu.collectives(text)
+    assert (c.kind, c.elements, c.operands) == ("all-reduce", 1024, 1)
+    assert c.dtype in ("bf16", "f32")  # XLA:GPU may widen a bfloat16 all-reduce's sum
+    assert xla_gpu.describe_collectives(text) == f"all-reduce {c.dtype} x1"
+
+
+def test_the_one_device_mesh_is_unchanged():
+    # The suite's one-GPU programs compile on the same one-device mesh as before.
+    m = xla_gpu.mesh(xla_gpu.TARGETS["H200"])
+    assert m.axis_names == ("x",) and m.devices.size == 1
+    assert xla_gpu.mesh(xla_gpu.TARGETS["H200"], 8, "data").devices.size == 8
+
+
+# ---------------------------------------------------------------- the FSDP steps
+
+
+@pytest.mark.parametrize(
+    "name, gathered",
+    [("float32", "f32"), ("autocast(bf16)", "bf16"), ("autocast(f16) + loss_scaling", "f16"),
+     ("bf16 params (master_weights)", "bf16"), ("autocast(float8)", "f8e4m3fn")],
+)  # fmt: skip
+def test_each_parameter_is_gathered_once_in_the_compute_dtype(programs, name, gathered):
+    # XLA moves autocast's cast (float8: the quantisation) before the gather: the half (or
+    # float8) weight crosses the wire, not the float32 master; once per parameter per step
+    # (XLA may combine the gathers of small parameters into one collective).
+    gathers = _of(programs[name], "all-gather")
+    assert {c.dtype for c in gathers} == {gathered}
+    assert sum(c.operands for c in gathers) == LAYERS
+    assert sum(c.elements for c in gathers) == LAYERS * SHARD
+
+
+def test_the_float32_step_reduces_its_gradients_in_float32(programs):
+    r = programs["float32"]
+    assert {c.dtype for c in _of(r, "reduce-scatter")} == {"f32"}
+    assert sum(c.elements for c in _of(r, "reduce-scatter")) == LAYERS * WIDTH * WIDTH
+    assert not _of(r, "all-reduce")
+
+
+@pytest.mark.parametrize("name", [*HALVES, "autocast(float8)"])
+def test_gradients_are_reduced_across_devices_in_float32_by_default(programs, name):
+    # autocast's weight-gradient products accumulate into float32 (bfloat16 parameters: the
+    # sum is rounded to bfloat16 once, after the reduce-scatter): every gradient's sum across
+    # devices is float32, PyTorch FSDP2's reduce_dtype=float32.
+    r = programs[name]
+    scatters = _of(r, "reduce-scatter")
+    assert {c.dtype for c in scatters} == {"f32"}
+    assert sum(c.elements for c in scatters) == LAYERS * WIDTH * WIDTH
+    # the all-reduces are of statistics (a few scalars: the finite check, float8's amaxes)
+    assert all(c.elements < 2 * LAYERS for c in _of(r, "all-reduce"))
+
+
+@pytest.mark.parametrize("name", HALVES)
+def test_reduce_dtype_sums_in_half_precision_for_half_the_bytes(programs, name):
+    wire = HALVES[name][1]
+    default, option = programs[name], programs[name, "reduce"]
+    scatters = _of(option, "reduce-scatter")
+    assert {c.dtype for c in scatters} == {wire}
+    assert sum(c.elements for c in scatters) == LAYERS * WIDTH * WIDTH
+    assert _of(option, "all-gather") == _of(default, "all-gather")  # the gathers unchanged
+    # what float32 reduction costs per device: the full-size partial gradients in float32
+    # (written by the product, read by the reduce-scatter), and their buffer in temp
+    assert option["bytes"] < default["bytes"] < programs["float32"]["bytes"]
+    assert option["temp"] < default["temp"] <= programs["float32"]["temp"]
+
+
+def test_the_finite_check_of_a_sharded_gradient_is_one_scalar_all_reduce(programs):
+    # Loss scaling under FSDP: every device skips together, from one f32 scalar.
+    (check,) = _of(programs["autocast(f16) + loss_scaling"], "all-reduce")
+    assert (check.dtype, check.elements) == ("f32", 1)
+
+
+def test_the_float8_steps_small_all_reduces_are_the_amaxes_of_sharded_activations(programs):
+    # Current scaling: each scale is the amax of a batch-sharded tensor, a max over the
+    # devices (exact in bfloat16): the 2 hidden activations' in the forward pass, the 3
+    # output gradients' in the backward pass. No gradient is reduced in bfloat16.
+    r = programs["autocast(float8)"]
+    small = _of(r, "all-reduce", "bf16")
+    assert len(small) == 2 * LAYERS - 1
+    assert all(c.elements == 1 and c.op_name.endswith("reduce_max") for c in small)
+    assert {c.dtype for c in _of(r, "reduce-scatter")} == {"f32"}
+
+
+def test_bytes_and_temp_per_device_against_the_float32_step(programs):
+    # At this small size the gradients and the optimizer state dominate: float32 reduction
+    # keeps the bytes below the float32 step's (jax 0.10.2's XLA: 0.82x; 0.12.1's: 0.97x),
+    # the half reduction well below (0.62-0.78x).
+    f32 = programs["float32"]
+    for name in HALVES:
+        r, option = programs[name], programs[name, "reduce"]
+        assert r["bytes"] < f32["bytes"], (name, r["bytes"] / f32["bytes"])
+        assert r["temp"] < f32["temp"], (name, r["temp"], f32["temp"])
+        assert option["bytes"] < 0.8 * f32["bytes"], (name, option["bytes"] / f32["bytes"])
+
+
+# ---------------------------------------------------------------- a GPT block
+
+
+@pytest.fixture(scope="module")
+def gpt_programs():
+    """One Flax GPT block (attention, gelu MLP), d 64, 2 heads, batch 8x16, FSDP where a
+    kernel's first axis divides over 8 (the attention's output kernel, (2, 32, 64), stays
+    replicated: its gradient is all-reduced, as under data parallelism), autocast(bf16)."""
+    from benchmarks import models
+
+    model = models.gpt_stack(64, 2, 1, 8, 16)
+    with jax.numpy_rank_promotion("allow"):  # the benchmarks' models broadcast
+        return {
+            reduce: xla_gpu.collectives(C.compile_model(model, reduce_dtype=reduce).as_text())
+            for reduce in (None, "bfloat16")
+        }
+
+
+def test_a_gpt_blocks_gradients_are_summed_in_float32_by_default(gpt_programs):
+    # At this size XLA's partitioner also re-gathers two kernels in the backward pass and
+    # moves activations with all-to-alls (bfloat16); what is asserted is the sums.
+    default, option = gpt_programs[None], gpt_programs["bfloat16"]
+    assert {c.dtype for c in default if c.kind == "all-gather"} == {"bf16"}
+    assert {c.dtype for c in default if c.kind == "reduce-scatter"} == {"f32"}
+    assert {c.dtype for c in default if c.kind == "all-reduce"} == {"f32"}
+    # the option: the sharded kernels' reduce-scatter and the replicated kernel's
+    # all-reduce (2 * 32 * 64 elements) in bfloat16; the biases' and norms' sums, which
+    # autocast makes in float32 anyway (autocast.sums), stay float32
+    assert {c.dtype for c in option if c.kind == "reduce-scatter"} == {"bf16"}
+    assert [c.elements for c in option if c.kind == "all-reduce" and c.dtype == "bf16"] == [4096]
+    scattered = sum(c.elements for c in default if c.kind == "reduce-scatter")
+    assert scattered == sum(c.elements for c in option if c.kind == "reduce-scatter")
