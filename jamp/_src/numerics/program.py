@@ -248,6 +248,22 @@ def evaluate_wide(program: Program, args: Sequence[Any]) -> list[Any]:
     return [_read(env, a, True) for a in program.outputs]
 
 
+def _run_op(
+    op: Op, env: dict[int, Any], wide: dict[int, Any], paired: bool
+) -> tuple[list[Any], list[Any], list[Any] | None, list[Any] | None]:
+    """One operation on ``env``'s values (and, ``paired``, on ``wide``'s widened ones),
+    its outputs written back: its inputs and outputs, and their widened twins or None."""
+    ins = [_read(env, a, False) for a in op.ins]
+    outs = bind(op.primitive, ins, op.params)
+    env.update(zip(op.outs, outs, strict=True))
+    wide_ins = wide_outs = None
+    if paired:
+        wide_ins = [_read(wide, a, True) for a in op.ins]
+        wide_outs = evaluate_wide_op(op, wide_ins)
+        wide.update(zip(op.outs, wide_outs, strict=True))
+    return ins, outs, wide_ins, wide_outs
+
+
 def evaluate(
     program: Program,
     args: Sequence[Any],
@@ -270,14 +286,7 @@ def evaluate(
         env[i] = a
         wide[i] = wide_value(a)
     for op in program.ops:
-        ins = [_read(env, a, False) for a in op.ins]
-        outs = bind(op.primitive, ins, op.params)
-        env.update(zip(op.outs, outs, strict=True))
-        wide_ins = wide_outs = None
-        if paired:
-            wide_ins = [_read(wide, a, True) for a in op.ins]
-            wide_outs = evaluate_wide_op(op, wide_ins)
-            wide.update(zip(op.outs, wide_outs, strict=True))
+        ins, outs, wide_ins, wide_outs = _run_op(op, env, wide, paired)
         if observe is not None:
             observe(op, ins, outs, wide_ins, wide_outs)
     outputs = [_read(env, a, False) for a in program.outputs]
@@ -372,14 +381,7 @@ class Chunked:
             terms: list[jax.Array] = []
             counts, others = [], []
             for op in ops:
-                ins = [_read(env, a, False) for a in op.ins]
-                outs = bind(op.primitive, ins, op.params)
-                env.update(zip(op.outs, outs, strict=True))
-                wide_ins = wide_outs = None
-                if paired:
-                    wide_ins = [_read(wide, a, True) for a in op.ins]
-                    wide_outs = evaluate_wide_op(op, wide_ins)
-                    wide.update(zip(op.outs, wide_outs, strict=True))
+                ins, outs, wide_ins, wide_outs = _run_op(op, env, wide, paired)
                 seen = (
                     None if observe is None else observe(op, ins, outs, wide_ins, wide_outs, wide)
                 )
