@@ -10,7 +10,8 @@ along a ``"data"`` mesh axis with ``NamedSharding``, the parameters and the
 optimizer state (loss scale included) are replicated, XLA inserts the
 all-reduce of the gradients, and the finite check inside
 ``jamp.loss_scaling`` is a reduction over the *global* gradients, so every
-device takes the same skip decision. No ``axis_name`` is needed under
+device takes the same skip decision, the gradients summed across devices in
+float32 (``reduce_dtype``). No ``axis_name`` is needed under
 ``jit``; with ``shard_map``/``pmap`` pass ``loss_scaling(..., axis_name=...)``,
 which agrees on skipping but does not average the gradients (under ``pmap``,
 ``lax.pmean`` them yourself): ``docs/data-parallel.md`` has a tested recipe
@@ -76,7 +77,10 @@ def main(argv: Sequence[str] | None = None) -> dict:
     tx = jamp.loss_scaling(optax.sgd(0.03, momentum=0.9))
     params = jax.device_put(params, replicated)
     opt_state = jax.device_put(tx.init(params), replicated)
-    loss_f16 = jamp.autocast(loss_fn, jnp.float16)
+    # Gradients summed in float32: what jamp does by default when the step is sharded
+    # over several devices, asked for here so that one device computes the same gradients
+    # (by default it keeps the float16 product's own transpose: docs/scaling-out.md).
+    loss_f16 = jamp.autocast(loss_fn, jnp.float16, reduce_dtype=jnp.float32)
 
     @jax.jit
     def train_step(params, opt_state, x, y):
