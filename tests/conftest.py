@@ -98,10 +98,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.slow)
 
 
-@pytest.fixture(scope="module")
-def gpu_compiler():
-    """Skip a module that needs XLA:GPU's deviceless compiler when it is missing, saying
-    why; fail instead under JAMP_REQUIRE_GPU_COMPILE=1 (as .ci/run sets it)."""
+def require_gpu_compiler():
+    """Skip when XLA:GPU's deviceless compiler is missing, saying why; fail instead under
+    JAMP_REQUIRE_GPU_COMPILE=1 (as .ci/run sets it)."""
     from benchmarks import xla_gpu
 
     reason = xla_gpu.unavailable()
@@ -109,6 +108,13 @@ def gpu_compiler():
         if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
             pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {reason}")
         pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def gpu_compiler():
+    """Skip (or fail) a module that needs XLA:GPU's deviceless compiler when it is
+    missing: ``require_gpu_compiler``."""
+    require_gpu_compiler()
 
 
 def _compile_each_program_once():

@@ -6,7 +6,6 @@ In this process, not a subprocess (the benchmarks count no compiles here), under
 promotion each case names: Flax's bfloat16 modules and optax's adam promote inside.
 """
 
-import os
 import pathlib
 import re
 import subprocess
@@ -15,6 +14,7 @@ import types
 import jax
 import numpy as np
 import pytest
+from conftest import require_gpu_compiler
 
 from benchmarks import (
     batchnorm,
@@ -25,7 +25,6 @@ from benchmarks import (
     loss_scaling,
     optimizer_memory,
     report,
-    xla_gpu,
 )
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -317,11 +316,7 @@ def _debug_cost(tmp_path):
 
 
 def _collectives(tmp_path):
-    reason = xla_gpu.unavailable()  # the 8-GPU compile (the gpu_compiler fixture's check)
-    if reason is not None:
-        if os.environ.get("JAMP_REQUIRE_GPU_COMPILE") == "1":
-            pytest.fail(f"JAMP_REQUIRE_GPU_COMPILE=1 but {reason}")
-        pytest.skip(reason)
+    require_gpu_compiler()  # the 8-GPU compile: skips, or fails in CI, as the fixture does
     out = tmp_path / "section.md"
     text = cli.main(["collectives", "--tiny", "--out", str(out)])
     assert out.read_text() == text + "\n"
