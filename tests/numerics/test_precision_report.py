@@ -104,15 +104,20 @@ def test_the_report_finds_the_demos_float16_underflow_in_its_layers():
     report = jamp.debug.precision_report(loss, params, x, y, dtype=jnp.float16)
     lost = sum(g.underflow * g.nonzero for g in report.gradients)
     nonzero = sum(g.nonzero for g in report.gradients)
-    # The demo's probe, as train_digits.underflow_probe computes it.
-    grads = jax.grad(lambda p: demo.loss_fn(jamp.autocast(model.apply, jnp.float16), p, x, y))(
-        params
-    )
-    reference = jax.grad(loss)(params, x, y)
-    probe = sum(
-        jnp.sum((g == 0) & (r != 0))
-        for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True)
-    ) / sum(jnp.sum(r != 0) for r in jax.tree.leaves(reference))
+
+    # The demo's probe, as train_digits.underflow_probe computes it (one jitted program).
+    @jax.jit
+    def underflow_probe(params, x, y):
+        grads = jax.grad(lambda p: demo.loss_fn(jamp.autocast(model.apply, jnp.float16), p, x, y))(
+            params
+        )
+        reference = jax.grad(loss)(params, x, y)
+        return sum(
+            jnp.sum((g == 0) & (r != 0))
+            for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(reference), strict=True)
+        ) / sum(jnp.sum(r != 0) for r in jax.tree.leaves(reference))
+
+    probe = underflow_probe(params, x, y)
     assert lost / nonzero == pytest.approx(float(probe), abs=0.01)
     assert lost / nonzero > 0.5
     worst = report.rows[:4]
