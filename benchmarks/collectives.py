@@ -135,25 +135,44 @@ def fsdp_spec(a: Any, devices: int = DEVICES) -> P:
     return P()
 
 
-def compile_model(model: Any, target: xla_gpu.Target = xla_gpu.TARGETS["H200"], **kw: Any) -> Any:
-    """The compiled 8-GPU program of an adamw step of a benchmark ``model`` (``models``:
-    float32 parameters) under ``jamp.autocast(loss, jnp.bfloat16, **kw)``, FSDP
-    (``fsdp_spec``), the batch sharded over its first axis, donated."""
+# a model's step (compile_model): (parameter dtype, autocast's dtype, optimizer, loss scaled)
+MODEL_STEPS: dict[str, Callable[[], tuple[Any, Any, optax.GradientTransformation, bool]]] = {
+    "autocast(bf16)": lambda: (jnp.float32, BF16, _adamw(), False),
+    "autocast(f16) + loss_scaling": lambda: (jnp.float32, F16, jamp.loss_scaling(_adamw()), True),
+    "bf16 params (master_weights)": lambda: (
+        BF16, BF16, jamp.master_weights(_adamw(BF16), rounding="stochastic"), False),
+    "autocast(float8)": lambda: (jnp.float32, "float8", _adamw(), False),
+}  # fmt: skip
+
+
+def compile_model(
+    model: Any,
+    target: xla_gpu.Target = xla_gpu.TARGETS["H200"],
+    *,
+    step: str = "autocast(bf16)",
+    **kw: Any,
+) -> Any:
+    """The compiled 8-GPU program of a training step of a benchmark ``model`` (``models``:
+    float32 parameters): ``MODEL_STEPS[step]``, by default adamw under
+    ``jamp.autocast(loss, jnp.bfloat16, **kw)``; FSDP (``fsdp_spec``), the batch sharded
+    over its first axis, donated. ``"bf16 params (master_weights)"`` casts the parameters
+    to bfloat16 (the optimizer state is built for those)."""
     mesh = xla_gpu.mesh(target, DEVICES, "data")
-    loss = jamp.autocast(model.scalar(), BF16, **kw)
-    tx = _adamw()
+    param_dtype, dtype, tx, scaled = MODEL_STEPS[step]()
+    loss = jamp.autocast(model.scalar(), dtype, **kw)
+    train = (_scaled if scaled else _plain)(lambda p, batch, _: loss(p, batch), tx)
 
     def step(params: Any, opt: Any, batch: Any) -> tuple:
-        grads = jax.grad(loss)(params, batch)
-        updates, opt = tx.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt
+        return train(params, opt, batch, None)
+
+    shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, param_dtype), model.params)
 
     def batch_spec(a: Any) -> P:
         return P("data") if a.shape and a.shape[0] % DEVICES == 0 else P()
 
     with jax.numpy_dtype_promotion("standard"):  # optax's adamw
-        params = xla_gpu.placed(model.params, mesh, fsdp_spec)
-        opt = xla_gpu.placed(jax.eval_shape(tx.init, model.params), mesh, fsdp_spec)
+        params = xla_gpu.placed(shapes, mesh, fsdp_spec)
+        opt = xla_gpu.placed(jax.eval_shape(tx.init, shapes), mesh, fsdp_spec)
         batch = xla_gpu.placed(model.batch, mesh, batch_spec)
         lowered = jax.jit(step, donate_argnums=(0, 1)).lower(params, opt, batch)
     return xla_gpu.compile_lowered(lowered)

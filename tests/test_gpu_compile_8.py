@@ -152,26 +152,45 @@ def test_bytes_and_temp_per_device_against_the_float32_step(programs):
 
 # ---------------------------------------------------------------- a GPT block
 
+GPT_STEPS = {  # step: the dtype the kernels are gathered in
+    "autocast(bf16)": "bf16",
+    "autocast(f16) + loss_scaling": "f16",
+    "bf16 params (master_weights)": "bf16",
+    "autocast(float8)": "f8e4m3fn",
+}
+TOKENS, D = 8 * 16, 64
+
 
 @pytest.fixture(scope="module")
-def gpt_programs():
+def gpt():
     """One Flax GPT block (attention, gelu MLP), d 64, 2 heads, batch 8x16, FSDP where a
-    kernel's first axis divides over 8 (the attention's output kernel, (2, 32, 64), stays
-    replicated: its gradient is all-reduced, as under data parallelism), autocast(bf16)."""
+    kernel's first axis divides over 8 (the attention's output kernel, (2, 32, 64), and
+    the biases stay replicated: their gradients are all-reduced, as under data
+    parallelism), the steps of ``collectives.MODEL_STEPS``. ``gpt(step, reduce_dtype)``
+    compiles a program on first use (each costs seconds) and keeps it for the module:
+    ``{"collectives", "bytes", "temp", "sharded"}``, ``sharded`` the FSDP kernels' sizes."""
+    import functools
+
     from benchmarks import models
 
     model = models.gpt_stack(64, 2, 1, 8, 16)
-    with jax.numpy_rank_promotion("allow"):  # the benchmarks' models broadcast
-        return {
-            reduce: xla_gpu.collectives(C.compile_model(model, reduce_dtype=reduce).as_text())
-            for reduce in (None, "bfloat16")
-        }
+    sharded = [a.size for a in jax.tree.leaves(model.params) if C.fsdp_spec(a) != P()]
+
+    @functools.cache
+    def compile_(step, reduce=None):
+        with jax.numpy_rank_promotion("allow"):  # the benchmarks' models broadcast
+            compiled = C.compile_model(model, step=step, reduce_dtype=reduce)
+        p = xla_gpu.analyse(compiled)
+        return {"collectives": xla_gpu.collectives(p.text), "bytes": p.bytes,
+                "temp": p.temp_bytes, "sharded": sharded}  # fmt: skip
+
+    return compile_
 
 
-def test_a_gpt_blocks_gradients_are_summed_in_float32_by_default(gpt_programs):
-    # At this size XLA's partitioner also re-gathers two kernels in the backward pass and
-    # moves activations with all-to-alls (bfloat16); what is asserted is the sums.
-    default, option = gpt_programs[None], gpt_programs["bfloat16"]
+def test_a_gpt_blocks_gradients_are_summed_in_float32_by_default(gpt):
+    # What is asserted here is the sums; the gathers below.
+    default = gpt("autocast(bf16)")["collectives"]
+    option = gpt("autocast(bf16)", "bfloat16")["collectives"]
     assert {c.dtype for c in default if c.kind == "all-gather"} == {"bf16"}
     assert {c.dtype for c in default if c.kind == "reduce-scatter"} == {"f32"}
     assert {c.dtype for c in default if c.kind == "all-reduce"} == {"f32"}
@@ -182,3 +201,67 @@ def test_a_gpt_blocks_gradients_are_summed_in_float32_by_default(gpt_programs):
     assert [c.elements for c in option if c.kind == "all-reduce" and c.dtype == "bf16"] == [4096]
     scattered = sum(c.elements for c in default if c.kind == "reduce-scatter")
     assert scattered == sum(c.elements for c in option if c.kind == "reduce-scatter")
+
+
+@pytest.mark.parametrize("step", GPT_STEPS)
+def test_a_gpt_blocks_kernels_are_gathered_once_in_the_compute_dtype(gpt, step):
+    # The 5 FSDP kernels (the MLP's two, query, key, value) are gathered in one combined
+    # all-gather in the forward pass, in the compute dtype (float8: the e4m3 quantised
+    # weight; its scale is the amax of the float32 shard, a scalar all-reduce), and never
+    # again. The backward pass's other gathers in the compute dtype (float8: e5m2, the
+    # gradients' format) are of activations, resharded for the weight-gradient products:
+    # the MLP's input and hidden output, (tokens, 64) and (tokens, 256).
+    r = gpt(step)
+    wire, sharded = GPT_STEPS[step], r["sharded"]
+    gathers = [c for c in r["collectives"] if c.kind == "all-gather"]
+    kernels = [c for c in gathers if c.operands == len(sharded)]
+    assert [(c.dtype, c.elements, c.out_elements) for c in kernels] == [
+        (wire, sum(sharded) // C.DEVICES, sum(sharded))
+    ]
+    backward = [c for c in gathers if c not in kernels and "transpose(" in c.op_name]
+    others = [c for c in gathers if c not in kernels and c not in backward]
+    if step != "autocast(f16) + loss_scaling":
+        assert {c.dtype for c in backward} <= {wire, "f8e5m2"}
+        assert sorted(c.out_elements for c in backward) == [TOKENS * D, TOKENS * 4 * D]
+        assert not others, others
+        return
+    # loss scaling: XLA combines the hidden activation's gather with one of the finite
+    # check's (Dense_0's bias, 4 * D): the check unscales each replicated leaf's gradient
+    # on a slice of the devices and gathers a bfloat16 flag per element (0, or NaN where
+    # not finite) before its reduction. Likewise it updates the replicated leaves (the
+    # attention's output kernel (2, 32, 64) and the q/k/v biases (2, 32): 2 does not
+    # divide over 8) on slices and gathers each back in float32 with its two moments
+    # (12 arrays). Neither is a gather of an FSDP kernel.
+    assert sorted(c.out_elements for c in backward) == [TOKENS * D, TOKENS * 4 * D + 4 * D]
+    assert {c.dtype for c in others} == {"f32", "bf16"}
+    assert all(c.operands == 12 for c in others if c.dtype == "f32")
+
+
+@pytest.mark.parametrize("step", GPT_STEPS)
+def test_a_gpt_blocks_gradient_sums_are_float32_in_every_step(gpt, step):
+    # reduce_dtype=None: every reduce-scatter, and every all-reduce of a gradient (the
+    # replicated leaves': the output kernel's 4096 elements and biases), is float32. The
+    # remaining all-reduces are statistics of at most a few elements: the finite check
+    # of loss scaling (a predicate and a float32 scalar) and float8's amaxes (scalar
+    # maxes, exact in bfloat16).
+    r = gpt(step)["collectives"]
+    assert {c.dtype for c in r if c.kind == "reduce-scatter"} == {"f32"}
+    reduces = [c for c in r if c.kind == "all-reduce"]
+    assert {c.dtype for c in reduces if c.elements >= 64} == {"f32"}
+    assert max(c.elements for c in reduces) >= 2 * 32 * 64  # the output kernel's, with biases
+    stats = [c for c in reduces if c.elements < 64]
+    assert all(c.elements <= 8 for c in stats), stats
+    if step == "autocast(float8)":
+        assert {c.dtype for c in stats} <= {"bf16", "f32"}
+    elif step == "autocast(f16) + loss_scaling":
+        assert sorted((c.dtype, c.elements) for c in stats) == [("f32", 1), ("pred", 1)]
+    else:
+        assert not stats
+
+
+def test_a_gpt_blocks_bytes_and_temp_per_device(gpt):
+    # Side by side (docs/scaling-out.md has the figures): bfloat16 parameters move less
+    # than float32 ones under the same autocast; the half reduction less than float32's.
+    bf16 = gpt("autocast(bf16)")
+    assert gpt("bf16 params (master_weights)")["bytes"] < bf16["bytes"]
+    assert gpt("autocast(bf16)", "bfloat16")["bytes"] < bf16["bytes"]

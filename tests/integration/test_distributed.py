@@ -6,7 +6,9 @@
   and ``loss_scaling(..., axis_name="data")``, and the same steps without
   ``axis_name`` to show the replicas would otherwise disagree;
 * two processes on JAX's distributed runtime with gloo CPU collectives
-  (``tests/integration/_multiprocess_worker.py``), compared bit for bit.
+  (``tests/integration/_multiprocess_worker.py``), compared bit for bit: a
+  data-parallel model, and an FSDP-sharded one with ``master_weights`` and loss
+  scaling that also bit-matches the one-process run of the same program.
 """
 
 import functools
@@ -459,8 +461,14 @@ def reference_run(worker):
     return out
 
 
-def test_two_processes_gloo_skip_together_and_stay_identical():
-    r0, r1 = run_workers()
+@pytest.fixture(scope="module")
+def workers():
+    """Both workers' results: one launch serves the two tests below."""
+    return run_workers()
+
+
+def test_two_processes_gloo_skip_together_and_stay_identical(workers):
+    r0, r1 = workers
     for i, r in enumerate((r0, r1)):
         assert r["process_index"] == i
         assert (r["process_count"], r["device_count"], r["local_device_count"]) == (2, 8, 4)
@@ -501,6 +509,99 @@ def test_two_processes_gloo_skip_together_and_stay_identical():
         got = {k: np.array([float.fromhex(h) for h in s[k]], np.float32) for k in ("w", "b")}
         np.testing.assert_allclose(got["w"], p["w"], rtol=0, atol=5e-4)
         np.testing.assert_allclose(got["b"], p["b"].reshape(-1), rtol=0, atol=5e-4)
+
+
+def fsdp_reference(worker):
+    """The workers' FSDP training in this process, on its 8 devices, from both processes'
+    rows: the same program on the same 8-device mesh, with in-process collectives."""
+    mesh = mesh8()
+    specs = worker.fsdp_specs()
+    params = {
+        k: jax.device_put(a, NamedSharding(mesh, specs[k])) for k, a in worker.fsdp_init().items()
+    }
+    tx = worker.fsdp_tx()
+    opt_state = jax.jit(tx.init)(params)
+    step = worker.fsdp_step(tx)
+    batch_sh = NamedSharding(mesh, P("data"))
+    out = []
+    for s in range(worker.FSDP_STEPS):
+        parts = [worker.fsdp_batch(s, pid, 4) for pid in range(2)]
+        x = jax.device_put(np.concatenate([p[0] for p in parts]), batch_sh)
+        y = jax.device_put(np.concatenate([p[1] for p in parts]), batch_sh)
+        params, opt_state = step(params, opt_state, x, y)
+        assert params["w"].sharding.is_equivalent_to(NamedSharding(mesh, specs["w"]), 2)
+        out.append(
+            {
+                "last_finite": bool(opt_state.last_finite),
+                "scale": float(jamp.get_loss_scale(opt_state).scale).hex(),
+                "params": host(params),
+                "opt_state": host(opt_state),
+            }
+        )
+    return out
+
+
+def test_two_processes_fsdp_master_weights_loss_scaling_bit_match_one_process(workers):
+    """bfloat16 parameters sharded over both processes' devices, float32 masters, float16
+    compute and dynamic loss scaling: the overflow in process 0's rows at FSDP_BAD_STEP
+    skips the step on all 8 devices of both processes (parameters, masters, counters and
+    inner state unchanged, the scale halved), and every step's parameters and optimizer
+    state equal, byte for byte, those of the same program run in one process. The sums
+    across devices are exact (mean absolute error, inputs multiples of 1/4, a power-of-two
+    learning rate, elementwise sgd): only there is the float32 arithmetic the same whatever
+    order gloo sums in. (Adam's state would bit-match too only where its sums do: see
+    docs/scaling-out.md on why sharded and unsharded adam differ in the last bit.)"""
+    import _multiprocess_worker as worker
+
+    r0, r1 = (r["fsdp"] for r in workers)
+    assert len(r0) == len(r1) == worker.FSDP_STEPS
+    for pid, r in enumerate((r0, r1)):
+        for s, rec in enumerate(r):
+            assert rec["last_finite"] == [s != worker.FSDP_BAD_STEP] * 4, (pid, s)
+            assert rec["skipped_steps"] == [int(s >= worker.FSDP_BAD_STEP)] * 4, (pid, s)
+            # FSDP: each process holds its own 4 rows of the bfloat16 kernel, one per device
+            assert rec["w_dtype"] == "bfloat16"
+            rows = [r for r, _ in rec["params"]["['w']"]]
+            assert rows == [[4 * pid + d, 4 * pid + d + 1] for d in range(4)], rows
+    assert [(a["scale"], a["last_finite"]) for a in r0] == [
+        (b["scale"], b["last_finite"]) for b in r1
+    ]
+
+    def assembled(rec, part):
+        """Both processes' shards of every leaf, by row range (a replicated leaf: one)."""
+        out = {}
+        for r in (r0, r1):
+            for k, shards in r[rec][part].items():
+                for rows, h in shards:
+                    assert out.setdefault(k, {}).setdefault(tuple(rows), h) == h, (k, rows)
+        return out
+
+    def expected(tree):
+        """A host tree cut as the workers report it."""
+        out = {}
+        for k, v in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            v = np.asarray(v)
+            key = jax.tree_util.keystr(k)
+            if key.endswith("['w']") and v.ndim == 2 and v.shape[0] == worker.FSDP_IN:
+                out[key] = {(i, i + 1): v[i : i + 1].tobytes().hex() for i in range(v.shape[0])}
+            else:
+                out[key] = {(None, None): v.tobytes().hex()}
+        return out
+
+    ref = fsdp_reference(worker)
+    bad = worker.FSDP_BAD_STEP
+    assert assembled(bad, "params") == assembled(bad - 1, "params"), "the skipped step moved"
+    inner = {k: v for k, v in assembled(bad, "opt_state").items() if "inner_state" in k}
+    assert inner == {k: assembled(bad - 1, "opt_state")[k] for k in inner}, "masters moved"
+    assert float.fromhex(r0[bad]["scale"]) == float.fromhex(r0[bad - 1]["scale"]) / 2
+    for s in range(1, worker.FSDP_STEPS):
+        if s != bad:
+            assert assembled(s, "params") != assembled(s - 1, "params"), f"step {s} did not apply"
+    for s, want in enumerate(ref):
+        got = r0[s]
+        assert (got["last_finite"][0], got["scale"]) == (want["last_finite"], want["scale"]), s
+        assert assembled(s, "params") == expected(want["params"]), f"step {s}: parameters"
+        assert assembled(s, "opt_state") == expected(want["opt_state"]), f"step {s}: state"
 
 
 # ---------------------------------- shard_map with check_vma (default) on
