@@ -345,3 +345,25 @@ def test_the_stage_costs_nothing_in_the_compiled_step():
         ours = jax.make_jaxpr(with_scaler, static_argnums=3)(scaler.init(), *args)
         theirs = jax.make_jaxpr(by_hand, static_argnums=3)(jamp.dynamic_loss_scale(1024.0), *args)
         assert str(ours) == str(theirs), unscale_first
+
+
+# ---------------------------------------------------------------- reduce_dtype
+
+
+def test_jaxs_conv_kernel_transpose_has_the_signature_autocast_calls():
+    """``autocast.sums`` makes a sharded conv's kernel gradient with jax's private
+    transpose rule (half operands, ``preferred_element_type=float32``; no public route
+    gives that), reading only the undefined kernel's ``aval``: the same on jax 0.10.2 and
+    0.12.1. If jax renames or changes it, ``tests/autocast/test_autocast_reduce_dtype.py``
+    fails too; mirror the new rule in ``_conv_kernel_cotangent``."""
+    import inspect
+
+    from jax._src.lax.convolution import _conv_general_dilated_transpose_rhs as rule
+
+    assert list(inspect.signature(rule).parameters) == [
+        "g", "lhs", "rhs", "window_strides", "padding", "lhs_dilation", "rhs_dilation",
+        "dimension_numbers", "feature_group_count", "batch_group_count", "precision",
+        "preferred_element_type", "out_sharding",
+    ]  # fmt: skip
+    source = inspect.getsource(rule)
+    assert "rhs.aval" in source and "rhs." not in source.replace("rhs.aval", "")

@@ -9,6 +9,7 @@ bfloat16 against float32's); the GPU programs' collectives are in
 ``tests/test_gpu_compile_8.py``.
 """
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -186,3 +187,98 @@ def test_an_explicit_mesh_gets_float32_gradients_sharded_as_the_parameters(spec)
     for a, b in zip(got, one, strict=True):
         assert a.dtype == jnp.float32 and a.sharding.spec == spec
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * float(jnp.max(jnp.abs(b))))
+
+
+# ---------------------------------------------------------------- convolutions
+
+
+class _CNN(nn.Module):
+    """A Flax conv, then a depthwise one (feature groups: jax's transpose makes them batch
+    groups), each kernel (3, 3, ., 8) float32."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(8, (3, 3))(x))
+        return nn.Conv(8, (3, 3), strides=2, feature_group_count=8)(x)
+
+
+def _cnn_loss(params, x):
+    return jnp.mean(jnp.square(_CNN().apply({"params": params}, x).astype(jnp.float32)))
+
+
+def _all_convs(closed):
+    """Every conv_general_dilated of a closed jaxpr: (operand dtypes, preferred type, out)."""
+    found = []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "conv_general_dilated":
+                ins = tuple(str(v.aval.dtype) for v in eqn.invars)
+                preferred = eqn.params["preferred_element_type"]
+                preferred = None if preferred is None else str(np.dtype(preferred))
+                found.append((ins, preferred, str(eqn.outvars[0].aval.dtype)))
+            for v in eqn.params.values():
+                for j in v if isinstance(v, (list, tuple)) else [v]:
+                    inner = getattr(j, "jaxpr", j)
+                    if hasattr(inner, "eqns"):
+                        walk(inner)
+
+    walk(closed.jaxpr)
+    return found
+
+
+F32_CONV = (("bfloat16", "bfloat16"), "float32", "float32")  # half operands, float32 sums
+HALF_CONV = (("bfloat16", "bfloat16"), None, "bfloat16")
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    """The CNN's parameters and a batch of 16 8x8x4 images, on one device and on the mesh
+    of 8 (data parallel: kernels replicated, the batch sharded)."""
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 8, 8, 4)), jnp.float32)
+    shapes = {"Conv_0": (3, 3, 4, 8), "Conv_1": (3, 3, 1, 8)}  # what _CNN().init makes
+    params = {
+        k: {"kernel": jnp.asarray(rng.standard_normal(s) / 3, jnp.float32),
+            "bias": jnp.asarray(rng.standard_normal(8) / 8, jnp.float32)}
+        for k, s in shapes.items()
+    }  # fmt: skip
+    mesh = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    on_mesh = (
+        jax.device_put(params, NamedSharding(mesh, P())),
+        jax.device_put(x, NamedSharding(mesh, P("data"))),
+    )
+    return (params, x), on_mesh
+
+
+def test_a_conv_kernels_gradient_is_a_float32_conv_of_half_operands_when_sharded(cnn):
+    one, on_mesh = cnn
+    grad = jax.jit(jax.grad(jamp.autocast(_cnn_loss, BF16)))
+    # one device: every conv is jax's half conv (the suite's one-GPU programs unchanged)
+    assert set(_all_convs(grad.trace(*one).jaxpr)) == {HALF_CONV}
+    # sharded: each kernel's gradient (the regular and the depthwise conv's) accumulates
+    # into float32 from the bfloat16 input and output cotangent; the forward convs and the
+    # hidden activation's cotangent stay half convs
+    sharded = _all_convs(grad.trace(*on_mesh).jaxpr)
+    assert sharded.count(F32_CONV) == 2 and set(sharded) == {F32_CONV, HALF_CONV}, sharded
+    assert sharded.count(HALF_CONV) >= 3, sharded  # 2 forward, 1 the activation's cotangent
+    half = jax.jit(jax.grad(jamp.autocast(_cnn_loss, BF16, reduce_dtype=BF16)))
+    assert set(_all_convs(half.trace(*on_mesh).jaxpr)) == {HALF_CONV}
+    explicit = jax.grad(jamp.autocast(_cnn_loss, BF16, reduce_dtype=jnp.float32))
+    assert _all_convs(jax.make_jaxpr(explicit)(*one)).count(F32_CONV) == 2
+
+
+def test_a_sharded_conv_gradient_equals_one_devices_within_float32_reduction(cnn):
+    one, on_mesh = cnn
+    loss = jamp.autocast(_cnn_loss, BF16)
+    wide = jamp.autocast(_cnn_loss, BF16, reduce_dtype=jnp.float32)
+    value, ref = jax.jit(jax.value_and_grad(wide))(*one)
+    assert value == jax.jit(loss)(*one)  # forward values bit for bit
+    got = jax.jit(jax.grad(loss))(*on_mesh)
+    for path, a in jax.tree_util.tree_leaves_with_path(got):
+        b = ref[path[0].key][path[1].key]
+        assert a.dtype == jnp.float32
+        # the same float32 sums in another order: float32's rounding only (a bias's
+        # gradient sums 1,024 positions that cancel, so its bound is wider)
+        tol = 1e-6 if path[1].key == "kernel" else 1e-5
+        np.testing.assert_allclose(a, b, rtol=0, atol=tol * float(jnp.max(jnp.abs(b))))

@@ -395,8 +395,9 @@ def wide_gradients(s: Step, c: Casting) -> set[int]:
     """The operands of a half ``dot_general`` whose gradients its transposed product makes in
     float32 (``Context.reduce_dtype``; by default where the program is sharded): traced
     float32 (or half) values that are not low activations (a parameter; a float32 input or
-    residual stream), cast down to the half dtype here."""
-    if s.name != "dot_general":
+    residual stream), cast down to the half dtype here. Of a ``conv_general_dilated``, the
+    kernel only (its right operand): the input's cotangent is not summed across devices."""
+    if s.name not in ("dot_general", "conv_general_dilated"):
         return set()
     wanted = s.ctx.reduce_dtype
     if wanted is None:  # the default: float32 in a sharded program
@@ -409,7 +410,8 @@ def wide_gradients(s: Step, c: Casting) -> set[int]:
     return {
         i
         for i, dtype in c.targets.items()
-        if half(dtype)
+        if (i == 1 or s.name == "dot_general")
+        and half(dtype)
         and np.dtype(s.invals[i].dtype) in (FLOAT32_DTYPE, np.dtype(dtype))
         and s.infos[i].kind == TRACED
         and not s.infos[i].low

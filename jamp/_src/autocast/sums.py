@@ -193,7 +193,9 @@ def scatters_half(eqn: jex_core.JaxprEqn, invals: Sequence[Value], infos: Sequen
 # transposed product for such an operand with ``preferred_element_type=float32``: the same
 # half operands, accumulated into and returned in float32, the sum across devices in float32
 # (PyTorch FSDP2's ``MixedPrecisionPolicy(reduce_dtype=float32)``). Forward values are the
-# same bit for bit.
+# same bit for bit. A convolution's kernel gets the same: its gradient is the transposed
+# convolution of the half input and output cotangent, accumulated into float32; the
+# input's cotangent is jax's own.
 
 
 def sharded(x: Value) -> bool:
@@ -261,7 +263,36 @@ def _explicit(like: Value | None, out_axes: Sequence[int]) -> Any:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*pre))
 
 
+def _conv_kernel_cotangent(g: Value, ys: Sequence[Value], params: Mapping, dtype: DTypeLike):
+    """The cotangent of a ``conv_general_dilated``'s kernel (its right operand) for its
+    output's cotangent ``g``: jax's own transposed convolution of the same half operands,
+    accumulated into and returned in ``dtype``, sharded as the kernel (depthwise and
+    grouped convolutions included: jax's rule turns the feature groups into batch groups).
+
+    jax's rule is private (``tests/test_implementation_pins.py`` pins its signature). No
+    public route gives half operands with a float32 output: the ``vjp`` of a convolution
+    with ``preferred_element_type=float32`` has a float32 cotangent, and its transpose
+    casts the input up to it (a float32 convolution)."""
+    from jax._src.lax.convolution import _conv_general_dilated_transpose_rhs
+
+    lhs, rhs = ys
+    if np.size(g) == 0:
+        return jnp.zeros(np.shape(rhs), dtype)
+
+    class Kernel:  # what jax's rule reads of the undefined kernel: its abstract value
+        aval = jax.typeof(rhs).update(dtype=np.dtype(dtype))
+
+    keys = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers",
+            "feature_group_count", "batch_group_count", "precision")  # fmt: skip
+    return _conv_general_dilated_transpose_rhs(
+        g, lhs, Kernel, **{k: params[k] for k in keys}, preferred_element_type=dtype,
+        out_sharding=params.get("out_sharding"),
+    )  # fmt: skip
+
+
 def _cotangent(i: int, g: Value, ys: Sequence[Value], params: Mapping, dtype: DTypeLike):
+    if "window_strides" in params:  # a convolution: only its kernel is in ``wide``
+        return _conv_kernel_cotangent(g, ys, params, dtype)
     (lc, rc), (lb, rb) = params["dimension_numbers"]
     precision = params.get("precision")
     if i == 0:
@@ -280,7 +311,8 @@ def product_with_wide_gradients(
     wide: Collection[int],
     params: Mapping[str, object],
 ) -> list[Value]:
-    """``bind`` (a ``dot_general``) on ``vals`` cast to ``targets``, the operands in ``wide``
+    """``bind`` (a ``dot_general``, or a ``conv_general_dilated`` with its kernel in
+    ``wide``) on ``vals`` cast to ``targets``, the operands in ``wide``
     (float32 values cast down) getting their cotangents from a product accumulated into, and
     returned in, float32; the other operands' cotangents are jax's own."""
 
