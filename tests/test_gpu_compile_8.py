@@ -265,3 +265,40 @@ def test_a_gpt_blocks_bytes_and_temp_per_device(gpt):
     bf16 = gpt("autocast(bf16)")
     assert gpt("bf16 params (master_weights)")["bytes"] < bf16["bytes"]
     assert gpt("autocast(bf16)", "bfloat16")["bytes"] < bf16["bytes"]
+
+
+# ---------------------------------------------------------------- a CNN (data parallel)
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    """The benchmarks' Flax CNN (two 3x3 convs with GroupNorm, a Dense head), batch 8 of
+    8x8x3 images, under ``autocast(bf16)``, with ``reduce_dtype`` None and bfloat16: two
+    compiles. The conv kernels ((3, 3, 3, 8), (3, 3, 8, 16)) stay replicated (3 does not
+    divide over 8): data parallelism, their gradients all-reduced; the Dense kernel is
+    FSDP (``collectives.fsdp_spec``)."""
+    from benchmarks import models
+
+    model = models.cnn((8, 16), 4, 8, 8)
+    kernels = [a.size for a in jax.tree.leaves(model.params) if a.ndim == 4]
+    out = {}
+    for reduce in (None, "bfloat16"):
+        with jax.numpy_rank_promotion("allow"):  # the benchmarks' models broadcast
+            p = xla_gpu.analyse(C.compile_model(model, reduce_dtype=reduce))
+        out[reduce] = {"collectives": xla_gpu.collectives(p.text), "bytes": p.bytes}
+    return out, sum(kernels)
+
+
+def test_a_cnns_conv_kernel_gradients_are_all_reduced_in_float32_by_default(cnn):
+    # autocast's conv kernel gradients are transposed convs accumulated into float32 in a
+    # sharded program (autocast.sums): the all-reduce of the kernels' gradients is float32
+    # (XLA combines it with the biases' and norms', float32 anyway); with
+    # reduce_dtype=bfloat16 it is bfloat16, the conv kernels' elements exactly.
+    out, kernels = cnn
+    default, option = out[None]["collectives"], out["bfloat16"]["collectives"]
+    reduces = [c for c in default if c.kind in ("all-reduce", "reduce-scatter")]
+    assert {c.dtype for c in reduces} == {"f32"}
+    assert sum(c.elements for c in default if c.kind == "all-reduce") > kernels
+    assert [c.elements for c in option if c.kind == "all-reduce" and c.dtype == "bf16"] == [kernels]
+    assert {c.dtype for c in option if c.kind == "reduce-scatter"} == {"bf16"}  # the Dense's
+    assert out["bfloat16"]["bytes"] < out[None]["bytes"]
