@@ -263,7 +263,9 @@ def _explicit(like: Value | None, out_axes: Sequence[int]) -> Any:
     return jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(*pre))
 
 
-def _conv_kernel_cotangent(g: Value, ys: Sequence[Value], params: Mapping, dtype: DTypeLike):
+def _conv_kernel_cotangent(
+    g: Value, ys: Sequence[Value], params: Mapping, dtype: DTypeLike
+) -> jax.Array:
     """The cotangent of a ``conv_general_dilated``'s kernel (its right operand) for its
     output's cotangent ``g``: jax's own transposed convolution of the same half operands,
     accumulated into and returned in ``dtype``, sharded as the kernel (depthwise and
@@ -284,10 +286,11 @@ def _conv_kernel_cotangent(g: Value, ys: Sequence[Value], params: Mapping, dtype
 
     keys = ("window_strides", "padding", "lhs_dilation", "rhs_dilation", "dimension_numbers",
             "feature_group_count", "batch_group_count", "precision")  # fmt: skip
-    return _conv_general_dilated_transpose_rhs(
+    out: Any = _conv_general_dilated_transpose_rhs(  # not jax's Zero: g is not empty
         g, lhs, Kernel, **{k: params[k] for k in keys}, preferred_element_type=dtype,
         out_sharding=params.get("out_sharding"),
     )  # fmt: skip
+    return out
 
 
 def _cotangent(i: int, g: Value, ys: Sequence[Value], params: Mapping, dtype: DTypeLike):
