@@ -253,8 +253,9 @@ def autocast(
         telemetry argument and reports each product's telemetry as its
         gradient (``docs/float8.md``, "Telemetry").
       reduce_dtype: the dtype of the gradient of a parameter (float32, or half) that a
-        half product reads, and so the dtype XLA sums it in across devices under FSDP
-        or data parallelism (PyTorch FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)``).
+        half product reads (a matrix product's operand, a convolution's kernel), and so
+        the dtype XLA sums it in across devices under FSDP or data parallelism (PyTorch
+        FSDP2's ``MixedPrecisionPolicy(reduce_dtype=)``).
         ``float32``: its transposed product accumulates into float32 from the same half
         operands, and the reduce-scatter or all-reduce is float32. The low-precision
         dtype: the half product's own transpose, summed in half precision, for half the
