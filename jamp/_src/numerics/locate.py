@@ -15,6 +15,7 @@ import numpy as np
 from jamp._src.autocast.interpreter import annotated_rules
 from jamp._src.lookup import metrics
 from jamp._src.loss_scale import LossScaleState
+from jamp._src.numerics.loops import LOOPS, body, first_bad, inputs_of, label, loop_inputs
 from jamp._src.numerics.program import (
     Chunked,
     Op,
@@ -67,6 +68,13 @@ class NonfiniteSite:
       constant: whether no operation made a non-finite value from finite inputs, and
         this one is the first to read a non-finite constant (an array the function
         captured, or a literal) into a non-finite output: that constant's first use.
+      iteration: for an operation inside a loop, the iteration that made the value,
+        one per enclosing loop, outermost first: a ``scan``'s position in the arrays it
+        scans (the layer of a scanned stack, the time step of a recurrent network, the
+        same in the backward pass's reversed scan), a ``while``'s count of iterations
+        before it, a ``cond``'s branch; None outside loops (``index`` is then the
+        outermost loop's position).
+      loops: for each enclosing loop, ``"iteration 3 of scan at model.py:12 (f)"``.
     """
 
     primitive: str
@@ -80,6 +88,8 @@ class NonfiniteSite:
     index: int
     argument: str = ""
     constant: bool = False
+    iteration: tuple[int, ...] | None = None
+    loops: tuple[str, ...] = ()
 
     @property
     def pass_(self) -> str:
@@ -90,6 +100,7 @@ class NonfiniteSite:
             return f"the argument {self.argument} is not finite: the step was given it"
         where = f"{self.primitive} at {self.line}" + (f" in {self.path}" if self.path else "")
         what = f"{self.pass_} pass" + (f", {self.role}" if self.role else "")
+        what += "".join(f", {loop}" for loop in self.loops)
         if self.constant:
             made = (
                 f"it reads a non-finite constant (an array the function captured, or a "
@@ -215,8 +226,13 @@ def search(
     walk over the flags (which operation made a non-finite value from finite inputs,
     which of those reach the outputs) runs here, in NumPy. The located operation's
     counts and magnitudes come from the same run: each value's NaN and inf counts and
-    largest magnitude, summed and maximised beside its flag."""
-    chunked = chunked or Chunked(program, observe=nonfinite_counts, maxima=1)
+    largest magnitude, summed and maximised beside its flag. When that operation is a
+    loop whose inputs are finite, its iterations run again (``loops.first_bad``) and
+    the first whose outputs are not finite is searched the same way: the site is the
+    operation inside, with the iteration."""
+    chunked = chunked or Chunked(
+        program, observe=nonfinite_counts, maxima=1, keep=loop_inputs(program)
+    )
     env, _, seen = chunked.run(flat)
     bad: dict[int, bool] = {}  # value id -> whether it holds an inf or a NaN
     for i, x in zip(program.inputs, flat, strict=True):
@@ -267,7 +283,38 @@ def search(
         else:  # an argument, a constant or a literal, read here
             x = a[1] if isinstance(a, tuple) else known.get(a, program.consts.get(a))
             magnitudes.append(float(np.max(np.abs(_host(x)))))
+    if op.name in LOOPS and not constant:
+        inner = _inside(program, op, env, flat, paths)
+        if inner is not None:
+            return inner
     return site(program, paths, True, first, counts, magnitudes, constant)
+
+
+def _inside(
+    program: Program, op: Op, env: dict[int, Any], flat: Sequence[Any], paths: Sequence[str]
+) -> NonfiniteSite | None:
+    """The site inside loop ``op`` (finite inputs, non-finite outputs): its first
+    iteration with a non-finite output, searched as a program of its own; None when no
+    iteration is found (the outputs' non-finite values came otherwise)."""
+    found = first_bad(op, inputs_of(program, op, env, flat))
+    if found is None:
+        return None
+    iteration, args = found
+    inner = body(op, iteration if op.name == "cond" else 0)
+    named = dict(zip(program.inputs, paths, strict=True))
+    ins = op.ins[1:] if op.name == "cond" else op.ins
+    if op.name == "while":  # the body reads the body's constants and the carry
+        ins = ins[int(op.params["cond_nconsts"]) :]
+    names = [named.get(a, "") if isinstance(a, int) else "" for a in ins]
+    where = search(inner, args, names)
+    if where is None:
+        return None
+    return dataclasses.replace(
+        where,
+        index=op.index,
+        iteration=(iteration, *(where.iteration or ())),
+        loops=(label(op, iteration), *where.loops),
+    )
 
 
 def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Array, ...]:

@@ -47,7 +47,8 @@ class Op:
     value)``; ``line`` is the user's source line; ``path`` the module path of the name
     stack (``CNN/Dense_0``); ``backward`` whether it is in the backward pass;
     ``quantize`` whether it is one of a float8 quantisation's operations (its name stack
-    holds ``SCOPE_QUANTIZE``)."""
+    holds ``SCOPE_QUANTIZE``); ``scope`` its whole name stack (a loop's body is flattened
+    under its loop's)."""
 
     index: int
     primitive: jex_core.Primitive
@@ -60,6 +61,7 @@ class Op:
     path: str
     backward: bool
     quantize: bool = False
+    scope: str = ""
 
     @property
     def name(self) -> str:
@@ -79,8 +81,9 @@ class Program:
     source: ClosedJaxpr | None = None
 
 
-def flatten(closed: ClosedJaxpr) -> Program:
-    """``closed`` as one list of operations, grouping calls inlined."""
+def flatten(closed: ClosedJaxpr, stack: str = "", backward: bool = False) -> Program:
+    """``closed`` as one list of operations, grouping calls inlined. A loop's body is
+    flattened under the loop's name stack (``stack``) and pass (``backward``)."""
     ops: list[Op] = []
     consts: dict[int, Any] = {}
     producer: dict[int, Op] = {}
@@ -122,8 +125,9 @@ def flatten(closed: ClosedJaxpr) -> Program:
                 out_avals=tuple(v.aval for v in eqn.outvars),
                 line=user_line(eqn.source_info),
                 path=module_path(here),
-                backward="transpose(" in here,
+                backward=backward or "transpose(" in here,
                 quantize=SCOPE_QUANTIZE in re.split(r"[/()]", here),
+                scope=here,
             )
             ops.append(op)
             for i in outs:
@@ -137,7 +141,7 @@ def flatten(closed: ClosedJaxpr) -> Program:
     for v in closed.jaxpr.invars:
         env[v] = i = next(counter)
         inputs.append(i)
-    walk(closed.jaxpr, env, "")
+    walk(closed.jaxpr, env, stack)
     outputs = [atom(env, v) for v in closed.jaxpr.outvars]
     return Program(ops, consts, inputs, outputs, producer, closed)
 
@@ -328,7 +332,8 @@ class Chunked:
     ``wide`` maps value ids to the chunk's widened values (with ``paired``), holding
     those of ``extra(op)`` too: the values an observation reads beside the operation's
     own. Each chunk compiles once, on its first run; a later run, whole or stopped
-    early, reuses it."""
+    early, reuses it. The values ``keep`` names stay live to the end of a ``run`` (a
+    loop's inputs, which ``jamp.debug`` enters after)."""
 
     def __init__(
         self,
@@ -340,6 +345,7 @@ class Chunked:
         finish: Callable[[jax.Array], jax.Array] = lambda sums: sums,
         maxima: int = 0,
         size: int = CHUNK,
+        keep: Sequence[Any] = (),
     ) -> None:
         self.program, self.paired, self.observe, self.size = program, paired, observe, size
         self.finish, self.maxima = finish, maxima
@@ -358,7 +364,7 @@ class Chunked:
                 made.update(op.outs)
             reads.append(list(mine))
         end = len(self.bounds)
-        for a in program.outputs:
+        for a in (*program.outputs, *keep):
             if isinstance(a, int):
                 last[a] = end
         self.reads, self.last, self.extra = reads, last, extra
@@ -408,15 +414,22 @@ class Chunked:
         return jax.jit(body)
 
     def run(
-        self, args: Sequence[Any], *, until: int | None = None
+        self,
+        args: Sequence[Any],
+        *,
+        until: int | None = None,
+        wide_args: Sequence[Any] | None = None,
     ) -> tuple[dict[int, Any], dict[int, Any], list[Any]]:
         """Evaluate the chunks on ``args`` (all, or up to the one holding operation
-        ``until``). Returns the values live after the last chunk run (by id; the widened
+        ``until``; with ``paired``, beside ``wide_args``, by default ``args`` widened).
+        Returns the values live after the last chunk run (by id; the widened
         ones too with ``paired``) and what the observations gave, for ``observed``."""
         program = self.program
         env: dict[int, Any] = dict(program.consts)
         env.update(zip(program.inputs, args, strict=True))
         wide = {k: wide_value(v) for k, v in env.items()} if self.paired else {}
+        if self.paired and wide_args is not None:
+            wide.update(zip(program.inputs, wide_args, strict=True))
         seen: list[Any] = []
         for c, (lo, _) in enumerate(self.bounds):
             if until is not None and lo > until:

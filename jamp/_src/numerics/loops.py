@@ -1,0 +1,186 @@
+"""Inside loops: a ``scan``, a ``while`` or a ``cond`` of the flattened program, entered.
+
+The flattened program keeps each loop one operation (``program.flatten``), so the step
+compiles as it is. When ``jamp.debug`` needs what happened inside one, it runs the loop
+again here, from the inputs the step gave it: for the locator, the loop's body once per
+iteration in one compiled loop that stops at (or marks) the first iteration whose outputs
+are not finite, and that iteration's inputs; for the report, every iteration's inputs,
+the body evaluated on each (``iterations``). The body is flattened under the loop's name
+stack and pass (``body``), so its operations carry their own source lines and module
+paths, and an iteration's body is searched, or reported, as a program of its own.
+
+An iteration is counted as the loop counts it: for a ``scan``, the position in the
+arrays it scans (the layer of a scanned stack, the time step of a recurrent network),
+the same in the backward pass's reversed scan; for a ``while``, how many iterations ran
+before; for a ``cond``, the branch taken.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.extend import core as jex_core
+
+from jamp._src.jaxprs import ClosedJaxpr, scan_counts
+from jamp._src.numerics.program import COMPILER_OPTIONS, Chunked, Op, Program, flatten
+
+# The loops jamp.debug enters.
+LOOPS = frozenset({"scan", "while", "cond"})
+
+
+def _closed(jaxpr: Any) -> ClosedJaxpr:
+    return jaxpr if isinstance(jaxpr, ClosedJaxpr) else ClosedJaxpr(jaxpr, ())
+
+
+def _jaxpr(op: Op, branch: int = 0) -> ClosedJaxpr:
+    """The body a loop operation runs: a scan's or a while's body, a cond's branch."""
+    if op.name == "scan":
+        return _closed(op.params["jaxpr"])
+    if op.name == "while":
+        return _closed(op.params["body_jaxpr"])
+    return _closed(op.params["branches"][branch])
+
+
+def body(op: Op, branch: int = 0) -> Program:
+    """The body of loop ``op`` (a cond's ``branch``), flattened under its name stack and
+    pass; an operation of the body with no source line of its own gets the loop's."""
+    program = flatten(_jaxpr(op, branch), op.scope, op.backward)
+    ops = [
+        o if o.line != "?" else dataclasses.replace(o, line=op.line) for o in program.ops
+    ]  # fmt: skip
+    producer = {v: ops[o.index] for v, o in program.producer.items()}
+    return Program(ops, program.consts, program.inputs, program.outputs, producer, program.source)
+
+
+def label(op: Op, iteration: int) -> str:
+    """``iteration 3 of scan at model.py:12 (f)``, ``branch 1 of cond at ...``."""
+    what = "branch" if op.name == "cond" else "iteration"
+    return f"{what} {iteration} of {op.name} at {op.line}"
+
+
+def _any_bad(values: Sequence[Any]) -> jax.Array:
+    flags = [
+        ~jnp.all(jnp.isfinite(x))
+        for x in values
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return jnp.any(jnp.stack(flags)) if flags else jnp.array(False)
+
+
+def _compiled(fun: Any, *args: Any) -> Any:
+    return jax.jit(fun).lower(*args).compile(dict(COMPILER_OPTIONS))(*args)
+
+
+def _scan_parts(op: Op, ins: Sequence[Any]) -> tuple[list, list, list]:
+    consts, carry = scan_counts(op.params)
+    ins = list(ins)
+    return ins[:consts], ins[consts : consts + carry], ins[consts + carry :]
+
+
+def first_bad(op: Op, ins: Sequence[Any]) -> tuple[int, list[Any]] | None:
+    """The first iteration of loop ``op``, run on its inputs ``ins``, whose outputs hold an
+    inf or a NaN, and that iteration's inputs (its body's arguments); None if none. A
+    cond's taken branch is its one iteration."""
+    if op.name == "cond":
+        branches = op.params["branches"]
+        index = int(np.clip(np.asarray(ins[0]), 0, len(branches) - 1))
+        return index, list(ins[1:])
+    fun = jex_core.jaxpr_as_fun(_jaxpr(op))
+    if op.name == "scan":
+        consts, carry, xs = _scan_parts(op, ins)
+        count = len(carry)
+        length, reverse = int(op.params["length"]), bool(op.params["reverse"])
+
+        def run_scan(consts: list, carry: list, xs: list) -> tuple[list, jax.Array]:
+            def step(c: list, x: list) -> tuple[list, tuple[list, jax.Array]]:
+                outs = fun(*consts, *c, *x)
+                return list(outs[:count]), (c, _any_bad(outs))
+
+            _, (carries, bad) = lax.scan(step, carry, xs, length=length, reverse=reverse)
+            return carries, bad
+
+        carries, bad = _compiled(run_scan, consts, carry, xs)
+        flags = np.asarray(bad)
+        if not flags.any():
+            return None
+        k = int(len(flags) - 1 - np.argmax(flags[::-1]) if reverse else np.argmax(flags))
+        return k, [*consts, *(c[k] for c in carries), *(x[k] for x in xs)]
+    # while: cond consts, body consts, carry
+    nc, nb = int(op.params["cond_nconsts"]), int(op.params["body_nconsts"])
+    test = jex_core.jaxpr_as_fun(_closed(op.params["cond_jaxpr"]))
+    cconsts, bconsts, carry = list(ins[:nc]), list(ins[nc : nc + nb]), list(ins[nc + nb :])
+
+    def run_while(cconsts: list, bconsts: list, carry: list) -> tuple:
+        def go(s: tuple) -> jax.Array:
+            return test(*cconsts, *s[1])[0] & ~s[3]
+
+        def step(s: tuple) -> tuple:
+            new = list(fun(*bconsts, *s[1]))
+            return s[0] + 1, new, s[1], _any_bad(new)
+
+        return lax.while_loop(go, step, (jnp.int32(0), carry, carry, jnp.array(False)))
+
+    count, _, before, bad = _compiled(run_while, cconsts, bconsts, carry)
+    if not bool(bad):
+        return None
+    return int(count) - 1, [*bconsts, *before]
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _unstack(arrays: Any, length: int) -> Any:
+    """Each of ``arrays``' lists of scanned arrays, as ``length`` lists of slices."""
+    return tuple([[x[k] for x in xs] for k in range(length)] for xs in arrays)
+
+
+@dataclasses.dataclass
+class Iterations:
+    """A scan's iterations for the report: its body (``body``), compiled once in chunks
+    (``chunked``) and run on each iteration's inputs, as it is and widened."""
+
+    op: Op
+    body: Program
+    chunked: Chunked
+
+    def run(
+        self, ins: Sequence[Any], wide_ins: Sequence[Any]
+    ) -> Iterator[tuple[int, dict, dict, list]]:
+        """Per iteration, in the order the scan runs them: its index, and the body's
+        values and observations (``Chunked.run``'s) on that iteration's inputs, the
+        carry passed on as it is and widened."""
+        consts, carry, xs = _scan_parts(self.op, ins)
+        wconsts, wcarry, wxs = _scan_parts(self.op, wide_ins)
+        length, reverse = int(self.op.params["length"]), bool(self.op.params["reverse"])
+        slices, wide_slices = _unstack((xs, wxs), length)  # one program, not one per slice
+        for k in reversed(range(length)) if reverse else range(length):
+            args = [*consts, *carry, *slices[k]]
+            wide_args = [*wconsts, *wcarry, *wide_slices[k]]
+            env, wide, seen = self.chunked.run(args, wide_args=wide_args)
+            carry = self.chunked.outputs(env)[: len(carry)]
+            wcarry = self.chunked.outputs(wide, True)[: len(wcarry)]
+            yield k, env, wide, seen
+
+
+def loop_inputs(program: Program, names: Sequence[str] = ("scan", "while", "cond")) -> list[Any]:
+    """The value ids that ``program``'s loops (of ``names``) read, for ``Chunked(keep=)``."""
+    return [a for op in program.ops if op.name in names for a in op.ins if isinstance(a, int)]
+
+
+def inputs_of(program: Program, op: Op, env: dict[int, Any], args: Sequence[Any]) -> list[Any]:
+    """The values ``op`` read in a run of ``program`` on ``args`` that left ``env``: from
+    ``env`` where it kept them, else from a run of the operations before ``op``."""
+    missing = [a for a in op.ins if isinstance(a, int) and a not in env]
+    if missing:
+        before = Program(
+            program.ops[: op.index], program.consts, program.inputs, list(op.ins),
+            program.producer, None,
+        )  # fmt: skip
+        chunked = Chunked(before)
+        env = {**env, **chunked.run(args)[0]}
+    return [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
