@@ -43,7 +43,7 @@ def _gru_loss(params, x, scale):
 @pytest.fixture(scope="module")
 def gru():
     x = jax.random.normal(jax.random.key(1), (2, 6, 4))
-    return GRU_MODEL.init(jax.random.key(0), x), x
+    return jax.jit(GRU_MODEL.init)(jax.random.key(0), x), x  # one compile, not one per op
 
 
 def test_gru_backward_overflow_is_named_at_its_time_step(gru):
@@ -129,7 +129,7 @@ def _stack_loss(params, x, scale):
 @pytest.fixture(scope="module")
 def stack():
     x = jax.random.normal(jax.random.key(1), (2, 4, 32))
-    return STACK.init(jax.random.key(0), x), x
+    return jax.jit(STACK.init)(jax.random.key(0), x), x
 
 
 def _scaled(params, which, factor, layer=1):
@@ -163,3 +163,31 @@ def test_scanned_stack_backward_overflow_names_the_layer(stack):
     assert "layers" in site.path and site.line.startswith(
         _line_of(Block.__call__, "nn.Dense(")[:-3]
     )
+
+
+# ---------------------------------------------------------------- while and cond
+
+
+def _grow(w, x):
+    """A ``while`` over an argument that is not differentiated (reverse mode cannot go
+    through one): x multiplied by 10 at each of 50 iterations, which float32 holds for
+    38 of them; then a ``cond`` whose taken branch overflows for large ``w``."""
+
+    def body(c):
+        i, h = c
+        return i + 1, h * 10.0
+
+    _, h = jax.lax.while_loop(lambda c: c[0] < 50, body, (0, x))
+    y = jax.lax.cond(w[0] > 0, lambda v: jnp.exp(v), lambda v: v, w)
+    return jnp.sum(w * h) + jnp.sum(y)
+
+
+def test_while_and_cond_are_entered():
+    ones = jnp.ones(2)
+    site = jamp.debug.locate_nonfinite(_grow, ones, ones)
+    assert site is not None and site.iteration == (38,), str(site)
+    assert site.primitive == "mul" and "iteration 38 of while" in str(site)
+    assert site.line.startswith(_line_of(_grow, "h * 10.0") + " "), str(site)
+    site = jamp.debug.locate_nonfinite(_grow, jnp.full(2, 100.0), jnp.zeros(2))
+    assert site is not None and (site.primitive, site.iteration) == ("exp", (1,)), str(site)
+    assert "branch 1 of cond" in str(site) and not site.backward

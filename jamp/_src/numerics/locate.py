@@ -15,7 +15,15 @@ import numpy as np
 from jamp._src.autocast.interpreter import annotated_rules
 from jamp._src.lookup import metrics
 from jamp._src.loss_scale import LossScaleState
-from jamp._src.numerics.loops import LOOPS, body, first_bad, inputs_of, label, loop_inputs
+from jamp._src.numerics.loops import (
+    LOOPS,
+    Iterations,
+    body,
+    first_bad,
+    inputs_of,
+    label,
+    loop_inputs,
+)
 from jamp._src.numerics.program import (
     Chunked,
     Op,
@@ -295,18 +303,33 @@ def _inside(
 ) -> NonfiniteSite | None:
     """The site inside loop ``op`` (finite inputs, non-finite outputs): its first
     iteration with a non-finite output, searched as a program of its own; None when no
-    iteration is found (the outputs' non-finite values came otherwise)."""
-    found = first_bad(op, inputs_of(program, op, env, flat))
+    iteration is found (the outputs' non-finite values came otherwise). A scan's body
+    runs iteration by iteration in the search's own compiled chunks, until one is not
+    finite (a while's runs in a loop of its own, a cond's taken branch once)."""
+    ins = inputs_of(program, op, env, flat)
+    named = dict(zip(program.inputs, paths, strict=True))
+    given = op.ins[1:] if op.name == "cond" else op.ins
+    if op.name == "while":  # the body reads the body's constants and the carry
+        given = given[int(op.params["cond_nconsts"]) :]
+    names = [named.get(a, "") if isinstance(a, int) else "" for a in given]
+    chunked = None
+    if op.name == "scan":
+        inner = body(op)
+        chunked = Chunked(inner, observe=nonfinite_counts, maxima=1, keep=loop_inputs(inner))
+        found = None
+        for iteration, args, values in Iterations(op, inner, chunked).inputs(ins):
+            outs = jax.device_get(chunked.outputs(values))
+            if any(_floating(x) and not np.all(np.isfinite(_host(x))) for x in outs):
+                found = iteration, args
+                break
+    else:
+        found = first_bad(op, ins)
     if found is None:
         return None
     iteration, args = found
-    inner = body(op, iteration if op.name == "cond" else 0)
-    named = dict(zip(program.inputs, paths, strict=True))
-    ins = op.ins[1:] if op.name == "cond" else op.ins
-    if op.name == "while":  # the body reads the body's constants and the carry
-        ins = ins[int(op.params["cond_nconsts"]) :]
-    names = [named.get(a, "") if isinstance(a, int) else "" for a in ins]
-    where = search(inner, args, names)
+    if op.name != "scan":
+        inner = body(op, iteration if op.name == "cond" else 0)
+    where = search(inner, args, names, chunked)
     if where is None:
         return None
     return dataclasses.replace(

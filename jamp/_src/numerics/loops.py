@@ -148,6 +148,18 @@ class Iterations:
     body: Program
     chunked: Chunked
 
+    def inputs(self, ins: Sequence[Any]) -> Iterator[tuple[int, list[Any], dict]]:
+        """Per iteration, in the order the scan runs them: its index, its inputs and the
+        values the body's run on them kept (``Chunked.run``'s, unpaired)."""
+        consts, carry, xs = _scan_parts(self.op, ins)
+        length, reverse = int(self.op.params["length"]), bool(self.op.params["reverse"])
+        (slices,) = _unstack((xs,), length)  # one program, not one per slice
+        for k in reversed(range(length)) if reverse else range(length):
+            args = [*consts, *carry, *slices[k]]
+            env = self.chunked.run(args)[0]
+            yield k, args, env
+            carry = self.chunked.outputs(env)[: len(carry)]
+
     def run(
         self, ins: Sequence[Any], wide_ins: Sequence[Any]
     ) -> Iterator[tuple[int, dict, dict, list]]:
