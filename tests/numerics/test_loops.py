@@ -79,7 +79,13 @@ def test_gru_report_rows_are_the_cell_s_operations(gru):
     assert "GRUCell_0" in top.path, top
     inside = [r for r in report.rows if r.loops]
     assert any(r.backward for r in inside) and any(not r.backward for r in inside)
-    assert "(in the scan" in str(report)
+    # Source lines (issue 44, 5): autocast's casts and roundings, the scans it traced and
+    # their bodies' operations had none ('?'); each now has its nearest operation's.
+    assert all(r.line != "?" for r in report.rows), [r for r in report.rows if r.line == "?"]
+    assert {r.primitive for r in report.rows} >= {"reduce_precision", "convert_element_type"}
+    loop_line = _line_of(GRU.__call__, "nn.RNN(")
+    assert top.loops[0].startswith(f"scan at {loop_line} "), top.loops
+    assert f"(in the scan at {loop_line} " in str(report)
 
 
 # ---------------------------------------------------------------- a scanned transformer

@@ -29,6 +29,7 @@ from jamp._src.numerics.program import (
     Op,
     Program,
     evaluate,
+    fill_lines,
     flatten,
     mark_linearization,
     module_paths,
@@ -149,7 +150,7 @@ def step_program(
         ) from None
     flat = jax.tree_util.tree_leaves(tuple(args))
     value = len(jax.tree_util.tree_leaves(shape[0]))  # the loss and its auxiliary data
-    return mark_linearization(flatten(closed), value), flat, _paths(args)
+    return fill_lines(mark_linearization(flatten(closed), value)), flat, _paths(args)
 
 
 def locate_nonfinite(

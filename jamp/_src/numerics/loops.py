@@ -29,7 +29,14 @@ from jax import lax
 from jax.extend import core as jex_core
 
 from jamp._src.jaxprs import ClosedJaxpr, scan_counts
-from jamp._src.numerics.program import COMPILER_OPTIONS, Chunked, Op, Program, flatten
+from jamp._src.numerics.program import (
+    COMPILER_OPTIONS,
+    Chunked,
+    Op,
+    Program,
+    fill_lines,
+    flatten,
+)
 
 # The loops jamp.debug enters.
 LOOPS = frozenset({"scan", "while", "cond"})
@@ -50,8 +57,9 @@ def _jaxpr(op: Op, branch: int = 0) -> ClosedJaxpr:
 
 def body(op: Op, branch: int = 0) -> Program:
     """The body of loop ``op`` (a cond's ``branch``), flattened under its name stack and
-    pass; an operation of the body with no source line of its own gets the loop's."""
-    program = flatten(_jaxpr(op, branch), op.scope, op.backward)
+    pass; an operation of the body with no source line of its own gets the nearest
+    operation's of the body (``fill_lines``), else the loop's."""
+    program = fill_lines(flatten(_jaxpr(op, branch), op.scope, op.backward))
     ops = [
         o if o.line != "?" else dataclasses.replace(o, line=op.line) for o in program.ops
     ]  # fmt: skip

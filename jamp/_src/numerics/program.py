@@ -639,3 +639,48 @@ def mark_linearization(program: Program, primal_outputs: int) -> Program:
     ]
     producer = {i: ops[op.index] for i, op in program.producer.items()}
     return Program(ops, program.consts, program.inputs, program.outputs, producer, program.source)
+
+
+def fill_lines(program: Program, depth: int = 16) -> Program:
+    """``program`` with a source line for each operation that has none (``?``: a cast or
+    a loop that ``jamp.autocast`` traced, a derivative's broadcast, a rounding): the line
+    of the nearest operation it reads from, else of the nearest that reads it, within
+    ``depth`` steps."""
+    if all(op.line != "?" for op in program.ops):
+        return program
+    readers: dict[int, list[Op]] = {}
+    for op in program.ops:
+        for a in op.ins:
+            if isinstance(a, int):
+                readers.setdefault(a, []).append(op)
+
+    lines = [op.line for op in program.ops]
+
+    def nearest(op: Op, step: Callable[[Op], list[Op]]) -> str:
+        frontier, seen = [op], {op.index}
+        for _ in range(depth):
+            frontier = [n for o in frontier for n in step(o) if n.index not in seen]
+            seen.update(n.index for n in frontier)
+            found = next((lines[n.index] for n in frontier if lines[n.index] != "?"), None)
+            if found or not frontier:
+                return found or "?"
+        return "?"
+
+    def before(op: Op) -> list[Op]:
+        return [program.producer[a] for a in op.ins if isinstance(a, int) and a in program.producer]
+
+    def after(op: Op) -> list[Op]:
+        return [n for v in op.outs for n in readers.get(v, ())]
+
+    # The producers' lines in program order, then the readers' in reverse: each pass
+    # reads the lines the operations it meets were given before.
+    for op in program.ops:
+        if lines[op.index] == "?":
+            lines[op.index] = nearest(op, before)
+    for op in reversed(program.ops):
+        if lines[op.index] == "?":
+            lines[op.index] = nearest(op, after)
+    ops = [op if op.line == lines[op.index] else dataclasses.replace(op, line=lines[op.index])
+           for op in program.ops]  # fmt: skip
+    producer = {v: ops[op.index] for v, op in program.producer.items()}
+    return Program(ops, program.consts, program.inputs, program.outputs, producer, program.source)
