@@ -176,7 +176,10 @@ def locate_nonfinite(
     For that operation it gives its primitive, the user's source line, the module
     path, the pass, for a product of the backward pass which operand's gradient it
     computes, and each input's largest magnitude against its dtype's largest value:
-    why it overflowed. Loops and conditionals are one operation each.
+    why it overflowed. When a loop made it (a ``scan``, ``while`` or ``cond``), the
+    loop runs again iteration by iteration and the site is the operation inside, with
+    the iteration (``NonfiniteSite.iteration``: the layer of a scanned stack, a time
+    step).
 
     Args:
       fun: the loss, as ``jax.value_and_grad`` takes it.

@@ -7,9 +7,10 @@ pass (whose operations carry ``transpose(...)`` in their name stack). Calls that
 group operations (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``,
 ``closed_call``) are inlined, so every primitive is one ``Op`` with a global index
 in program order; loops and conditionals (``scan``, ``while``, ``cond``) stay one
-operation each. ``Chunked`` evaluates the list under ``jax.jit`` in chunks of
-consecutive operations (one for a small model's step), each a compiled program that
-returns what the tools observe of its operations.
+operation each (``loops`` enters them after, when the tools need their insides).
+``Chunked`` evaluates the list under ``jax.jit`` in chunks of consecutive operations
+(one for a small model's step), each a compiled program that returns what the tools
+observe of its operations.
 """
 
 from __future__ import annotations

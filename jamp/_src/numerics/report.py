@@ -479,7 +479,8 @@ def precision_report(
     the infinities it makes, and for a quantisation to float8 its amax, scale and
     saturated fraction. Rows are sorted worst first. Each parameter gradient's error,
     leaf by leaf, and the temp memory of the float32 and the autocast step's compiled
-    programs come beside them. Both runs are one compiled program (``Chunked``), which
+    programs come beside them. A ``scan``'s rows are its body's operations, each over all
+    its iterations (``Row.loops``). Both runs are one compiled program (``Chunked``), which
     returns each operation's values; the figures are summed from them on the host, so
     the program is the step's size, twice or three times over, and compiles in a few
     times the step's own compile (``python -m benchmarks debug-cost``).
