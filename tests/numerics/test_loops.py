@@ -197,3 +197,32 @@ def test_while_and_cond_are_entered():
     site = jamp.debug.locate_nonfinite(_grow, jnp.full(2, 100.0), jnp.zeros(2))
     assert site is not None and (site.primitive, site.iteration) == ("exp", (1,)), str(site)
     assert "branch 1 of cond" in str(site) and not site.backward
+
+
+def _nested(w, x):
+    """A scan over rows whose body scans over columns: the inner product overflows at row
+    2, column 1 (x's only large entry)."""
+
+    def row(carry, xr):
+        def col(c, v):
+            return c + jnp.sum(v * w), jnp.tanh(v * w)  # the inner body's product
+
+        total, ys = jax.lax.scan(col, carry, xr)
+        return total, ys
+
+    total, ys = jax.lax.scan(row, 0.0, x)
+    return total * 1e-6 + jnp.sum(ys)
+
+
+def test_nested_scans_are_entered_in_turn():
+    w, x = jnp.ones(3), jnp.ones((4, 2, 3))
+    hot = x.at[2, 1].set(1e37)
+    site = jamp.debug.locate_nonfinite(_nested, w * 1e2, hot)
+    assert site is not None and site.iteration == (2, 1), str(site)
+    assert site.primitive == "mul" and len(site.loops) == 2, str(site)
+    assert site.line.startswith(_line_of(_nested, "the inner body's product") + " "), str(site)
+    report = jamp.debug.precision_report(_nested, w, x, dtype="float16")
+    assert not any(r.primitive == "scan" for r in report.rows)
+    inner = [r for r in report.rows if len(r.loops) == 2]
+    assert inner and "4 iterations" in inner[0].loops[0] and "2 iterations" in inner[0].loops[1]
+    assert {r.backward for r in inner} == {False, True}
