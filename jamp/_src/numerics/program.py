@@ -378,6 +378,11 @@ class Chunked:
         self._counts: dict[int, list[int]] = {}
 
     def _body(self, c: int) -> Any:  # a jitted function (its .lower)
+        return jax.jit(self.traced(c))
+
+    def traced(self, c: int) -> Callable[[list[Any], list[Any]], tuple[list, list, Any]]:
+        """Chunk ``c`` as a function to trace: from the values it reads (``reads[c]``, as
+        they are and widened) to those it writes (``writes[c]``) and its observations."""
         lo, hi = self.bounds[c]
         ops, reads, writes = self.program.ops[lo:hi], self.reads[c], self.writes[c]
         paired, observe, finish, maxima = self.paired, self.observe, self.finish, self.maxima
@@ -412,7 +417,7 @@ class Chunked:
             out = (totals, others)
             return [env[v] for v in writes], [wide[v] for v in writes] if paired else [], out
 
-        return jax.jit(body)
+        return body
 
     def run(
         self,

@@ -328,6 +328,9 @@ def _scan_entries(
     its = cache[id(op)]
     where = f"{op.name} at {op.line}, {op.params['length']} iterations"
     gathered: dict[int, tuple[Entry, list[Any]]] = {}
+    if its.whole():  # every iteration in one program: each value stacked over them
+        run = (its.chunked, {}, {}, its.scanned(ins, wide_ins))
+        return [(*e[:4], (where, *e[4]), e[5]) for e in _entries(its.body, names, run, cache)]
     for _, env, wide, seen in its.run(ins, wide_ins):
         for entry in _entries(its.body, names, (its.chunked, env, wide, seen), cache):
             gathered.setdefault(id(entry[0]), (entry, []))[1].append(entry[5])
