@@ -192,38 +192,38 @@ class Iterations:
         scan of its own (whose inputs each iteration would have to keep)."""
         return len(self.chunked.bounds) == 1 and not loop_inputs(self.body, ("scan",))
 
-    def scanned(self, ins: Sequence[Any], wide_ins: Sequence[Any]) -> list[Any]:
-        """Every iteration's observations at once: the body's chunk run by one ``scan``
-        over the iterations (one compile, one run), paired, each observation stacked over
-        them (in the order of the scanned arrays), as ``Chunked.run``'s for ``observed``."""
+    def paired(self, ins: Sequence[Any], wide_ins: Sequence[Any]) -> tuple[list, list, Any]:
+        """Traced: the scan run as one ``scan`` of its body's paired chunk over the
+        iterations (``whole``): its outputs, their widened twins, and the chunk's
+        observations stacked over the iterations (in the order of the scanned arrays), as
+        ``Chunked.run`` gives them for ``observed``."""
         body, chunked = self.body, self.chunked
         fun, reads, writes = chunked.traced(0), chunked.reads[0], chunked.writes[0]
         consts, carry, xs = _scan_parts(self.op, ins)
         wconsts, wcarry, wxs = _scan_parts(self.op, wide_ins)
-        count, fixed = len(carry), {k: v for k, v in body.consts.items()}
+        count, fixed = len(carry), dict(body.consts)
 
         def read(env: dict, wrote: dict, a: Any, wide: bool) -> Any:
             if isinstance(a, tuple):
                 return wide_value(a[1]) if wide else a[1]
             return wrote[a] if a in wrote else env[a]
 
-        def run(consts: list, wconsts: list, carry: tuple, xs: tuple) -> Any:
-            def step(c: tuple, x: tuple) -> tuple[tuple, Any]:
-                env = {**fixed, **dict(zip(body.inputs, [*consts, *c[0], *x[0]], strict=True))}
-                wide = {k: wide_value(v) for k, v in fixed.items()}
-                wide.update(zip(body.inputs, [*wconsts, *c[1], *x[1]], strict=True))
-                outs, wide_outs, seen = fun([env[a] for a in reads], [wide[a] for a in reads])
-                low = dict(zip(writes, outs, strict=True))
-                wrote = dict(zip(writes, wide_outs, strict=True))
-                new = [read(env, low, a, False) for a in body.outputs[:count]]
-                wnew = [read(wide, wrote, a, True) for a in body.outputs[:count]]
-                return (new, wnew), seen
+        def step(c: tuple, x: tuple) -> tuple[tuple, Any]:
+            env = {**fixed, **dict(zip(body.inputs, [*consts, *c[0], *x[0]], strict=True))}
+            wide = {k: wide_value(v) for k, v in fixed.items()}
+            wide.update(zip(body.inputs, [*wconsts, *c[1], *x[1]], strict=True))
+            outs, wide_outs, seen = fun([env[a] for a in reads], [wide[a] for a in reads])
+            low = dict(zip(writes, outs, strict=True))
+            wrote = dict(zip(writes, wide_outs, strict=True))
+            new = [read(env, low, a, False) for a in body.outputs]
+            wnew = [read(wide, wrote, a, True) for a in body.outputs]
+            return (new[:count], wnew[:count]), (seen, new[count:], wnew[count:])
 
-            reverse = bool(self.op.params["reverse"])
-            length = int(self.op.params["length"])
-            return lax.scan(step, carry, xs, length=length, reverse=reverse)[1]
-
-        return [_compiled(run, consts, wconsts, (carry, wcarry), (xs, wxs))]
+        reverse, length = bool(self.op.params["reverse"]), int(self.op.params["length"])
+        last, (seen, ys, wide_ys) = lax.scan(
+            step, (carry, wcarry), (xs, wxs), length=length, reverse=reverse
+        )
+        return [*last[0], *ys], [*last[1], *wide_ys], [seen]
 
 
 def loop_inputs(program: Program, names: Sequence[str] = ("scan", "while", "cond")) -> list[Any]:

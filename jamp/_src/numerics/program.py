@@ -334,7 +334,9 @@ class Chunked:
     those of ``extra(op)`` too: the values an observation reads beside the operation's
     own. Each chunk compiles once, on its first run; a later run, whole or stopped
     early, reuses it. The values ``keep`` names stay live to the end of a ``run`` (a
-    loop's inputs, which ``jamp.debug`` enters after)."""
+    loop's inputs, which ``jamp.debug`` enters after). ``inside(op, env, wide)``, with
+    ``paired``, may run an operation itself (a scan, iteration by iteration): None, or
+    its outputs, their widened twins and what stands for its observation."""
 
     def __init__(
         self,
@@ -347,9 +349,10 @@ class Chunked:
         maxima: int = 0,
         size: int = CHUNK,
         keep: Sequence[Any] = (),
+        inside: Callable[[Op, dict, dict], Any] | None = None,
     ) -> None:
         self.program, self.paired, self.observe, self.size = program, paired, observe, size
-        self.finish, self.maxima = finish, maxima
+        self.finish, self.maxima, self.inside = finish, maxima, inside
         ops = program.ops
         self.bounds = [(s, min(s + size, len(ops))) for s in range(0, len(ops), size)]
         reads: list[list[int]] = []
@@ -386,6 +389,7 @@ class Chunked:
         lo, hi = self.bounds[c]
         ops, reads, writes = self.program.ops[lo:hi], self.reads[c], self.writes[c]
         paired, observe, finish, maxima = self.paired, self.observe, self.finish, self.maxima
+        inside = self.inside
 
         def body(values: list[Any], wides: list[Any]) -> tuple[list, list, Any]:
             env = dict(zip(reads, values, strict=True))
@@ -393,11 +397,20 @@ class Chunked:
             terms: list[jax.Array] = []
             counts, others = [], []
             for op in ops:
-                ins, outs, wide_ins, wide_outs = _run_op(op, env, wide, paired)
-                seen = (
-                    None if observe is None else observe(op, ins, outs, wide_ins, wide_outs, wide)
-                )
-                sums, other = seen if seen is not None else ([], None)
+                got = None if inside is None else inside(op, env, wide)
+                if got is not None:  # run by ``inside``, observed beside
+                    outs, wide_outs, other = got
+                    env.update(zip(op.outs, outs, strict=True))
+                    wide.update(zip(op.outs, wide_outs, strict=True))
+                    sums, other = [], other
+                else:
+                    ins, outs, wide_ins, wide_outs = _run_op(op, env, wide, paired)
+                    seen = (
+                        None
+                        if observe is None
+                        else observe(op, ins, outs, wide_ins, wide_outs, wide)
+                    )
+                    sums, other = seen if seen is not None else ([], None)
                 terms.extend(sums)
                 counts.append(len(sums))
                 others.append(other)

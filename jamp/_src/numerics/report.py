@@ -17,7 +17,7 @@ from jamp._src.autocast.api import autocast
 from jamp._src.dtypes import FLOAT8_ANY, FLOAT8_MODE, HALF, check_dtype, is_float8_mode
 from jamp._src.jaxprs import MOVES
 from jamp._src.numerics.locate import step_program
-from jamp._src.numerics.loops import Iterations, body, loop_inputs
+from jamp._src.numerics.loops import Iterations, body
 from jamp._src.numerics.program import (
     COMPILER_OPTIONS,
     Chunked,
@@ -280,12 +280,34 @@ def _observer(program: Program) -> tuple[Any, Callable[[Op], Sequence[int]]]:
     return observe, lambda op: scales.get(op.index, ())
 
 
-def _paired(program: Program) -> Chunked:
+def _paired(program: Program, cache: dict) -> Chunked:
     """``program``'s paired evaluation in chunks, each operation's figures computed in its
-    chunk, beside it; its scans' inputs kept, to run their bodies after."""
+    chunk, beside it. A scan runs as one scan of its body's paired chunk, which gives
+    its body's figures over the iterations (``Iterations.paired``); where its body is
+    more than one chunk or holds a scan, the scan's inputs are kept, to run its body
+    after, iteration by iteration (``_scan_entries``)."""
     observe, extra = _observer(program)
-    keep = loop_inputs(program, ("scan",))
-    return Chunked(program, paired=True, observe=observe, extra=extra, keep=keep)
+    keep = []
+    for op in program.ops:
+        if op.name == "scan" and not _iterations(op, cache).whole():
+            keep += [a for a in op.ins if isinstance(a, int)]
+
+    def inside(op: Op, env: dict, wide: dict) -> Any:
+        if op.name != "scan" or not _iterations(op, cache).whole():
+            return None
+        low = [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
+        wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
+        return _iterations(op, cache).paired(low, wides)
+
+    return Chunked(program, paired=True, observe=observe, extra=extra, keep=keep, inside=inside)
+
+
+def _iterations(op: Op, cache: dict) -> Iterations:
+    """Scan ``op``'s body and its paired chunks, made once (``cache``, by the operation)."""
+    if id(op) not in cache:
+        inner = body(op)
+        cache[id(op)] = Iterations(op, inner, _paired(inner, cache))
+    return cache[id(op)]
 
 
 # One operation's row before its figures: the operation, its position in the step (its
@@ -303,7 +325,14 @@ def _entries(
     named, modules = roles(program, names), module_paths(program, names)
     out: list[Entry] = []
     for op, (_, values) in zip(program.ops, chunked.observed(seen), strict=True):
-        if op.name == "scan":
+        if op.name == "scan" and values is not None:  # run inside the chunk: its body's
+            its = _iterations(op, cache)
+            given = dict(zip(program.inputs, names, strict=True))
+            inner = [given.get(a, "") if isinstance(a, int) else "" for a in op.ins]
+            where = f"{op.name} at {op.line}, {op.params['length']} iterations"
+            got = _entries(its.body, inner, (its.chunked, {}, {}, values), cache)
+            out += [(e[0], op.index, e[2], e[3], (where, *e[4]), e[5]) for e in got]
+        elif op.name == "scan":
             low = [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
             wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
             given = dict(zip(program.inputs, names, strict=True))
@@ -322,15 +351,9 @@ def _scan_entries(
     """The entries of scan ``op``'s body, run iteration by iteration on its inputs (as they
     are and widened), each operation's values gathered over the iterations: the report
     sums its errors over them, as over one array."""
-    if id(op) not in cache:  # the body compiled once, for every run of the scan
-        inner = body(op)
-        cache[id(op)] = Iterations(op, inner, _paired(inner))
-    its = cache[id(op)]
+    its = _iterations(op, cache)  # the body compiled once, for every run of the scan
     where = f"{op.name} at {op.line}, {op.params['length']} iterations"
     gathered: dict[int, tuple[Entry, list[Any]]] = {}
-    if its.whole():  # every iteration in one program: each value stacked over them
-        run = (its.chunked, {}, {}, its.scanned(ins, wide_ins))
-        return [(*e[:4], (where, *e[4]), e[5]) for e in _entries(its.body, names, run, cache)]
     for _, env, wide, seen in its.run(ins, wide_ins):
         for entry in _entries(its.body, names, (its.chunked, env, wide, seen), cache):
             gathered.setdefault(id(entry[0]), (entry, []))[1].append(entry[5])
@@ -354,7 +377,8 @@ def _recipe(
     program, flat, paths = step_program(low_fun, args, argnums, has_aux)
     # The paired evaluation in chunks (Chunked), each operation's figures computed in its
     # chunk, beside it: the values of earlier operations it reads (a float8 scale) too.
-    chunked = _paired(program)
+    cache: dict = {}
+    chunked = _paired(program, cache)
     env, wide, seen = chunked.run(flat)
     outs, wides = jax.device_get((chunked.outputs(env), chunked.outputs(wide, True)))
     grads = [
@@ -364,7 +388,7 @@ def _recipe(
     ]
     rows = []
     for op, index, path, role, loops, values in _entries(
-        program, paths, (chunked, env, wide, seen), {}
+        program, paths, (chunked, env, wide, seen), cache
     ):
         s, f8s = _figures(*values[:3]), values[3]
         out_dtype = next((str(np.dtype(a.dtype)) for a in op.out_avals), "")
