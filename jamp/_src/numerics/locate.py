@@ -316,9 +316,8 @@ def _inside(
     if op.name == "while":  # the body reads the body's constants and the carry
         given = given[int(op.params["cond_nconsts"]) :]
     names = [named.get(a, "") if isinstance(a, int) else "" for a in given]
-    chunked = None
-    if op.name == "scan":
-        inner = body(op)
+    chunked, inner = None, body(op) if op.name == "scan" else None
+    if inner is not None:
         chunked = Chunked(inner, observe=nonfinite_counts, maxima=1, keep=loop_inputs(inner))
         found = None
         for iteration, args, values in Iterations(op, inner, chunked).inputs(ins):
@@ -331,7 +330,7 @@ def _inside(
     if found is None:
         return None
     iteration, args = found
-    if op.name != "scan":
+    if inner is None:
         inner = body(op, iteration if op.name == "cond" else 0)
     where = search(inner, args, names, chunked)
     if where is None:

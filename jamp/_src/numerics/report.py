@@ -337,9 +337,8 @@ def _entries(
             wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
             given = dict(zip(program.inputs, names, strict=True))
             inner = [given.get(a, "") if isinstance(a, int) else "" for a in op.ins]
-            out += [
-                (o, op.index, *rest) for o, _, *rest in _scan_entries(op, low, wides, inner, cache)
-            ]
+            got = _scan_entries(op, low, wides, inner, cache)
+            out += [(e[0], op.index, e[2], e[3], e[4], e[5]) for e in got]
         elif values is not None:
             out.append((op, op.index, modules[op.index], named.get(op.index, ""), (), values))
     return out
