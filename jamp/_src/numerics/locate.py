@@ -296,7 +296,10 @@ def search(
             x = a[1] if isinstance(a, tuple) else known.get(a, program.consts.get(a))
             magnitudes.append(float(np.max(np.abs(_host(x)))))
     if op.name in LOOPS and not constant:
-        inner = _inside(program, op, env, flat, paths)
+        try:
+            inner = _inside(program, op, env, flat, paths)
+        except (TypeError, ValueError):  # a loop jax will not run again as jamp writes it
+            inner = None  # (a carry's types changed by an iteration): the loop is the site
         if inner is not None:
             return inner
     return site(program, paths, True, first, counts, magnitudes, constant)
