@@ -1,13 +1,19 @@
 """Inside loops: a ``scan``, a ``while`` or a ``cond`` of the flattened program, entered.
 
 The flattened program keeps each loop one operation (``program.flatten``), so the step
-compiles as it is. When ``jamp.debug`` needs what happened inside one, it runs the loop
-again here, from the inputs the step gave it: for the locator, the loop's body once per
-iteration in one compiled loop that stops at (or marks) the first iteration whose outputs
-are not finite, and that iteration's inputs; for the report, every iteration's inputs,
-the body evaluated on each (``iterations``). The body is flattened under the loop's name
-stack and pass (``body``), so its operations carry their own source lines and module
-paths, and an iteration's body is searched, or reported, as a program of its own.
+compiles as it is. The body is flattened under the loop's name stack and pass
+(``body``), so its operations carry their own source lines and module paths, and is
+searched, or reported, as a program of its own:
+
+- the locator, when a loop made the first non-finite value, runs it again from the
+  inputs the step gave it: a scan's body iteration by iteration in the search's own
+  chunks (``Iterations.inputs``), a while's in one compiled loop that stops at the first
+  non-finite iteration (``first_bad``), a cond's taken branch; then searches that
+  iteration's body;
+- the report runs a scan, inside the step's program, as one scan of its body's paired
+  chunk over the iterations (``Iterations.paired``), which returns every iteration's
+  values; or, for a body of several chunks or with a scan of its own, runs the body
+  after, one compiled run per iteration (``Iterations.run``).
 
 An iteration is counted as the loop counts it: for a ``scan``, the position in the
 arrays it scans (the layer of a scanned stack, the time step of a recurrent network),
@@ -94,33 +100,15 @@ def _scan_parts(op: Op, ins: Sequence[Any]) -> tuple[list, list, list]:
 
 
 def first_bad(op: Op, ins: Sequence[Any]) -> tuple[int, list[Any]] | None:
-    """The first iteration of loop ``op``, run on its inputs ``ins``, whose outputs hold an
-    inf or a NaN, and that iteration's inputs (its body's arguments); None if none. A
-    cond's taken branch is its one iteration."""
+    """The first iteration of a ``while`` or ``cond`` ``op``, run on its inputs ``ins``,
+    whose outputs hold an inf or a NaN, and that iteration's inputs (its body's
+    arguments); None if none. A cond's taken branch is its one iteration. (A scan's
+    iterations: ``Iterations.inputs``.)"""
     if op.name == "cond":
         branches = op.params["branches"]
         index = int(np.clip(np.asarray(ins[0]), 0, len(branches) - 1))
         return index, list(ins[1:])
     fun = jex_core.jaxpr_as_fun(_jaxpr(op))
-    if op.name == "scan":
-        consts, carry, xs = _scan_parts(op, ins)
-        count = len(carry)
-        length, reverse = int(op.params["length"]), bool(op.params["reverse"])
-
-        def run_scan(consts: list, carry: list, xs: list) -> tuple[list, jax.Array]:
-            def step(c: list, x: list) -> tuple[list, tuple[list, jax.Array]]:
-                outs = fun(*consts, *c, *x)
-                return list(outs[:count]), (c, _any_bad(outs))
-
-            _, (carries, bad) = lax.scan(step, carry, xs, length=length, reverse=reverse)
-            return carries, bad
-
-        carries, bad = _compiled(run_scan, consts, carry, xs)
-        flags = np.asarray(bad)
-        if not flags.any():
-            return None
-        k = int(len(flags) - 1 - np.argmax(flags[::-1]) if reverse else np.argmax(flags))
-        return k, [*consts, *(c[k] for c in carries), *(x[k] for x in xs)]
     # while: cond consts, body consts, carry
     nc, nb = int(op.params["cond_nconsts"]), int(op.params["body_nconsts"])
     test = jex_core.jaxpr_as_fun(_closed(op.params["cond_jaxpr"]))
@@ -150,8 +138,9 @@ def _unstack(arrays: Any, length: int) -> Any:
 
 @dataclasses.dataclass
 class Iterations:
-    """A scan's iterations for the report: its body (``body``), compiled once in chunks
-    (``chunked``) and run on each iteration's inputs, as it is and widened."""
+    """A scan's iterations: its body (``body``) and the chunks that evaluate it
+    (``chunked``, compiled once), run on each iteration's inputs (``inputs``, ``run``) or
+    as one scan over them (``paired``)."""
 
     op: Op
     body: Program
