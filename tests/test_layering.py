@@ -69,7 +69,7 @@ PACKAGES = {
     ],
     "grad_scaler": ["records", "state", "scaler"],
     "optimizer": ["rounding", "quantize", "master", "state"],
-    "numerics": ["program", "locate", "report"],
+    "numerics": ["program", "loops", "locate", "report"],
     "float8": ["recipe", "products", "telemetry"],
 }
 THIRD_PARTY = {GROUND: {"jax", "numpy"}, CHECKS: {"jax", "numpy"}}

@@ -15,11 +15,21 @@ import numpy as np
 from jamp._src.autocast.interpreter import annotated_rules
 from jamp._src.lookup import metrics
 from jamp._src.loss_scale import LossScaleState
+from jamp._src.numerics.loops import (
+    LOOPS,
+    Iterations,
+    body,
+    first_bad,
+    inputs_of,
+    label,
+    loop_inputs,
+)
 from jamp._src.numerics.program import (
     Chunked,
     Op,
     Program,
     evaluate,
+    fill_lines,
     flatten,
     mark_linearization,
     module_paths,
@@ -67,6 +77,13 @@ class NonfiniteSite:
       constant: whether no operation made a non-finite value from finite inputs, and
         this one is the first to read a non-finite constant (an array the function
         captured, or a literal) into a non-finite output: that constant's first use.
+      iteration: for an operation inside a loop, the iteration that made the value,
+        one per enclosing loop, outermost first: a ``scan``'s position in the arrays it
+        scans (the layer of a scanned stack, the time step of a recurrent network, the
+        same in the backward pass's reversed scan), a ``while``'s count of iterations
+        before it, a ``cond``'s branch; None outside loops (``index`` is then the
+        outermost loop's position).
+      loops: for each enclosing loop, ``"iteration 3 of scan at model.py:12 (f)"``.
     """
 
     primitive: str
@@ -80,6 +97,8 @@ class NonfiniteSite:
     index: int
     argument: str = ""
     constant: bool = False
+    iteration: tuple[int, ...] | None = None
+    loops: tuple[str, ...] = ()
 
     @property
     def pass_(self) -> str:
@@ -90,6 +109,7 @@ class NonfiniteSite:
             return f"the argument {self.argument} is not finite: the step was given it"
         where = f"{self.primitive} at {self.line}" + (f" in {self.path}" if self.path else "")
         what = f"{self.pass_} pass" + (f", {self.role}" if self.role else "")
+        what += "".join(f", {loop}" for loop in self.loops)
         if self.constant:
             made = (
                 f"it reads a non-finite constant (an array the function captured, or a "
@@ -130,7 +150,7 @@ def step_program(
         ) from None
     flat = jax.tree_util.tree_leaves(tuple(args))
     value = len(jax.tree_util.tree_leaves(shape[0]))  # the loss and its auxiliary data
-    return mark_linearization(flatten(closed), value), flat, _paths(args)
+    return fill_lines(mark_linearization(flatten(closed), value)), flat, _paths(args)
 
 
 def locate_nonfinite(
@@ -156,7 +176,10 @@ def locate_nonfinite(
     For that operation it gives its primitive, the user's source line, the module
     path, the pass, for a product of the backward pass which operand's gradient it
     computes, and each input's largest magnitude against its dtype's largest value:
-    why it overflowed. Loops and conditionals are one operation each.
+    why it overflowed. When a loop made it (a ``scan``, ``while`` or ``cond``), the
+    loop runs again iteration by iteration and the site is the operation inside, with
+    the iteration (``NonfiniteSite.iteration``: the layer of a scanned stack, a time
+    step).
 
     Args:
       fun: the loss, as ``jax.value_and_grad`` takes it.
@@ -215,8 +238,13 @@ def search(
     walk over the flags (which operation made a non-finite value from finite inputs,
     which of those reach the outputs) runs here, in NumPy. The located operation's
     counts and magnitudes come from the same run: each value's NaN and inf counts and
-    largest magnitude, summed and maximised beside its flag."""
-    chunked = chunked or Chunked(program, observe=nonfinite_counts, maxima=1)
+    largest magnitude, summed and maximised beside its flag. When that operation is a
+    loop whose inputs are finite, its iterations run again (``loops.first_bad``) and
+    the first whose outputs are not finite is searched the same way: the site is the
+    operation inside, with the iteration."""
+    chunked = chunked or Chunked(
+        program, observe=nonfinite_counts, maxima=1, keep=loop_inputs(program)
+    )
     env, _, seen = chunked.run(flat)
     bad: dict[int, bool] = {}  # value id -> whether it holds an inf or a NaN
     for i, x in zip(program.inputs, flat, strict=True):
@@ -267,7 +295,55 @@ def search(
         else:  # an argument, a constant or a literal, read here
             x = a[1] if isinstance(a, tuple) else known.get(a, program.consts.get(a))
             magnitudes.append(float(np.max(np.abs(_host(x)))))
+    if op.name in LOOPS and not constant:
+        try:
+            inner = _inside(program, op, env, flat, paths)
+        except (TypeError, ValueError):  # a loop jax will not run again as jamp writes it
+            inner = None  # (a carry's types changed by an iteration): the loop is the site
+        if inner is not None:
+            return inner
     return site(program, paths, True, first, counts, magnitudes, constant)
+
+
+def _inside(
+    program: Program, op: Op, env: dict[int, Any], flat: Sequence[Any], paths: Sequence[str]
+) -> NonfiniteSite | None:
+    """The site inside loop ``op`` (finite inputs, non-finite outputs): its first
+    iteration with a non-finite output, searched as a program of its own; None when no
+    iteration is found (the outputs' non-finite values came otherwise). A scan's body
+    runs iteration by iteration in the search's own compiled chunks, until one is not
+    finite (a while's runs in a loop of its own, a cond's taken branch once)."""
+    ins = inputs_of(program, op, env, flat)
+    named = dict(zip(program.inputs, paths, strict=True))
+    given = op.ins[1:] if op.name == "cond" else op.ins
+    if op.name == "while":  # the body reads the body's constants and the carry
+        given = given[int(op.params["cond_nconsts"]) :]
+    names = [named.get(a, "") if isinstance(a, int) else "" for a in given]
+    chunked, inner = None, body(op) if op.name == "scan" else None
+    if inner is not None:
+        chunked = Chunked(inner, observe=nonfinite_counts, maxima=1, keep=loop_inputs(inner))
+        found = None
+        for iteration, args, values in Iterations(op, inner, chunked).inputs(ins):
+            outs = jax.device_get(chunked.outputs(values))
+            if any(_floating(x) and not np.all(np.isfinite(_host(x))) for x in outs):
+                found = iteration, args
+                break
+    else:
+        found = first_bad(op, ins)
+    if found is None:
+        return None
+    iteration, args = found
+    if inner is None:
+        inner = body(op, iteration if op.name == "cond" else 0)
+    where = search(inner, args, names, chunked)
+    if where is None:
+        return None
+    return dataclasses.replace(
+        where,
+        index=op.index,
+        iteration=(iteration, *(where.iteration or ())),
+        loops=(label(op, iteration), *where.loops),
+    )
 
 
 def first_nonfinite(program: Program, flat_args: Sequence[Any]) -> tuple[jax.Array, ...]:

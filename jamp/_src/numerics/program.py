@@ -7,9 +7,10 @@ pass (whose operations carry ``transpose(...)`` in their name stack). Calls that
 group operations (``jit``, ``custom_jvp_call``, ``custom_vjp_call``, ``checkpoint``,
 ``closed_call``) are inlined, so every primitive is one ``Op`` with a global index
 in program order; loops and conditionals (``scan``, ``while``, ``cond``) stay one
-operation each. ``Chunked`` evaluates the list under ``jax.jit`` in chunks of
-consecutive operations (one for a small model's step), each a compiled program that
-returns what the tools observe of its operations.
+operation each (``loops`` enters them after, when the tools need their insides).
+``Chunked`` evaluates the list under ``jax.jit`` in chunks of consecutive operations
+(one for a small model's step), each a compiled program that returns what the tools
+observe of its operations.
 """
 
 from __future__ import annotations
@@ -47,7 +48,8 @@ class Op:
     value)``; ``line`` is the user's source line; ``path`` the module path of the name
     stack (``CNN/Dense_0``); ``backward`` whether it is in the backward pass;
     ``quantize`` whether it is one of a float8 quantisation's operations (its name stack
-    holds ``SCOPE_QUANTIZE``)."""
+    holds ``SCOPE_QUANTIZE``); ``scope`` its whole name stack (a loop's body is flattened
+    under its loop's)."""
 
     index: int
     primitive: jex_core.Primitive
@@ -60,6 +62,7 @@ class Op:
     path: str
     backward: bool
     quantize: bool = False
+    scope: str = ""
 
     @property
     def name(self) -> str:
@@ -79,8 +82,9 @@ class Program:
     source: ClosedJaxpr | None = None
 
 
-def flatten(closed: ClosedJaxpr) -> Program:
-    """``closed`` as one list of operations, grouping calls inlined."""
+def flatten(closed: ClosedJaxpr, stack: str = "", backward: bool = False) -> Program:
+    """``closed`` as one list of operations, grouping calls inlined. A loop's body is
+    flattened under the loop's name stack (``stack``) and pass (``backward``)."""
     ops: list[Op] = []
     consts: dict[int, Any] = {}
     producer: dict[int, Op] = {}
@@ -122,8 +126,9 @@ def flatten(closed: ClosedJaxpr) -> Program:
                 out_avals=tuple(v.aval for v in eqn.outvars),
                 line=user_line(eqn.source_info),
                 path=module_path(here),
-                backward="transpose(" in here,
+                backward=backward or "transpose(" in here,
                 quantize=SCOPE_QUANTIZE in re.split(r"[/()]", here),
+                scope=here,
             )
             ops.append(op)
             for i in outs:
@@ -137,7 +142,7 @@ def flatten(closed: ClosedJaxpr) -> Program:
     for v in closed.jaxpr.invars:
         env[v] = i = next(counter)
         inputs.append(i)
-    walk(closed.jaxpr, env, "")
+    walk(closed.jaxpr, env, stack)
     outputs = [atom(env, v) for v in closed.jaxpr.outvars]
     return Program(ops, consts, inputs, outputs, producer, closed)
 
@@ -328,7 +333,10 @@ class Chunked:
     ``wide`` maps value ids to the chunk's widened values (with ``paired``), holding
     those of ``extra(op)`` too: the values an observation reads beside the operation's
     own. Each chunk compiles once, on its first run; a later run, whole or stopped
-    early, reuses it."""
+    early, reuses it. The values ``keep`` names stay live to the end of a ``run`` (a
+    loop's inputs, which ``jamp.debug`` enters after). ``inside(op, env, wide)``, with
+    ``paired``, may run an operation itself (a scan, iteration by iteration): None, or
+    its outputs, their widened twins and what stands for its observation."""
 
     def __init__(
         self,
@@ -340,9 +348,11 @@ class Chunked:
         finish: Callable[[jax.Array], jax.Array] = lambda sums: sums,
         maxima: int = 0,
         size: int = CHUNK,
+        keep: Sequence[Any] = (),
+        inside: Callable[[Op, dict, dict], Any] | None = None,
     ) -> None:
         self.program, self.paired, self.observe, self.size = program, paired, observe, size
-        self.finish, self.maxima = finish, maxima
+        self.finish, self.maxima, self.inside = finish, maxima, inside
         ops = program.ops
         self.bounds = [(s, min(s + size, len(ops))) for s in range(0, len(ops), size)]
         reads: list[list[int]] = []
@@ -358,7 +368,7 @@ class Chunked:
                 made.update(op.outs)
             reads.append(list(mine))
         end = len(self.bounds)
-        for a in program.outputs:
+        for a in (*program.outputs, *keep):
             if isinstance(a, int):
                 last[a] = end
         self.reads, self.last, self.extra = reads, last, extra
@@ -371,9 +381,15 @@ class Chunked:
         self._counts: dict[int, list[int]] = {}
 
     def _body(self, c: int) -> Any:  # a jitted function (its .lower)
+        return jax.jit(self.traced(c))
+
+    def traced(self, c: int) -> Callable[[list[Any], list[Any]], tuple[list, list, Any]]:
+        """Chunk ``c`` as a function to trace: from the values it reads (``reads[c]``, as
+        they are and widened) to those it writes (``writes[c]``) and its observations."""
         lo, hi = self.bounds[c]
         ops, reads, writes = self.program.ops[lo:hi], self.reads[c], self.writes[c]
         paired, observe, finish, maxima = self.paired, self.observe, self.finish, self.maxima
+        inside = self.inside
 
         def body(values: list[Any], wides: list[Any]) -> tuple[list, list, Any]:
             env = dict(zip(reads, values, strict=True))
@@ -381,11 +397,20 @@ class Chunked:
             terms: list[jax.Array] = []
             counts, others = [], []
             for op in ops:
-                ins, outs, wide_ins, wide_outs = _run_op(op, env, wide, paired)
-                seen = (
-                    None if observe is None else observe(op, ins, outs, wide_ins, wide_outs, wide)
-                )
-                sums, other = seen if seen is not None else ([], None)
+                got = None if inside is None else inside(op, env, wide)
+                if got is not None:  # run by ``inside``, observed beside
+                    outs, wide_outs, other = got
+                    env.update(zip(op.outs, outs, strict=True))
+                    wide.update(zip(op.outs, wide_outs, strict=True))
+                    sums, other = [], other
+                else:
+                    ins, outs, wide_ins, wide_outs = _run_op(op, env, wide, paired)
+                    seen = (
+                        None
+                        if observe is None
+                        else observe(op, ins, outs, wide_ins, wide_outs, wide)
+                    )
+                    sums, other = seen if seen is not None else ([], None)
                 terms.extend(sums)
                 counts.append(len(sums))
                 others.append(other)
@@ -405,18 +430,25 @@ class Chunked:
             out = (totals, others)
             return [env[v] for v in writes], [wide[v] for v in writes] if paired else [], out
 
-        return jax.jit(body)
+        return body
 
     def run(
-        self, args: Sequence[Any], *, until: int | None = None
+        self,
+        args: Sequence[Any],
+        *,
+        until: int | None = None,
+        wide_args: Sequence[Any] | None = None,
     ) -> tuple[dict[int, Any], dict[int, Any], list[Any]]:
         """Evaluate the chunks on ``args`` (all, or up to the one holding operation
-        ``until``). Returns the values live after the last chunk run (by id; the widened
+        ``until``; with ``paired``, beside ``wide_args``, by default ``args`` widened).
+        Returns the values live after the last chunk run (by id; the widened
         ones too with ``paired``) and what the observations gave, for ``observed``."""
         program = self.program
         env: dict[int, Any] = dict(program.consts)
         env.update(zip(program.inputs, args, strict=True))
         wide = {k: wide_value(v) for k, v in env.items()} if self.paired else {}
+        if self.paired and wide_args is not None:
+            wide.update(zip(program.inputs, wide_args, strict=True))
         seen: list[Any] = []
         for c, (lo, _) in enumerate(self.bounds):
             if until is not None and lo > until:
@@ -625,4 +657,49 @@ def mark_linearization(program: Program, primal_outputs: int) -> Program:
         for op in program.ops
     ]
     producer = {i: ops[op.index] for i, op in program.producer.items()}
+    return Program(ops, program.consts, program.inputs, program.outputs, producer, program.source)
+
+
+def fill_lines(program: Program, depth: int = 16) -> Program:
+    """``program`` with a source line for each operation that has none (``?``: a cast or
+    a loop that ``jamp.autocast`` traced, a derivative's broadcast, a rounding): the line
+    of the nearest operation it reads from, else of the nearest that reads it, within
+    ``depth`` steps."""
+    if all(op.line != "?" for op in program.ops):
+        return program
+    readers: dict[int, list[Op]] = {}
+    for op in program.ops:
+        for a in op.ins:
+            if isinstance(a, int):
+                readers.setdefault(a, []).append(op)
+
+    lines = [op.line for op in program.ops]
+
+    def nearest(op: Op, step: Callable[[Op], list[Op]]) -> str:
+        frontier, seen = [op], {op.index}
+        for _ in range(depth):
+            frontier = [n for o in frontier for n in step(o) if n.index not in seen]
+            seen.update(n.index for n in frontier)
+            found = next((lines[n.index] for n in frontier if lines[n.index] != "?"), None)
+            if found or not frontier:
+                return found or "?"
+        return "?"
+
+    def before(op: Op) -> list[Op]:
+        return [program.producer[a] for a in op.ins if isinstance(a, int) and a in program.producer]
+
+    def after(op: Op) -> list[Op]:
+        return [n for v in op.outs for n in readers.get(v, ())]
+
+    # The producers' lines in program order, then the readers' in reverse: each pass
+    # reads the lines the operations it meets were given before.
+    for op in program.ops:
+        if lines[op.index] == "?":
+            lines[op.index] = nearest(op, before)
+    for op in reversed(program.ops):
+        if lines[op.index] == "?":
+            lines[op.index] = nearest(op, after)
+    ops = [op if op.line == lines[op.index] else dataclasses.replace(op, line=lines[op.index])
+           for op in program.ops]  # fmt: skip
+    producer = {v: ops[op.index] for v, op in program.producer.items()}
     return Program(ops, program.consts, program.inputs, program.outputs, producer, program.source)

@@ -17,6 +17,7 @@ from jamp._src.autocast.api import autocast
 from jamp._src.dtypes import FLOAT8_ANY, FLOAT8_MODE, HALF, check_dtype, is_float8_mode
 from jamp._src.jaxprs import MOVES
 from jamp._src.numerics.locate import step_program
+from jamp._src.numerics.loops import Iterations, body
 from jamp._src.numerics.program import (
     COMPILER_OPTIONS,
     Chunked,
@@ -51,7 +52,12 @@ class Row:
         inputs as they were, stays finite.
       amax, scale, saturated: for a quantisation to float8, the largest magnitude of
         the tensor before scaling, its scale, and the fraction of its values clipped
-        at the format's largest; else None.
+        at the format's largest; else None (inside a loop, the largest over its
+        iterations).
+      loops: for an operation of a ``scan``'s body, the scans it is in, outermost first
+        (``"scan at model.py:12 (f), 4 iterations"``): its figures are over all their
+        iterations (its outputs' errors as those of one array holding every iteration's,
+        its overflows summed), and ``index`` is the outermost scan's. Empty outside.
     """
 
     index: int
@@ -68,6 +74,7 @@ class Row:
     amax: float | None = None
     scale: float | None = None
     saturated: float | None = None
+    loops: tuple[str, ...] = ()
 
     @property
     def pass_(self) -> str:
@@ -145,6 +152,7 @@ class PrecisionReport:
             )
             for row in r.rows[: self.top]:
                 where = f"{row.line} {row.path}".strip() + (f" [{row.role}]" if row.role else "")
+                where += "".join(f" (in the {loop})" for loop in row.loops)
                 f8 = "" if row.scale is None else (
                     f" amax {row.amax:.3g} scale {row.scale:.3g} saturated {row.saturated:.3g}"
                 )  # fmt: skip
@@ -236,12 +244,9 @@ def _exact_here(op: Op, ins: Sequence[Any]) -> list[Any]:
     return evaluate_wide_op(op, [wide_value(x) for x in ins])
 
 
-def _recipe(
-    fun: Callable, args: Sequence[Any], dtype: Any, argnums: Any, has_aux: bool
-) -> RecipeReport:
-    low_fun = autocast(fun, dtype)
-    program, flat, paths = step_program(low_fun, args, argnums, has_aux)
-    named, modules = roles(program, paths), module_paths(program, paths)
+def _observer(program: Program) -> tuple[Any, Callable[[Op], Sequence[int]]]:
+    """The observation of ``program``'s paired evaluation (``Chunked``), and the values of
+    earlier operations it reads beside an operation's own (a float8 scale)."""
     scales = _float8_scales(program)
 
     def observe(
@@ -252,7 +257,7 @@ def _recipe(
             for o, w in zip(outs, wide_outs, strict=True)
             if jnp.issubdtype(o.dtype, jnp.floating) and o.size
         ]
-        if op.name in MOVES or not floats:
+        if op.name in MOVES or op.name == "scan" or not floats:  # a scan's rows: its body's
             return None
         local = None  # the operation in float32 is the operation itself: its outputs
         if not narrow_free(op):
@@ -272,11 +277,107 @@ def _recipe(
         # minutes of compile on a small transformer.
         return [], ([o for o, _ in floats], [w for _, w in floats], local, f8)
 
+    return observe, lambda op: scales.get(op.index, ())
+
+
+def _paired(program: Program, cache: dict) -> Chunked:
+    """``program``'s paired evaluation in chunks, each operation's figures computed in its
+    chunk, beside it. A scan runs as one scan of its body's paired chunk, which gives
+    its body's figures over the iterations (``Iterations.paired``); where its body is
+    more than one chunk or holds a scan, the scan's inputs are kept, to run its body
+    after, iteration by iteration (``_scan_entries``)."""
+    observe, extra = _observer(program)
+    keep = []
+    for op in program.ops:
+        if op.name == "scan" and not _iterations(op, cache).whole():
+            keep += [a for a in op.ins if isinstance(a, int)]
+
+    def inside(op: Op, env: dict, wide: dict) -> Any:
+        if op.name != "scan" or not _iterations(op, cache).whole():
+            return None
+        low = [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
+        wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
+        return _iterations(op, cache).paired(low, wides)
+
+    return Chunked(program, paired=True, observe=observe, extra=extra, keep=keep, inside=inside)
+
+
+def _iterations(op: Op, cache: dict) -> Iterations:
+    """Scan ``op``'s body and its paired chunks, made once (``cache``, by the operation)."""
+    if id(op) not in cache:
+        inner = body(op)
+        cache[id(op)] = Iterations(op, inner, _paired(inner, cache))
+    return cache[id(op)]
+
+
+# One operation's row before its figures: the operation, its position in the step (its
+# outermost loop's, inside one), its module path, role and loops, and its observed values.
+Entry = tuple[Op, int, str, str, tuple[str, ...], Any]
+
+
+def _entries(
+    program: Program, names: Sequence[str], run: tuple[Chunked, dict, dict, list], cache: dict
+) -> list[Entry]:
+    """Each operation of ``program``'s paired run ``run`` (the chunks, the values they
+    kept as they are and widened, and their observations) that gave values, a scan's
+    body's operations in place of the scan, over all its iterations (``_scan_entries``)."""
+    chunked, env, wide, seen = run
+    named, modules = roles(program, names), module_paths(program, names)
+    out: list[Entry] = []
+    for op, (_, values) in zip(program.ops, chunked.observed(seen), strict=True):
+        if op.name == "scan" and values is not None:  # run inside the chunk: its body's
+            its = _iterations(op, cache)
+            given = dict(zip(program.inputs, names, strict=True))
+            inner = [given.get(a, "") if isinstance(a, int) else "" for a in op.ins]
+            where = f"{op.name} at {op.line}, {op.params['length']} iterations"
+            got = _entries(its.body, inner, (its.chunked, {}, {}, values), cache)
+            out += [(e[0], op.index, e[2], e[3], (where, *e[4]), e[5]) for e in got]
+        elif op.name == "scan":
+            low = [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
+            wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
+            given = dict(zip(program.inputs, names, strict=True))
+            inner = [given.get(a, "") if isinstance(a, int) else "" for a in op.ins]
+            got = _scan_entries(op, low, wides, inner, cache)
+            out += [(e[0], op.index, e[2], e[3], e[4], e[5]) for e in got]
+        elif values is not None:
+            out.append((op, op.index, modules[op.index], named.get(op.index, ""), (), values))
+    return out
+
+
+def _scan_entries(
+    op: Op, ins: Sequence[Any], wide_ins: Sequence[Any], names: Sequence[str], cache: dict
+) -> list[Entry]:
+    """The entries of scan ``op``'s body, run iteration by iteration on its inputs (as they
+    are and widened), each operation's values gathered over the iterations: the report
+    sums its errors over them, as over one array."""
+    its = _iterations(op, cache)  # the body compiled once, for every run of the scan
+    where = f"{op.name} at {op.line}, {op.params['length']} iterations"
+    gathered: dict[int, tuple[Entry, list[Any]]] = {}
+    for _, env, wide, seen in its.run(ins, wide_ins):
+        for entry in _entries(its.body, names, (its.chunked, env, wide, seen), cache):
+            gathered.setdefault(id(entry[0]), (entry, []))[1].append(entry[5])
+    out: list[Entry] = []
+    for (o, index, path, role, loops, _), values in gathered.values():
+        outs, wides, local, f8 = zip(*values, strict=True)
+        merged = (
+            [x for v in outs for x in v],
+            [x for v in wides for x in v],
+            None if local[0] is None else [x for v in local for x in v],
+            None if f8[0] is None else np.max(np.stack(f8), axis=0),  # the largest
+        )
+        out.append((o, index, path, role, (where, *loops), merged))
+    return out
+
+
+def _recipe(
+    fun: Callable, args: Sequence[Any], dtype: Any, argnums: Any, has_aux: bool
+) -> RecipeReport:
+    low_fun = autocast(fun, dtype)
+    program, flat, paths = step_program(low_fun, args, argnums, has_aux)
     # The paired evaluation in chunks (Chunked), each operation's figures computed in its
     # chunk, beside it: the values of earlier operations it reads (a float8 scale) too.
-    chunked = Chunked(
-        program, paired=True, observe=observe, extra=lambda op: scales.get(op.index, ())
-    )
+    cache: dict = {}
+    chunked = _paired(program, cache)
     env, wide, seen = chunked.run(flat)
     outs, wides = jax.device_get((chunked.outputs(env), chunked.outputs(wide, True)))
     grads = [
@@ -284,13 +385,11 @@ def _recipe(
         for o, w in zip(outs, wides, strict=True)
         if jnp.issubdtype(o.dtype, jnp.floating) and o.size
     ]
-    kept = [
-        (op, _figures(*values[:3]), values[3])
-        for op, (_, values) in zip(program.ops, chunked.observed(seen), strict=True)
-        if values is not None
-    ]
     rows = []
-    for op, s, f8s in kept:
+    for op, index, path, role, loops, values in _entries(
+        program, paths, (chunked, env, wide, seen), cache
+    ):
+        s, f8s = _figures(*values[:3]), values[3]
         out_dtype = next((str(np.dtype(a.dtype)) for a in op.out_avals), "")
         f8 = (
             {}
@@ -299,18 +398,19 @@ def _recipe(
         )
         rows.append(
             Row(
-                op.index,
+                index,
                 op.name,
                 op.line,
-                modules[op.index],
+                path,
                 op.backward,
-                named.get(op.index, ""),
+                role,
                 out_dtype,
                 float(s[0]),
                 float(s[1]),
                 float(s[2]),
                 int(s[3]),
                 **f8,
+                loops=loops,
             )  # fmt: skip
         )
     rows.sort(key=lambda r: (r.overflow > 0, max(r.added, r.underflow), -r.index), reverse=True)
@@ -405,7 +505,8 @@ def precision_report(
     the infinities it makes, and for a quantisation to float8 its amax, scale and
     saturated fraction. Rows are sorted worst first. Each parameter gradient's error,
     leaf by leaf, and the temp memory of the float32 and the autocast step's compiled
-    programs come beside them. Both runs are one compiled program (``Chunked``), which
+    programs come beside them. A ``scan``'s rows are its body's operations, each over all
+    its iterations (``Row.loops``). Both runs are one compiled program (``Chunked``), which
     returns each operation's values; the figures are summed from them on the host, so
     the program is the step's size, twice or three times over, and compiles in a few
     times the step's own compile (``python -m benchmarks debug-cost``).
