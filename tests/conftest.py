@@ -11,6 +11,20 @@ if "xla_force_host_platform_device_count" not in _flags:
 # and this cuts its CPU time by about a fifth. Set the flag yourself to test at -O2.
 if "xla_backend_optimization_level" not in _flags:
     _flags += " --xla_backend_optimization_level=0"
+# XLA:CPU's elemental kernel emitters in place of its MLIR fusion emitters, where jaxlib
+# still has the choice (0.10; jaxlib 0.12 has only the fusion emitters and aborts on the
+# flag): the same HLO passes, fusions and buffers, each fusion's kernel emitted by the
+# older path, which compiles it in about half the time. On jax 0.10.2 the suite's CPU time
+# drops by about two fifths. The arithmetic is IEEE either way; LLVM may contract a
+# product and a sum into one rounding in one program and not in another, so a test that
+# compares two different programs bit for bit uses exact arithmetic (a power-of-two rate,
+# as tests/optimizer/test_transformation_contract.py does). CI's suite on jax 0.12 runs
+# the fusion emitters; give the flag yourself (=true) to run them on 0.10.
+if "xla_cpu_use_fusion_emitters" not in _flags:
+    from importlib.metadata import version as _version
+
+    if tuple(int(p) for p in _version("jaxlib").split(".")[:2]) == (0, 10):
+        _flags += " --xla_cpu_use_fusion_emitters=false"
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 

@@ -106,7 +106,9 @@ def test_cpu_check_compiles_to_few_kernels():
         return text.count(" fusion(") - joins
 
     few = kernels(4, 4)
-    assert kernels(40, 4) <= few
+    # 36 more small leaves: no more kernels (XLA:CPU's fusion emitters: 11 against 13),
+    # or one (its elemental emitters, the suite's on jax 0.10: 10 against 9)
+    assert kernels(40, 4) <= few + 1
     assert kernels(4, 8) <= few + 4
     assert few <= 16, few  # 8 leaves; the per-leaf form compiled 3-5 kernels per leaf
 

@@ -93,6 +93,20 @@ def make_step(name, tx, **extra):
     return step
 
 
+def assert_close(a, b):
+    """``a`` and ``b`` alike to a few units in the last place of each leaf's largest value:
+    two different programs' results (one folds its rates, the other reads them), where
+    XLA may contract a product and a sum into one rounding in one program and not in the
+    other (XLA:CPU's elemental emitters, the suite's on jax 0.10, did: one unit in the
+    last place of a float32 update). Under the fusion emitters they were bit for bit."""
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype
+        ulp = float(jnp.finfo(x.dtype).eps)
+        x, y = np.asarray(x, F32), np.asarray(y, F32)
+        np.testing.assert_allclose(x, y, rtol=0, atol=4 * ulp * max(float(np.abs(y).max()), 1.0))
+
+
 def specs(tree):
     """The tree's structure with each array's shape and dtype."""
     return jax.tree.map(lambda x: (x.shape, jnp.dtype(x.dtype)), tree)
@@ -163,8 +177,8 @@ def test_inject_hyperparams_inside(name):
     for _ in range(2):
         p_plain, s_plain, u_plain = step_plain(p_plain, s_plain)
         p_inj, s_inj, u_inj = step_inj(p_inj, s_inj)
-        assert_same(u_inj, u_plain)
-    assert_same(p_inj, p_plain)
+        assert_close(u_inj, u_plain)
+    assert_close(p_inj, p_plain)
 
     # The injected learning rate is found through the wrapper's state, and setting it
     # changes the next step: a zero learning rate leaves the parameters where they are.
