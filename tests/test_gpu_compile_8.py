@@ -72,12 +72,35 @@ def test_the_one_device_mesh_is_unchanged():
 # ---------------------------------------------------------------- the FSDP steps
 
 
-@pytest.mark.parametrize(
-    "name, gathered",
-    [("float32", "f32"), ("autocast(bf16)", "bf16"), ("autocast(f16) + loss_scaling", "f16"),
-     ("bf16 params (master_weights)", "bf16"), ("autocast(float8)", "f8e4m3fn")],
-)  # fmt: skip
-def test_each_parameter_is_gathered_once_in_the_compute_dtype(programs, name, gathered):
+GATHERED = {  # step: the dtype its parameters are gathered in
+    "float32": "f32",
+    "autocast(bf16)": "bf16",
+    "autocast(f16) + loss_scaling": "f16",
+    "bf16 params (master_weights)": "bf16",
+    "autocast(float8)": "f8e4m3fn",
+}
+
+
+def test_the_mlp_steps_under_fsdp(programs):
+    """The MLP's eight programs (a module fixture, compiled at its setup) in one test: tests
+    of one fixture spread over the two xdist workers compiled all eight on both."""
+    checks = [(_each_parameter_is_gathered_once_in_the_compute_dtype, n) for n in GATHERED]
+    checks += [(_gradients_are_reduced_across_devices_in_float32_by_default, n)
+               for n in [*HALVES, "autocast(float8)"]]  # fmt: skip
+    checks += [(_reduce_dtype_sums_in_half_precision_for_half_the_bytes, n) for n in HALVES]
+    checks += [(_the_float32_step_reduces_its_gradients_in_float32, None),
+               (_the_finite_check_of_a_sharded_gradient_is_one_scalar_all_reduce, None),
+               (_the_float8_steps_small_all_reduces_are_the_amaxes_of_sharded_activations, None),
+               (_bytes_and_temp_per_device_against_the_float32_step, None)]  # fmt: skip
+    for check, name in checks:
+        try:
+            check(programs) if name is None else check(programs, name)
+        except AssertionError as e:
+            raise AssertionError(f"{check.__name__}({name}): {e}") from e
+
+
+def _each_parameter_is_gathered_once_in_the_compute_dtype(programs, name):
+    gathered = GATHERED[name]
     # XLA moves autocast's cast (float8: the quantisation) before the gather: the half (or
     # float8) weight crosses the wire, not the float32 master; once per parameter per step
     # (XLA may combine the gathers of small parameters into one collective).
@@ -87,15 +110,14 @@ def test_each_parameter_is_gathered_once_in_the_compute_dtype(programs, name, ga
     assert sum(c.elements for c in gathers) == LAYERS * SHARD
 
 
-def test_the_float32_step_reduces_its_gradients_in_float32(programs):
+def _the_float32_step_reduces_its_gradients_in_float32(programs):
     r = programs["float32"]
     assert {c.dtype for c in _of(r, "reduce-scatter")} == {"f32"}
     assert sum(c.elements for c in _of(r, "reduce-scatter")) == LAYERS * WIDTH * WIDTH
     assert not _of(r, "all-reduce")
 
 
-@pytest.mark.parametrize("name", [*HALVES, "autocast(float8)"])
-def test_gradients_are_reduced_across_devices_in_float32_by_default(programs, name):
+def _gradients_are_reduced_across_devices_in_float32_by_default(programs, name):
     # autocast's weight-gradient products accumulate into float32 (bfloat16 parameters: the
     # sum is rounded to bfloat16 once, after the reduce-scatter): every gradient's sum across
     # devices is float32, PyTorch FSDP2's reduce_dtype=float32.
@@ -107,8 +129,7 @@ def test_gradients_are_reduced_across_devices_in_float32_by_default(programs, na
     assert all(c.elements < 2 * LAYERS for c in _of(r, "all-reduce"))
 
 
-@pytest.mark.parametrize("name", HALVES)
-def test_reduce_dtype_sums_in_half_precision_for_half_the_bytes(programs, name):
+def _reduce_dtype_sums_in_half_precision_for_half_the_bytes(programs, name):
     wire = HALVES[name][1]
     default, option = programs[name], programs[name, "reduce"]
     scatters = _of(option, "reduce-scatter")
@@ -121,13 +142,13 @@ def test_reduce_dtype_sums_in_half_precision_for_half_the_bytes(programs, name):
     assert option["temp"] < default["temp"] <= programs["float32"]["temp"]
 
 
-def test_the_finite_check_of_a_sharded_gradient_is_one_scalar_all_reduce(programs):
+def _the_finite_check_of_a_sharded_gradient_is_one_scalar_all_reduce(programs):
     # Loss scaling under FSDP: every device skips together, from one f32 scalar.
     (check,) = _of(programs["autocast(f16) + loss_scaling"], "all-reduce")
     assert (check.dtype, check.elements) == ("f32", 1)
 
 
-def test_the_float8_steps_small_all_reduces_are_the_amaxes_of_sharded_activations(programs):
+def _the_float8_steps_small_all_reduces_are_the_amaxes_of_sharded_activations(programs):
     # Current scaling: each scale is the amax of a batch-sharded tensor, a max over the
     # devices (exact in bfloat16): the 2 hidden activations' in the forward pass, the 3
     # output gradients' in the backward pass. No gradient is reduced in bfloat16.
@@ -138,7 +159,7 @@ def test_the_float8_steps_small_all_reduces_are_the_amaxes_of_sharded_activation
     assert {c.dtype for c in _of(r, "reduce-scatter")} == {"f32"}
 
 
-def test_bytes_and_temp_per_device_against_the_float32_step(programs):
+def _bytes_and_temp_per_device_against_the_float32_step(programs):
     # At this small size the gradients and the optimizer state dominate: float32 reduction
     # keeps the bytes below the float32 step's (jax 0.10.2's XLA: 0.82x; 0.12.1's: 0.97x),
     # the half reduction well below (0.62-0.78x).
@@ -187,7 +208,22 @@ def gpt():
     return compile_
 
 
-def test_a_gpt_blocks_gradients_are_summed_in_float32_by_default(gpt):
+def test_a_gpt_block_under_fsdp(gpt):
+    """The GPT block's five programs in one test (each compiles in seconds, and tests
+    of one program spread over the two xdist workers compiled it on both): the gradient
+    sums with and without the option, then for each step its gathers and its sums, then
+    bytes and temp side by side."""
+    _summed_in_float32_by_default(gpt)
+    for step in GPT_STEPS:
+        try:
+            _kernels_are_gathered_once_in_the_compute_dtype(gpt, step)
+            _gradient_sums_are_float32(gpt, step)
+        except AssertionError as e:
+            raise AssertionError(f"{step}: {e}") from e
+    _bytes_and_temp_per_device(gpt)
+
+
+def _summed_in_float32_by_default(gpt):
     # What is asserted here is the sums; the gathers below.
     default = gpt("autocast(bf16)")["collectives"]
     option = gpt("autocast(bf16)", "bfloat16")["collectives"]
@@ -203,8 +239,7 @@ def test_a_gpt_blocks_gradients_are_summed_in_float32_by_default(gpt):
     assert scattered == sum(c.elements for c in option if c.kind == "reduce-scatter")
 
 
-@pytest.mark.parametrize("step", GPT_STEPS)
-def test_a_gpt_blocks_kernels_are_gathered_once_in_the_compute_dtype(gpt, step):
+def _kernels_are_gathered_once_in_the_compute_dtype(gpt, step):
     # The 5 FSDP kernels (the MLP's two, query, key, value) are gathered in one combined
     # all-gather in the forward pass, in the compute dtype (float8: the e4m3 quantised
     # weight; its scale is the amax of the float32 shard, a scalar all-reduce), and never
@@ -237,8 +272,7 @@ def test_a_gpt_blocks_kernels_are_gathered_once_in_the_compute_dtype(gpt, step):
     assert all(c.operands == 12 for c in others if c.dtype == "f32")
 
 
-@pytest.mark.parametrize("step", GPT_STEPS)
-def test_a_gpt_blocks_gradient_sums_are_float32_in_every_step(gpt, step):
+def _gradient_sums_are_float32(gpt, step):
     # reduce_dtype=None: every reduce-scatter, and every all-reduce of a gradient (the
     # replicated leaves': the output kernel's 4096 elements and biases), is float32. The
     # remaining all-reduces are statistics of at most a few elements: the finite check
@@ -259,7 +293,7 @@ def test_a_gpt_blocks_gradient_sums_are_float32_in_every_step(gpt, step):
         assert not stats
 
 
-def test_a_gpt_blocks_bytes_and_temp_per_device(gpt):
+def _bytes_and_temp_per_device(gpt):
     # Side by side (docs/scaling-out.md has the figures): bfloat16 parameters move less
     # than float32 ones under the same autocast; the half reduction less than float32's.
     bf16 = gpt("autocast(bf16)")
