@@ -40,15 +40,14 @@ def _problem(width=64, layers=3, batch=64, seed=0):
     return params, x, y
 
 
-def _all_dots(closed):
-    """Every dot_general of a closed jaxpr, its sub-jaxprs included: (operand dtypes, out)."""
+def _eqns(closed, name):
+    """Every equation of primitive ``name`` in a closed jaxpr, its sub-jaxprs included."""
     found = []
 
     def walk(jaxpr):
         for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "dot_general":
-                ins = tuple(str(v.aval.dtype) for v in eqn.invars)
-                found.append((ins, str(eqn.outvars[0].aval.dtype)))
+            if eqn.primitive.name == name:
+                found.append(eqn)
             for v in eqn.params.values():
                 for j in v if isinstance(v, (list, tuple)) else [v]:
                     inner = getattr(j, "jaxpr", j)
@@ -57,6 +56,14 @@ def _all_dots(closed):
 
     walk(closed.jaxpr)
     return found
+
+
+def _all_dots(closed):
+    """Every dot_general of a closed jaxpr, its sub-jaxprs included: (operand dtypes, out)."""
+    return [
+        (tuple(str(v.aval.dtype) for v in e.invars), str(e.outvars[0].aval.dtype))
+        for e in _eqns(closed, "dot_general")
+    ]
 
 
 # ---------------------------------------------------------------- the option
@@ -209,21 +216,11 @@ def _cnn_loss(params, x):
 def _all_convs(closed):
     """Every conv_general_dilated of a closed jaxpr: (operand dtypes, preferred type, out)."""
     found = []
-
-    def walk(jaxpr):
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name == "conv_general_dilated":
-                ins = tuple(str(v.aval.dtype) for v in eqn.invars)
-                preferred = eqn.params["preferred_element_type"]
-                preferred = None if preferred is None else str(np.dtype(preferred))
-                found.append((ins, preferred, str(eqn.outvars[0].aval.dtype)))
-            for v in eqn.params.values():
-                for j in v if isinstance(v, (list, tuple)) else [v]:
-                    inner = getattr(j, "jaxpr", j)
-                    if hasattr(inner, "eqns"):
-                        walk(inner)
-
-    walk(closed.jaxpr)
+    for e in _eqns(closed, "conv_general_dilated"):
+        preferred = e.params["preferred_element_type"]
+        preferred = None if preferred is None else str(np.dtype(preferred))
+        ins = tuple(str(v.aval.dtype) for v in e.invars)
+        found.append((ins, preferred, str(e.outvars[0].aval.dtype)))
     return found
 
 

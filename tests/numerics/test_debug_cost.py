@@ -4,12 +4,12 @@ is the step's own, not the step's times a check per operation (which XLA compile
 minutes). No timing is asserted: ``python -m benchmarks debug-cost`` measures the wall
 times (docs/debugging-precision.md has them)."""
 
-import inspect
 import re
 
 import jax
 import jax.numpy as jnp
 import pytest
+from _source import line_of as _line_of
 
 import jamp
 from jamp._src.numerics import report as report_module
@@ -18,12 +18,6 @@ from jamp._src.numerics.program import CHUNK, Chunked
 from tests.realmodels._models import gpt2
 
 DEAD = 4  # operations no output reads: the unchecked program drops them, the checks keep them
-
-
-def _line_of(fun, text):
-    lines, start = inspect.getsourcelines(fun)
-    offset = next(i for i, line in enumerate(lines) if text in line)
-    return f"{inspect.unwrap(fun).__code__.co_filename.rsplit('/', 1)[-1]}:{start + offset}"
 
 
 def _count(lowered, op):

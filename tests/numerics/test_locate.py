@@ -2,7 +2,6 @@
 finite inputs, on a seeded suite of injected faults in Flax, NNX and Equinox models,
 jitted or not, with and without autocast; and ``locate_when_skipped`` inside a step."""
 
-import inspect
 import logging
 
 import equinox as eqx
@@ -12,18 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _source import line_of as _line_of
 from flax import nnx
 
 import jamp
 
 SEEDS = [0, 1, 2]
-
-
-def _line_of(fun, text):
-    """``file:line`` of the first line of ``fun``'s source holding ``text``."""
-    lines, start = inspect.getsourcelines(fun)
-    offset = next(i for i, line in enumerate(lines) if text in line)
-    return f"test_locate.py:{start + offset}"
 
 
 # ---------------------------------------------------------------- 1. a float16 activation

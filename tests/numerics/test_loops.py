@@ -4,22 +4,13 @@ as MaxText and levanter write it). The locator names the iteration (the time ste
 layer) and the operation inside the body, forward and backward; the report's rows are
 the body's operations, over all iterations, not one row for the scan."""
 
-import inspect
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import pytest
+from _source import line_of as _line_of
 
 import jamp
-
-
-def _line_of(fun, text):
-    """``file:line`` of the first line of ``fun``'s source holding ``text``."""
-    lines, start = inspect.getsourcelines(fun)
-    offset = next(i for i, line in enumerate(lines) if text in line)
-    return f"{inspect.unwrap(fun).__code__.co_filename.rsplit('/', 1)[-1]}:{start + offset}"
-
 
 # ---------------------------------------------------------------- a GRU under scan
 

@@ -3,7 +3,6 @@ holds dropout's typed PRNG key, a legacy ``PRNGKey`` argument, a non-finite cons
 ``GradScaler`` state, the dtype spellings ``jamp.autocast`` takes, and a gradient function
 given instead of the loss."""
 
-import inspect
 import logging
 
 import equinox as eqx
@@ -13,17 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _source import line_of as _line_of
 from flax import nnx
 
 import jamp
-
-
-def _line_of(fun, text):
-    """``file:line`` of the first line of ``fun``'s source holding ``text``."""
-    lines, start = inspect.getsourcelines(fun)
-    offset = next(i for i, line in enumerate(lines) if text in line)
-    return f"{fun.__code__.co_filename.rsplit('/', 1)[-1]}:{start + offset}"
-
 
 # ---------------------------------------------------------------- 1. PRNG keys
 
