@@ -31,6 +31,7 @@ from jamp._src.numerics.program import (
     evaluate,
     fill_lines,
     flatten,
+    forward_products,
     mark_linearization,
     module_paths,
     roles,
@@ -323,7 +324,7 @@ def _inside(
     if inner is not None:
         chunked = Chunked(inner, observe=nonfinite_counts, maxima=1, keep=loop_inputs(inner))
         found = None
-        for iteration, args, values in Iterations(op, inner, chunked).inputs(ins):
+        for iteration, args, values, _, _ in Iterations(op, inner, chunked).run(ins):
             outs = jax.device_get(chunked.outputs(values))
             if any(_floating(x) and not np.all(np.isfinite(_host(x))) for x in outs):
                 found = iteration, args
@@ -450,8 +451,9 @@ def site(
         Operand(str(np.dtype(a.dtype)), tuple(a.shape), float(m), float(jnp.finfo(a.dtype).max))
         for a, m in zip(floats, np.asarray(magnitudes), strict=False)
     )
-    role = roles(program, paths).get(op.index, "")
-    path = module_paths(program, paths)[op.index]
+    forwards = forward_products(program)  # one walk for both
+    role = roles(program, paths, forwards).get(op.index, "")
+    path = module_paths(program, paths, forwards)[op.index]
     nan, inf = (int(c) for c in np.asarray(counts))
     return NonfiniteSite(
         op.name, op.line, path, op.backward, role, operands, nan, inf, op.index,

@@ -7,7 +7,7 @@ searched, or reported, as a program of its own:
 
 - the locator, when a loop made the first non-finite value, runs it again from the
   inputs the step gave it: a scan's body iteration by iteration in the search's own
-  chunks (``Iterations.inputs``), a while's in one compiled loop that stops at the first
+  chunks (``Iterations.run``), a while's in one compiled loop that stops at the first
   non-finite iteration (``first_bad``), a cond's taken branch; then searches that
   iteration's body;
 - the report runs a scan, inside the step's program, as one scan of its body's paired
@@ -103,7 +103,7 @@ def first_bad(op: Op, ins: Sequence[Any]) -> tuple[int, list[Any]] | None:
     """The first iteration of a ``while`` or ``cond`` ``op``, run on its inputs ``ins``,
     whose outputs hold an inf or a NaN, and that iteration's inputs (its body's
     arguments); None if none. A cond's taken branch is its one iteration. (A scan's
-    iterations: ``Iterations.inputs``.)"""
+    iterations: ``Iterations.run``.)"""
     if op.name == "cond":
         branches = op.params["branches"]
         index = int(np.clip(np.asarray(ins[0]), 0, len(branches) - 1))
@@ -139,42 +139,33 @@ def _unstack(arrays: Any, length: int) -> Any:
 @dataclasses.dataclass
 class Iterations:
     """A scan's iterations: its body (``body``) and the chunks that evaluate it
-    (``chunked``, compiled once), run on each iteration's inputs (``inputs``, ``run``) or
+    (``chunked``, compiled once), run on each iteration's inputs (``run``) or
     as one scan over them (``paired``)."""
 
     op: Op
     body: Program
     chunked: Chunked
 
-    def inputs(self, ins: Sequence[Any]) -> Iterator[tuple[int, list[Any], dict]]:
-        """Per iteration, in the order the scan runs them: its index, its inputs and the
-        values the body's run on them kept (``Chunked.run``'s, unpaired)."""
-        consts, carry, xs = _scan_parts(self.op, ins)
-        length, reverse = int(self.op.params["length"]), bool(self.op.params["reverse"])
-        (slices,) = _unstack((xs,), length)  # one program, not one per slice
-        for k in reversed(range(length)) if reverse else range(length):
-            args = [*consts, *carry, *slices[k]]
-            env = self.chunked.run(args)[0]
-            yield k, args, env
-            carry = self.chunked.outputs(env)[: len(carry)]
-
     def run(
-        self, ins: Sequence[Any], wide_ins: Sequence[Any]
-    ) -> Iterator[tuple[int, dict, dict, list]]:
-        """Per iteration, in the order the scan runs them: its index, and the body's
-        values and observations (``Chunked.run``'s) on that iteration's inputs, the
-        carry passed on as it is and widened."""
+        self, ins: Sequence[Any], wide_ins: Sequence[Any] | None = None
+    ) -> Iterator[tuple[int, list[Any], dict, dict, list]]:
+        """Per iteration, in the order the scan runs them: its index, its inputs, and the
+        body's values and observations (``Chunked.run``'s) on them; with ``wide_ins`` (a
+        paired ``chunked``) beside their widened twins, the carry passed on as it is and
+        widened."""
+        paired = wide_ins is not None
         consts, carry, xs = _scan_parts(self.op, ins)
-        wconsts, wcarry, wxs = _scan_parts(self.op, wide_ins)
+        wconsts, wcarry, wxs = _scan_parts(self.op, wide_ins) if paired else ([], [], [])
         length, reverse = int(self.op.params["length"]), bool(self.op.params["reverse"])
         slices, wide_slices = _unstack((xs, wxs), length)  # one program, not one per slice
         for k in reversed(range(length)) if reverse else range(length):
             args = [*consts, *carry, *slices[k]]
-            wide_args = [*wconsts, *wcarry, *wide_slices[k]]
+            wide_args = [*wconsts, *wcarry, *wide_slices[k]] if paired else None
             env, wide, seen = self.chunked.run(args, wide_args=wide_args)
+            yield k, args, env, wide, seen
             carry = self.chunked.outputs(env)[: len(carry)]
-            wcarry = self.chunked.outputs(wide, True)[: len(wcarry)]
-            yield k, env, wide, seen
+            if paired:
+                wcarry = self.chunked.outputs(wide, True)[: len(wcarry)]
 
     def whole(self) -> bool:
         """Whether ``scanned`` can run the iterations: the body is one chunk and holds no

@@ -527,7 +527,7 @@ def _ancestors(program: Program, start: Any, limit: int = 64) -> list[int]:
     return out
 
 
-def _forwards(program: Program) -> dict[int, tuple[Op, int]]:
+def forward_products(program: Program) -> dict[int, tuple[Op, int]]:
     """For each matrix product or convolution of the backward pass, the forward product it
     differentiates and the position (0 left, 1 right) of the forward operand it shares.
 
@@ -556,15 +556,20 @@ def _forwards(program: Program) -> dict[int, tuple[Op, int]]:
     return out
 
 
-def roles(program: Program, input_names: Sequence[str]) -> dict[int, str]:
+def roles(
+    program: Program,
+    input_names: Sequence[str],
+    forwards: dict[int, tuple[Op, int]] | None = None,
+) -> dict[int, str]:
     """For each matrix product or convolution of the backward pass, which operand's
     gradient it computes: ``"input gradient"`` (the forward product's left operand) or
     ``"weight gradient"`` (its right), with the parameter's name when the right operand
     is one of the function's arguments (``input_names``, by input position); the forward
-    product is ``_forwards``'s."""
+    product is ``forward_products``' (``forwards``, when the caller has it)."""
     named = dict(zip(program.inputs, input_names, strict=True))
     out: dict[int, str] = {}
-    for index, (forward, position) in _forwards(program).items():
+    forwards = forward_products(program) if forwards is None else forwards
+    for index, (forward, position) in forwards.items():
         if position == 1:  # multiplied by the forward's right operand: the left's gradient
             out[index] = f"input gradient of the product at {forward.line}"
         else:
@@ -587,18 +592,22 @@ def _parent(name: str) -> str:
     return _LAST_KEY.sub("", name)
 
 
-def module_paths(program: Program, input_names: Sequence[str]) -> dict[int, str]:
+def module_paths(
+    program: Program,
+    input_names: Sequence[str],
+    forwards: dict[int, tuple[Op, int]] | None = None,
+) -> dict[int, str]:
     """Each operation's module path, told apart by its parameters where the name stack
     cannot: Equinox writes class names (``eqx.nn.MLP/eqx.nn.Linear``), one path for every
     layer, and a function with no module writes none. An operation that reads a
     parameter (through moves, casts and scalings) belongs to that parameter's module
     (its path in the argument pytree without the leaf's key), one that reads none to the
     module of its first operand's producer of the same name-stack path, a product of the
-    backward pass to its forward product's (``_forwards``); where a
+    backward pass to its forward product's (``forward_products``, or ``forwards``); where a
     name-stack path is shared by operations of two modules, or is empty, the module is
     added (``eqx.nn.MLP/eqx.nn.Linear (.layers[1])``). Other paths are kept as written."""
     parents = {v: _parent(n) for v, n in zip(program.inputs, input_names, strict=True)}
-    forwards = _forwards(program)
+    forwards = forward_products(program) if forwards is None else forwards
     module: dict[int, str] = {}  # op index -> its parameter's module
     for op in program.ops:
         found = ""

@@ -24,6 +24,7 @@ from jamp._src.numerics.program import (
     Op,
     Program,
     evaluate_wide_op,
+    forward_products,
     module_paths,
     narrow_free,
     roles,
@@ -295,11 +296,31 @@ def _paired(program: Program, cache: dict) -> Chunked:
     def inside(op: Op, env: dict, wide: dict) -> Any:
         if op.name != "scan" or not _iterations(op, cache).whole():
             return None
-        low = [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
-        wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
-        return _iterations(op, cache).paired(low, wides)
+        return _iterations(op, cache).paired(*_scan_inputs(op, env, wide))
 
     return Chunked(program, paired=True, observe=observe, extra=extra, keep=keep, inside=inside)
+
+
+def _scan_inputs(op: Op, env: dict, wide: dict) -> tuple[list[Any], list[Any]]:
+    """Scan ``op``'s inputs from a paired run's values: as they are, and widened."""
+    low = [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
+    wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
+    return low, wides
+
+
+def _scan_label(op: Op) -> str:
+    """``scan at model.py:12 (f), 16 iterations``: what a row inside it names."""
+    return f"{op.name} at {op.line}, {op.params['length']} iterations"
+
+
+def _labels(program: Program, names: Sequence[str], cache: dict) -> tuple[dict, dict]:
+    """``program``'s roles and module paths (one walk to the forward products), made once
+    for every iteration that reports it (``cache``, by the program and its names)."""
+    key = ("labels", id(program), tuple(names))
+    if key not in cache:
+        forwards = forward_products(program)
+        cache[key] = roles(program, names, forwards), module_paths(program, names, forwards)
+    return cache[key]
 
 
 def _iterations(op: Op, cache: dict) -> Iterations:
@@ -322,22 +343,18 @@ def _entries(
     kept as they are and widened, and their observations) that gave values, a scan's
     body's operations in place of the scan, over all its iterations (``_scan_entries``)."""
     chunked, env, wide, seen = run
-    named, modules = roles(program, names), module_paths(program, names)
+    named, modules = _labels(program, names, cache)
+    given = dict(zip(program.inputs, names, strict=True))
     out: list[Entry] = []
     for op, (_, values) in zip(program.ops, chunked.observed(seen), strict=True):
-        if op.name == "scan" and values is not None:  # run inside the chunk: its body's
-            its = _iterations(op, cache)
-            given = dict(zip(program.inputs, names, strict=True))
+        if op.name == "scan":
             inner = [given.get(a, "") if isinstance(a, int) else "" for a in op.ins]
-            where = f"{op.name} at {op.line}, {op.params['length']} iterations"
-            got = _entries(its.body, inner, (its.chunked, {}, {}, values), cache)
-            out += [(e[0], op.index, e[2], e[3], (where, *e[4]), e[5]) for e in got]
-        elif op.name == "scan":
-            low = [a[1] if isinstance(a, tuple) else env[a] for a in op.ins]
-            wides = [wide_value(a[1]) if isinstance(a, tuple) else wide[a] for a in op.ins]
-            given = dict(zip(program.inputs, names, strict=True))
-            inner = [given.get(a, "") if isinstance(a, int) else "" for a in op.ins]
-            got = _scan_entries(op, low, wides, inner, cache)
+            if values is not None:  # run inside the chunk: its body's
+                its = _iterations(op, cache)
+                got = _entries(its.body, inner, (its.chunked, {}, {}, values), cache)
+                got = [(e[0], e[1], e[2], e[3], (_scan_label(op), *e[4]), e[5]) for e in got]
+            else:
+                got = _scan_entries(op, *_scan_inputs(op, env, wide), inner, cache)
             out += [(e[0], op.index, e[2], e[3], e[4], e[5]) for e in got]
         elif values is not None:
             out.append((op, op.index, modules[op.index], named.get(op.index, ""), (), values))
@@ -351,9 +368,9 @@ def _scan_entries(
     are and widened), each operation's values gathered over the iterations: the report
     sums its errors over them, as over one array."""
     its = _iterations(op, cache)  # the body compiled once, for every run of the scan
-    where = f"{op.name} at {op.line}, {op.params['length']} iterations"
+    where = _scan_label(op)
     gathered: dict[int, tuple[Entry, list[Any]]] = {}
-    for _, env, wide, seen in its.run(ins, wide_ins):
+    for _, _, env, wide, seen in its.run(ins, wide_ins):
         for entry in _entries(its.body, names, (its.chunked, env, wide, seen), cache):
             gathered.setdefault(id(entry[0]), (entry, []))[1].append(entry[5])
     out: list[Entry] = []
