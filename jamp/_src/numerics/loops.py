@@ -36,10 +36,10 @@ from jax.extend import core as jex_core
 
 from jamp._src.jaxprs import ClosedJaxpr, scan_counts
 from jamp._src.numerics.program import (
-    COMPILER_OPTIONS,
     Chunked,
     Op,
     Program,
+    compiler_options,
     fill_lines,
     flatten,
     wide_value,
@@ -90,7 +90,7 @@ def _any_bad(values: Sequence[Any]) -> jax.Array:
 
 
 def _compiled(fun: Any, *args: Any) -> Any:
-    return jax.jit(fun).lower(*args).compile(dict(COMPILER_OPTIONS))(*args)
+    return jax.jit(fun).lower(*args).compile(compiler_options())(*args)
 
 
 def _scan_parts(op: Op, ins: Sequence[Any]) -> tuple[list, list, list]:

@@ -16,6 +16,8 @@ observe of its operations.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -309,6 +311,29 @@ CHUNK = 4096
 # which take most of a compile and change no value of IEEE arithmetic (XLA sets no
 # fast-math), nor the temp memory (buffer assignment precedes code generation).
 COMPILER_OPTIONS: dict[str, Any] = {"xla_backend_optimization_level": 0}
+# And, where XLA:CPU still has them (jaxlib 0.10; 0.12 has only its MLIR fusion emitters),
+# its elemental kernel emitters: the same HLO program, its fusions' kernels emitted in
+# about a third of the time at this optimisation level (the report's paired program on
+# GPT-2: 4.2 s against 1.4 s). A kernel's float32 arithmetic may contract a product and a
+# sum where the other emitter does not (one ulp), which no figure of the tools depends on.
+# XLA:GPU ignores the option. Unless XLA_FLAGS names it: then the user's choice holds.
+_ELEMENTAL = {"xla_cpu_use_fusion_emitters": False}
+
+
+@functools.cache
+def compiler_options() -> dict[str, Any]:
+    """The options the tools compile their programs with (``COMPILER_OPTIONS``, and the
+    elemental emitters where the installed XLA takes that option: asked once, by a
+    compile of a one-operation program)."""
+    options = dict(COMPILER_OPTIONS)
+    if "xla_cpu_use_fusion_emitters" in os.environ.get("XLA_FLAGS", ""):
+        return options
+    try:
+        jax.jit(jnp.negative).lower(np.float32(0)).compile({**options, **_ELEMENTAL})
+    except Exception:  # jaxlib 0.12: "No such compile option" (a JaxRuntimeError)
+        return options
+    return {**options, **_ELEMENTAL}
+
 
 ChunkObserve = Callable[
     [Op, Sequence[Any], Sequence[Any], Sequence[Any] | None, Sequence[Any] | None, dict],
@@ -457,7 +482,7 @@ class Chunked:
             wides = [wide[a] for a in self.reads[c]] if self.paired else []
             if c not in self._compiled:
                 self.lowered[c] = self._body(c).lower(values, wides)
-                self._compiled[c] = self.lowered[c].compile(dict(COMPILER_OPTIONS))
+                self._compiled[c] = self.lowered[c].compile(compiler_options())
             outs, wide_outs, got = self._compiled[c](values, wides)
             env.update(zip(self.writes[c], outs, strict=True))
             if self.paired:

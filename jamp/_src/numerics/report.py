@@ -19,10 +19,10 @@ from jamp._src.jaxprs import MOVES
 from jamp._src.numerics.locate import step_program
 from jamp._src.numerics.loops import Iterations, body
 from jamp._src.numerics.program import (
-    COMPILER_OPTIONS,
     Chunked,
     Op,
     Program,
+    compiler_options,
     evaluate_wide_op,
     forward_products,
     module_paths,
@@ -453,8 +453,8 @@ def _gradient_paths(args: Sequence[Any], argnums: int | Sequence[int]) -> list[s
 
 def _temp_of(lowered: Any) -> int:
     """The temp memory XLA gives the compiled ``lowered``: the tools' compile options
-    (``COMPILER_OPTIONS``) leave it as it is, and halve the compile."""
-    analysis = lowered.compile(dict(COMPILER_OPTIONS)).memory_analysis()
+    (``compiler_options``) leave it as it is, and halve the compile."""
+    analysis = lowered.compile(compiler_options()).memory_analysis()
     return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
 
 
