@@ -53,6 +53,7 @@ PACKAGES = {
     "finite": ["default", "cpu", "check", "report"],
     "autocast": [
         "rules",
+        "folding",
         "values",
         "sums",
         "residuals",

@@ -27,6 +27,7 @@ import numpy as np
 from jax.extend import core as jex_core
 
 from jamp._src.autocast.flow import known_span, lifted_carry
+from jamp._src.autocast.folding import FOLDING
 from jamp._src.autocast.handlers import (
     as_traced,
     by_rule,
@@ -149,7 +150,7 @@ def _eval_jaxpr(
         ininfos = [i for _, i in read_in]
         fold = _foldable(eqn, invals, ininfos)
         mask = None if action.mask is None else (read(action.mask.invars[0])[0], action.mask)
-        with jax.ensure_compile_time_eval() if fold else contextlib.nullcontext():
+        with _folding() if fold else contextlib.nullcontext():
             outs, outinfos = eval_eqn(eqn, invals, ininfos, sub, action, casts, mask)
         for v, x, i in zip(eqn.outvars, outs, outinfos, strict=True):
             env[v] = (x, i)
@@ -195,6 +196,18 @@ def eval_eqn(
         return as_traced(eqn, invals, infos, ctx, rule)
     casts = Casts() if casts is None else casts
     return by_rule(eqn, invals, infos, ctx, rule, action, casts, mask)
+
+
+@contextlib.contextmanager
+def _folding() -> Iterator[None]:
+    """Computes an equation of constants now (jax's eager evaluation, or NumPy's where
+    exact: ``folding``), not in the traced program."""
+    token = FOLDING.set(True)
+    try:
+        with jax.ensure_compile_time_eval():
+            yield
+    finally:
+        FOLDING.reset(token)
 
 
 # Primitives typed by the mesh axes of shard_map: bound in the trace, never folded.

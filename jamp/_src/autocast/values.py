@@ -25,6 +25,7 @@ from jax.extend import core as jex_core
 from jax.typing import DTypeLike
 
 from jamp._src import jaxprs
+from jamp._src.autocast import folding
 from jamp._src.autocast.rules import Span, narrows, saturated, widest
 from jamp._src.jaxprs import ClosedJaxpr
 from jamp._src.types import is_tracer
@@ -263,9 +264,16 @@ def source(eqn: jex_core.JaxprEqn) -> contextlib.AbstractContextManager:
 def bind(
     eqn: jex_core.JaxprEqn, vals: Sequence[Value], params: Mapping[str, object] | None = None
 ) -> list[Value]:
-    """Binds ``eqn``'s primitive on ``vals`` under its source line and name stack."""
+    """Binds ``eqn``'s primitive on ``vals`` under its source line and name stack; an
+    equation the interpreter computes when tracing, in NumPy where that is exact
+    (``folding``: no compile)."""
+    params = dict(eqn.params if params is None else params)
+    if folding.FOLDING.get():
+        outs = folding.fold(eqn.primitive, vals, params, [aval(v) for v in eqn.outvars])
+        if outs is not None:
+            return list(outs)
     with source(eqn):
-        return jaxprs.bind(eqn.primitive, vals, dict(eqn.params if params is None else params))
+        return jaxprs.bind(eqn.primitive, vals, params)
 
 
 def float0_zeros(aval: jax.core.ShapedArray) -> np.ndarray:
