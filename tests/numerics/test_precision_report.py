@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import jamp
+from jamp._src.numerics.program import compiler_options
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -74,7 +75,17 @@ def test_backward_products_are_named_by_operand_and_parameter():
     assert all(0 < g.error < 0.05 for g in report.gradients)
     # The widened program is the float32 step: its loss is float32's.
     assert report.recipes[0].loss_float32 == pytest.approx(float(loss(params, x)), rel=1e-6)
-    assert report.float32_temp_bytes >= 0 and report.recipes[0].temp_bytes >= 0
+    # Both steps' temp memory, compiled beside the report's own work (in a thread): the
+    # figures of the same programs compiled here.
+    options = compiler_options()
+
+    def temp(fun):
+        lowered = jax.jit(jax.value_and_grad(fun)).lower(params, x)
+        return lowered.compile(options).memory_analysis().temp_size_in_bytes
+
+    float32, low = temp(loss), temp(jamp.autocast(loss, jnp.bfloat16))
+    assert (report.float32_temp_bytes, report.recipes[0].temp_bytes) == (float32, low)
+    assert float32 > 0 and low > 0
 
 
 def _demo():

@@ -3,9 +3,10 @@ finite while its inputs are."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -132,16 +133,13 @@ def _paths(args: Sequence[Any]) -> list[str]:
     return [jax.tree_util.keystr(path[1:]) or f"argument {path[0].idx}" for path, _ in leaves]
 
 
-def step_program(
-    fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], has_aux: bool
-) -> tuple[Program, list[Any], list[str]]:
-    """The flattened program of ``jax.value_and_grad(fun)``, its flat inputs and their
-    paths."""
-    grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+@contextlib.contextmanager
+def a_loss() -> Iterator[None]:
+    """Around a trace of ``jax.value_and_grad(fun)``: jax's "Gradient only defined for
+    scalar-output functions" said as the tools' misuse (a gradient function passed)."""
     try:
-        with annotated_rules():  # float8 products under their user's line and module path
-            closed, shape = jax.make_jaxpr(grad, return_shape=True)(*args)
-    except TypeError as e:  # jax's "Gradient only defined for scalar-output functions"
+        yield
+    except TypeError as e:
         if "scalar-output" not in str(e):
             raise
         raise TypeError(
@@ -149,6 +147,16 @@ def step_program(
             f"aux)): pass the loss, as `jax.value_and_grad` takes it, not a gradient function "
             f"such as jax.grad(loss). jax said: {e}"
         ) from None
+
+
+def step_program(
+    fun: Callable, args: Sequence[Any], argnums: int | Sequence[int], has_aux: bool
+) -> tuple[Program, list[Any], list[str]]:
+    """The flattened program of ``jax.value_and_grad(fun)``, its flat inputs and their
+    paths."""
+    grad = jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux)
+    with a_loss(), annotated_rules():  # float8 products under their user's line and path
+        closed, shape = jax.make_jaxpr(grad, return_shape=True)(*args)
     flat = jax.tree_util.tree_leaves(tuple(args))
     value = len(jax.tree_util.tree_leaves(shape[0]))  # the loss and its auxiliary data
     return fill_lines(mark_linearization(flatten(closed), value)), flat, _paths(args)

@@ -4,6 +4,7 @@ for float8 products their scales and saturation."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -16,7 +17,7 @@ from jax.extend import core as jex_core
 from jamp._src.autocast.api import autocast
 from jamp._src.dtypes import FLOAT8_ANY, FLOAT8_MODE, HALF, check_dtype, is_float8_mode
 from jamp._src.jaxprs import MOVES
-from jamp._src.numerics.locate import step_program
+from jamp._src.numerics.locate import a_loss, step_program
 from jamp._src.numerics.loops import Iterations, body
 from jamp._src.numerics.program import (
     Chunked,
@@ -391,6 +392,7 @@ def _recipe(
 ) -> RecipeReport:
     low_fun = autocast(fun, dtype)
     program, flat, paths = step_program(low_fun, args, argnums, has_aux)
+    temp = _temp_of(jax.jit(jex_core.jaxpr_as_fun(program.source)).lower(*flat))
     # The paired evaluation in chunks (Chunked), each operation's figures computed in its
     # chunk, beside it: the values of earlier operations it reads (a float8 scale) too.
     cache: dict = {}
@@ -437,8 +439,7 @@ def _recipe(
         for p, g in zip(grad_paths, grads[-len(grad_paths) :], strict=True)
     ) if grad_paths else ()  # fmt: skip
     loss, loss32 = (float(np.asarray(v).reshape(-1)[0]) for v in (outs[0], wides[0]))
-    temp = _temp_of(jax.jit(jex_core.jaxpr_as_fun(program.source)).lower(*flat))
-    return RecipeReport(_name(dtype), tuple(rows), gradients, loss, loss32, temp)
+    return RecipeReport(_name(dtype), tuple(rows), gradients, loss, loss32, temp.result())
 
 
 def _gradient_paths(args: Sequence[Any], argnums: int | Sequence[int]) -> list[str]:
@@ -451,11 +452,23 @@ def _gradient_paths(args: Sequence[Any], argnums: int | Sequence[int]) -> list[s
     return out
 
 
-def _temp_of(lowered: Any) -> int:
-    """The temp memory XLA gives the compiled ``lowered``: the tools' compile options
-    (``compiler_options``) leave it as it is, and halve the compile."""
-    analysis = lowered.compile(compiler_options()).memory_analysis()
-    return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+# The temp memory figures compile the float32 and the autocast step once more each: in a
+# thread, one at a time, beside the report's own tracing, compile and run (XLA compiles
+# without holding Python's lock).
+_TEMPS = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="jamp-temp")
+
+
+def _temp_of(lowered: Any) -> concurrent.futures.Future[int]:
+    """The temp memory XLA gives the compiled ``lowered``, compiled in the background: the
+    tools' compile options (``compiler_options``) leave it as it is, and halve the
+    compile."""
+    options = compiler_options()  # asked here: its one probe compile is not in the thread
+
+    def temp() -> int:
+        analysis = lowered.compile(options).memory_analysis()
+        return int(getattr(analysis, "temp_size_in_bytes", 0) or 0)
+
+    return _TEMPS.submit(temp)
 
 
 def _name(dtype: Any) -> str:
@@ -558,6 +571,9 @@ def precision_report(
     dtypes = list(dtype) if isinstance(dtype, (list, tuple)) else [dtype]
     if not dtypes:
         raise ValueError("Expected `dtype` to name at least one recipe, got an empty list.")
-    recipes = tuple(_recipe(fun, args, _recipe_dtype(d), argnums, has_aux) for d in dtypes)
+    chosen = [_recipe_dtype(d) for d in dtypes]
     step = jax.jit(jax.value_and_grad(fun, argnums=argnums, has_aux=has_aux))
-    return PrecisionReport(recipes, _temp_of(step.lower(*args)), top)
+    with a_loss():
+        temp = _temp_of(step.lower(*args))
+    recipes = tuple(_recipe(fun, args, d, argnums, has_aux) for d in chosen)
+    return PrecisionReport(recipes, temp.result(), top)
