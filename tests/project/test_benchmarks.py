@@ -315,6 +315,26 @@ def _debug_cost(tmp_path):
     assert all(re.search(r"\d s \(\d+\.\dx\)", c) for c in row[2:])
 
 
+def test_debug_cost_runs_give_medians_and_each_run_s_own_ratio():
+    """``--runs N``: each time's median, and the median of the runs' ratios (each tool
+    against its own run's step), with their range; over the target is marked."""
+    from benchmarks import debug_cost
+
+    runs = [
+        {"step": 1.0, "locate": 2.0, "bfloat16": 6.0, "site": "exp, forward", "describe": "m"},
+        {"step": 2.0, "locate": 3.0, "bfloat16": 9.0, "site": "exp, forward", "describe": "m"},
+        {"step": 1.5, "locate": 2.5, "bfloat16": 9.9, "site": "exp, forward", "describe": "m"},
+    ]
+    row = debug_cost._median_row(runs)
+    assert (row["step"], row["locate"], row["bfloat16"]) == (1.5, 2.5, 9.0)
+    assert row["ratios"]["locate"] == [2.0, 1.5, 2.5 / 1.5]
+    cell = debug_cost._cell(row["locate"], row["step"], 0, row["ratios"]["locate"])
+    assert cell == "2.50 s (1.7x; 1.5-2.0x)"
+    cell = debug_cost._cell(row["bfloat16"], row["step"], 0, row["ratios"]["bfloat16"])
+    assert cell == "9.00 s (6.0x; 4.5-6.6x) **over**"
+    assert debug_cost._cell(2.0, 1.0, 0) == "2.00 s (2.0x)"
+
+
 def _collectives(tmp_path):
     require_gpu_compiler()  # the 8-GPU compile: skips, or fails in CI, as the fixture does
     out = tmp_path / "section.md"
