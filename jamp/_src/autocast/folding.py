@@ -6,11 +6,13 @@ The interpreter computes an equation of constants when ``fun`` is traced (its
 sees the value. jax runs such an equation as a program of its own, compiled once per
 primitive, shape and dtype: transformers' Flax GPT-2 has 34 of them, about half of its
 autocast trace (0.7 of 1.4 s, jax 0.12.1). The structural operations, comparisons,
-logic, selections and integer arithmetic below have one exact result, which NumPy gives
-without a compile. Anything else is left to jax (``None``): floating arithmetic (its
-rounding and its flushing of subnormals are the backend's), a conversion from a float,
-an operand holding a subnormal (XLA:CPU reads it as zero, in a comparison too), and
-anything jax would type weakly (a Python scalar operand; ``weak_type=True``).
+logic, selections, integer arithmetic and float32 ``+``, ``-``, ``*`` below have one
+exact result (IEEE's, rounded once to nearest even), which NumPy gives without a
+compile. Anything else is left to jax (``None``): other floating arithmetic (a square
+root, a division, a transcendental: the backend's own), half-precision arithmetic, a
+conversion from a float but to an integer in range, an operand or a result holding a
+subnormal (XLA:CPU reads and writes it as zero, in a comparison too), a PRNG key, and an
+output jax types weakly (``weak_type``: a NumPy array is strongly typed).
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ def _select(which: np.ndarray, *cases: np.ndarray) -> np.ndarray:
     return np.choose(which.astype(np.intp), cases)
 
 
-# primitive name: (the dtypes it is exact on: "int" or _ANY, NumPy's computation)
+# primitive name: (the operands it is exact on: _ANY, _INT or _F32; NumPy's computation)
 _TABLE: Mapping[str, tuple[Any, Callable[..., Any]]] = {
     "broadcast_in_dim": (_ANY, _broadcast),
     "reshape": (_ANY, lambda x, new_sizes, **_: x.reshape(tuple(new_sizes))),
