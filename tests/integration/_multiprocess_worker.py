@@ -36,6 +36,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 import jax.numpy as jnp
 import numpy as np
 import optax
+from _steps import make_step
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -123,14 +124,7 @@ def fsdp_batch(step, pid, n_local_devices):
 
 
 def fsdp_step(tx):
-    @jax.jit
-    def step(params, opt_state, x, y):
-        ls = jamp.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: jamp.scale(ls, fsdp_loss(p, x, y)))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
+    return make_step(tx, fsdp_loss)
 
 
 def fsdp_specs():

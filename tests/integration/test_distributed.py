@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _steps import make_step
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -97,15 +98,10 @@ def dense_loss(params, x, y):
     return jnp.mean(jnp.square(pred.astype(jnp.float32) - y))
 
 
-def make_step(tx, loss_fn):
-    @jax.jit
-    def step(params, opt_state, x, y):
-        ls = jamp.get_loss_scale(opt_state)
-        grads = jax.grad(lambda p: jamp.scale(ls, loss_fn(p, x, y)))(params)
-        updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state
-
-    return step
+def global_batch(parts, sharding):
+    """The processes' local batches ``[(x, y), ...]`` as one global ``(x, y)``, in process
+    order, sharded as the processes' global arrays are."""
+    return tuple(jax.device_put(np.concatenate([p[i] for p in parts]), sharding) for i in (0, 1))
 
 
 def assert_shards_unchanged(new, old):
@@ -452,9 +448,7 @@ def reference_run(worker):
     step = make_step(tx, worker.loss_fn)
     out = []
     for s in range(worker.STEPS):
-        parts = [worker.local_batch(s, pid, 4) for pid in range(2)]
-        x = jax.device_put(np.concatenate([p[0] for p in parts]), batch_sh)
-        y = jax.device_put(np.concatenate([p[1] for p in parts]), batch_sh)
+        x, y = global_batch([worker.local_batch(s, pid, 4) for pid in range(2)], batch_sh)
         params, opt_state = step(params, opt_state, x, y)
         scale = float(jamp.get_loss_scale(opt_state).scale).hex()
         out.append((bool(opt_state.last_finite), scale, host(params)))
@@ -525,9 +519,7 @@ def fsdp_reference(worker):
     batch_sh = NamedSharding(mesh, P("data"))
     out = []
     for s in range(worker.FSDP_STEPS):
-        parts = [worker.fsdp_batch(s, pid, 4) for pid in range(2)]
-        x = jax.device_put(np.concatenate([p[0] for p in parts]), batch_sh)
-        y = jax.device_put(np.concatenate([p[1] for p in parts]), batch_sh)
+        x, y = global_batch([worker.fsdp_batch(s, pid, 4) for pid in range(2)], batch_sh)
         params, opt_state = step(params, opt_state, x, y)
         assert params["w"].sharding.is_equivalent_to(NamedSharding(mesh, specs["w"]), 2)
         out.append(
